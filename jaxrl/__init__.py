@@ -1,0 +1,16 @@
+"""jaxrl: exact, layout-invariant RL and preference fine-tuning of language models in JAX.
+
+Shape vocabulary, used in names across the package (``logits_BTV``, ``tokens_RKT``):
+
+    B  batch (rows)                T  tokens per row
+    D  model width                 V  vocabulary
+    H  query heads                 K  kv heads (in model code) / micro-batch slots (in batches)
+    Dh head dim                    F  MLP hidden width
+    G  generations per prompt      M  micro-batches
+    R  data-parallel ranks         S  segments (documents) per row, slot 0 = padding
+
+Segment ids are 1-based documents within a row; 0 marks padding. Positions restart at 0
+for every document.
+"""
+
+__version__ = "0.1.0"
