@@ -1,0 +1,170 @@
+"""Config machinery: frozen dataclasses built from YAML dicts, dotted overrides, clear errors.
+
+Every config is a frozen, kw_only dataclass with its validation in ``__post_init__``. Errors are
+``ConfigError`` (a ``ValueError``) and name the field, the value and the fix. Unknown keys are
+errors that suggest the closest known name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+def config_error(field: str, value: Any, fix: str) -> ConfigError:
+    """``ConfigError`` with the standard ``field=value: fix`` message."""
+    return ConfigError(f"{field}={value!r} is invalid: {fix}")
+
+
+def require(cond: bool, field: str, value: Any, fix: str) -> None:
+    """Raise ``config_error(field, value, fix)`` unless ``cond``."""
+    if not cond:
+        raise config_error(field, value, fix)
+
+
+def require_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
+    """Raise unless ``value`` is one of ``choices``, listing them."""
+    if value not in choices:
+        raise config_error(field, value, f"use one of {', '.join(map(repr, choices))}")
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Coerce a YAML value to the annotated type, recursing into dataclasses."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is typing.Literal:
+        require_choice(where, value, typing.get_args(tp))
+        return value
+    if _is_dataclass_type(tp):
+        if isinstance(tp, type) and isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise config_error(where, value, f"expected a mapping of {tp.__name__} fields")
+        return from_dict(tp, value, where=where)
+    if origin in (tuple, list):
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise config_error(where, value, "expected a list")
+        args = typing.get_args(tp)
+        item = args[0] if args else Any
+        items = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise config_error(where, value, "expected a mapping")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise config_error(where, value, "expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise config_error(where, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise config_error(where, value, "expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise config_error(where, value, "expected a string")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping; unknown keys raise with a suggestion."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown config key {name!r}: {_suggest(str(key), list(fields))}")
+        kwargs[key] = _coerce(hints[key], value, name)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if where and not str(e).startswith(where):
+            raise ConfigError(f"{where}.{e}") from None
+        raise
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (tuples become lists), for YAML/JSON dumps."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        path, raw = item.split("=", 1)
+        keys = path.strip().split(".")
+        if not all(keys):
+            raise ConfigError(f"override {item!r} has an empty key in {path!r}")
+        node = data
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {k!r} is a value, not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from ``path`` with a clear error for missing or malformed files."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+    return data
