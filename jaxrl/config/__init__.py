@@ -1,5 +1,41 @@
 """Typed configs: run sections, algorithm configs, YAML loading and ``ConfigError``."""
 
-from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from pathlib import Path
 
-__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_yaml", "to_dict"]
+from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from jaxrl.config.run import (
+    CheckpointConfig,
+    LoggingConfig,
+    MeshConfig,
+    ModelSection,
+    OptimizerConfig,
+    RunConfig,
+    ScheduleConfig,
+    TaskConfig,
+)
+from jaxrl.config.sft import SFTConfig
+
+
+def load_run_config(path: str | Path | None = None, overrides=()) -> RunConfig:
+    """``RunConfig`` from a YAML file (or the defaults) with ``key.path=value`` overrides."""
+    data = load_yaml(path) if path is not None else {}
+    return from_dict(RunConfig, apply_overrides(data, list(overrides)))
+
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "LoggingConfig",
+    "MeshConfig",
+    "ModelSection",
+    "OptimizerConfig",
+    "RunConfig",
+    "SFTConfig",
+    "ScheduleConfig",
+    "TaskConfig",
+    "apply_overrides",
+    "from_dict",
+    "load_run_config",
+    "load_yaml",
+    "to_dict",
+]

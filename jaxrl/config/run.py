@@ -1,0 +1,176 @@
+"""Run-level config sections shared by every trainer, and the top-level ``RunConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jaxrl.config.base import ConfigError, config_error, require, require_choice
+from jaxrl.config.sft import SFTConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh. Only data parallelism is used today."""
+
+    data: int = 1  # data-parallel ranks (devices along the "data" axis)
+
+    def __post_init__(self):
+        require(self.data >= 1, "mesh.data", self.data, "use a positive number of ranks")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """How an optimizer step's documents become device micro-batches."""
+
+    max_tokens: int = 512  # token budget of one micro-batch row (T)
+    docs_per_step: int = 0  # global document target per step; 0 = off (static steps)
+    packing: Literal["ffd", "first_fit"] = "ffd"  # bin packing of documents into rows
+    balance: Literal["cost", "strided", "kk"] = "cost"  # distribution of rows over ranks
+    micro_batch_buckets: tuple[int, ...] = ()  # allowed per-rank micro-batch counts K; () = 2^n
+
+    def __post_init__(self):
+        require(self.max_tokens >= 1, "schedule.max_tokens", self.max_tokens,
+                "use a positive token budget per micro-batch")
+        require(self.docs_per_step >= 0, "schedule.docs_per_step", self.docs_per_step,
+                "use 0 to turn document-count accumulation off, or a positive target")
+        require(all(k >= 1 for k in self.micro_batch_buckets), "schedule.micro_batch_buckets",
+                self.micro_batch_buckets, "use positive bucket sizes")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with warmup and decay, global-norm clipping; moments are always fp32."""
+
+    learning_rate: float = 1e-3  # peak learning rate
+    warmup_steps: int = 0  # linear warmup from 0 to the peak
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # shape after warmup
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    weight_decay: float = 0.0  # decoupled weight decay
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay
+    eps: float = 1e-8  # Adam epsilon
+    max_grad_norm: float = 1.0  # global-norm clip; 0 = off
+
+    def __post_init__(self):
+        require(self.learning_rate > 0, "optimizer.learning_rate", self.learning_rate,
+                "use a positive learning rate")
+        require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "use >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio,
+                "use a value in [0, 1]")
+        require(0 <= self.b1 < 1, "optimizer.b1", self.b1, "use a value in [0, 1)")
+        require(0 <= self.b2 < 1, "optimizer.b2", self.b2, "use a value in [0, 1)")
+        require(self.max_grad_norm >= 0, "optimizer.max_grad_norm", self.max_grad_norm,
+                "use 0 to turn clipping off, or a positive norm")
+        require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "use >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """Which model to train: a local HF directory, or a fresh model of the given shape."""
+
+    path: str | None = None  # local HF checkpoint directory; None = initialise from `init`
+    init: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig.tiny overrides
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # parameter storage dtype
+    dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype; None = param_dtype
+    fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
+    logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
+
+    def __post_init__(self):
+        require(self.logprob_chunk >= 0, "model.logprob_chunk", self.logprob_chunk,
+                "use 0 (no chunking) or a positive chunk size")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """A built-in synthetic task (no download)."""
+
+    name: Literal["arithmetic"] = "arithmetic"  # the only built-in task family today
+    min_digits: int = 1  # smallest operand width
+    max_digits: int = 2  # largest operand width
+    ops: str = "+"  # operators to draw from
+    train_size: int = 4000  # distinct training problems
+    eval_size: int = 200  # distinct held-out problems
+
+    def __post_init__(self):
+        require(1 <= self.min_digits <= self.max_digits, "task.min_digits", self.min_digits,
+                f"use 1 <= min_digits <= max_digits ({self.max_digits})")
+        require(self.train_size >= 1, "task.train_size", self.train_size, "use >= 1")
+        require(self.eval_size >= 1, "task.eval_size", self.eval_size, "use >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Orbax checkpoints under ``<output_dir>/checkpoints``."""
+
+    every: int = 0  # save every N steps; 0 = only at the end
+    keep: int = 2  # keep the newest N checkpoints
+    resume: bool = True  # continue from the newest checkpoint in output_dir if there is one
+
+    def __post_init__(self):
+        require(self.every >= 0, "checkpoint.every", self.every, "use 0 (end only) or N > 0")
+        require(self.keep >= 1, "checkpoint.keep", self.keep, "keep at least one checkpoint")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Console and file logging."""
+
+    progress: bool = True  # show a rich progress bar
+    eval_every: int = 0  # evaluate every N steps; 0 = only at the end
+
+    def __post_init__(self):
+        require(self.eval_every >= 0, "logging.eval_every", self.eval_every, "use >= 0")
+
+
+def check_max_steps(value: int) -> None:
+    """``max_steps`` must be positive."""
+    if value < 1:
+        raise config_error("max_steps", value, "use a positive number of optimizer steps")
+
+
+def check_algorithm(value: str) -> None:
+    """``algorithm`` must be a known trainer."""
+    require_choice("algorithm", value, ("sft", "grpo", "dpo"))
+
+
+__all__ = [
+    "CheckpointConfig",
+    "RunConfig",
+    "ConfigError",
+    "LoggingConfig",
+    "MeshConfig",
+    "ModelSection",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "TaskConfig",
+    "check_algorithm",
+    "check_max_steps",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole run, as ``jaxrl train CONFIG.yaml`` reads it."""
+
+    algorithm: Literal["sft", "grpo", "dpo"] = "sft"  # which trainer runs
+    output_dir: str = "runs/default"  # metrics.jsonl, checkpoints and plots go here
+    seed: int = 0  # seeds data order, initialisation and sampling
+    max_steps: int = 100  # optimizer steps
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+
+    def __post_init__(self):
+        check_algorithm(self.algorithm)
+        check_max_steps(self.max_steps)
+        if self.sft.max_length > self.schedule.max_tokens:
+            raise ConfigError(
+                f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
+                f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
+                "schedule.max_tokens or lower sft.max_length")

@@ -1,0 +1,87 @@
+"""Built-in verifiable tasks: synthetic arithmetic with exact-answer and format rewards.
+
+A task yields ``Example(prompt, answer)`` pairs deterministically from a seed. Train and
+held-out splits never share a problem. Everything is character level, so the tasks run with
+``char_tokenizer(task.alphabet)`` and need no download.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One problem: the prompt shown to the model and the exact expected answer."""
+
+    prompt: str
+    answer: str
+
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_ANSWER_RE = re.compile(r"^-?\d+$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArithmeticTask:
+    """``a<op>b=`` → ``str(a op b)`` with operands of ``min_digits..max_digits`` digits."""
+
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: str = "+"
+    seed: int = 0
+    alphabet: str = "0123456789+-*= "
+
+    def __post_init__(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"need 1 <= min_digits ({self.min_digits}) <= max_digits "
+                             f"({self.max_digits})")
+        if not self.ops or any(o not in _OPS for o in self.ops):
+            raise ValueError(f"ops={self.ops!r}: use characters from {''.join(_OPS)}")
+
+    def _draw(self, rng: np.random.Generator) -> tuple[int, str, int]:
+        def operand() -> int:
+            digits = int(rng.integers(self.min_digits, self.max_digits + 1))
+            lo = 0 if digits == 1 else 10 ** (digits - 1)
+            return int(rng.integers(lo, 10**digits))
+
+        return operand(), self.ops[int(rng.integers(len(self.ops)))], operand()
+
+    def examples(self, n: int, *, split: str = "train") -> list[Example]:
+        """``n`` distinct problems of a split; ``eval`` problems never occur in ``train``.
+
+        Splits are decided by a CRC of the problem text (10% eval), so they are disjoint for any sizes.
+        """
+        if split not in ("train", "eval"):
+            raise ValueError(f"split={split!r}: use 'train' or 'eval'")
+        rng = np.random.default_rng([self.seed, 0 if split == "train" else 1])
+        want_eval = split == "eval"
+        seen: set[tuple[int, str, int]] = set()
+        out: list[Example] = []
+        space = len(self.ops) * (10**self.max_digits) ** 2
+        for _ in range(50 * n + 1000):
+            if len(out) == n:
+                break
+            a, op, b = self._draw(rng)
+            if (a, op, b) in seen or (zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0) != want_eval:
+                continue
+            seen.add((a, op, b))
+            out.append(Example(prompt=f"{a}{op}{b}=", answer=str(_OPS[op](a, b))))
+        if len(out) < n:
+            raise ValueError(f"cannot draw {n} distinct {split} problems from about {space}; "
+                             "raise max_digits or lower the split size")
+        return out
+
+    @staticmethod
+    def correctness_reward(example: Example, completion: str) -> float:
+        """1.0 when the completion is exactly the answer (surrounding spaces ignored), else 0."""
+        return float(completion.strip() == example.answer)
+
+    @staticmethod
+    def format_reward(example: Example, completion: str) -> float:
+        """1.0 when the completion is a bare integer, else 0 (shape, not value)."""
+        return float(bool(_ANSWER_RE.match(completion.strip())))
