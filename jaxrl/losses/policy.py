@@ -1,0 +1,258 @@
+"""GRPO-family policy loss on one packed micro-batch: GRPO, GSPO, DAPO, Dr.GRPO (TRL semantics).
+
+Inputs are per-token arrays ``[B, T]`` of one packed micro-batch, target-aligned (the value at t
+belongs to the prediction of token t+1). ``segment_ids`` are 1-based documents (one completion with
+its prompt each), 0 = padding; per-document arrays are ``[B, S]`` with slot 0 for padding, and
+``S = num_segments`` is static. ``m_t`` is the loss mask (completion tokens only).
+
+Per token (shared/specs/grpo.md §7)::
+
+    ρ_t = exp(lp_t − old_t)                                 (token level)
+    ρ_t = exp(S_d),  S_d = Σ_{t∈d} m_t (lp_t − old_t) / max(N_d, 1)   (sequence level, GSPO)
+    ρ̂ = clip(ρ, 1 − ε_low, 1 + ε_high);  ρ ← min(ρ, δ) if δ is set
+    ℓ_t = −min(ρ A_d, ρ̂ A_d) · [H_t ≥ τ_H]  +  β k3_t,   k3_t = e^(ref−lp) − (ref−lp) − 1
+
+The function returns this micro-batch's numerator and denominator contribution (§8); the engine
+sums both over micro-batches and ranks and divides once (``finalize``):
+
+    grpo                Σ_d Σ_{t∈d} m ℓ / max(N_d, 1)   /  N_seq
+    bnpo, dapo          Σ m ℓ                            /  Σ m
+    dr_grpo             Σ m ℓ                            /  N_seq · max_completion_length
+    seq_mean_token_sum  Σ m ℓ                            /  N_seq      (Fast-LLM GSPO, PR #544)
+
+N_seq counts every document present in the micro-batch, fully masked ones included. Every sum
+goes through per-document segment sums, so padding a row changes no bit of any result, and values
+at masked positions (even inf/NaN) never reach the loss or its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "seq_mean_token_sum")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+
+class PolicyLossTerms(NamedTuple):
+    """One micro-batch's share of the step objective; metrics are (sum, count) pairs."""
+
+    numerator: jax.Array
+    denominator: jax.Array
+    metrics: Metrics
+
+
+def finalize(num_total: jax.Array, den_total: jax.Array) -> jax.Array:
+    """The step value ``num / max(den, 1)``: the one division, after all sums (empty step → 0)."""
+    return num_total / jnp.maximum(den_total, 1.0)
+
+
+def segment_sum(x_BT: jax.Array, segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
+    """Per-row segment sums ``out[b, s] = Σ_{t: seg[b,t]=s} x[b,t]`` → ``[B, S]``.
+
+    A scatter-add per row: padding tokens land in slot 0 only, so padding never perturbs a
+    document's sum. Ids must lie in ``[0, num_segments)`` (XLA drops out-of-range ids silently).
+    """
+    return jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments))(x_BT, segment_ids_BT)
+
+
+def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """Broadcast per-document values back to tokens: ``out[b, t] = x[b, seg[b, t]]``."""
+    return jnp.take_along_axis(x_BS, segment_ids_BT, axis=1)
+
+
+def documents_present(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
+    """``[B, S]`` bool: slot s ≥ 1 holds a document in this row (slot 0 is always False)."""
+    real_BT = (segment_ids_BT > 0).astype(jnp.float32)
+    present_BS = segment_sum(real_BT, segment_ids_BT, num_segments) > 0
+    return present_BS.at[:, 0].set(False)
+
+
+def k3_kl(ref_logp: jax.Array, logp: jax.Array) -> jax.Array:
+    """Schulman's k3 estimator of KL(π‖π_ref): ``exp(ref − lp) − (ref − lp) − 1`` (≥ 0)."""
+    d = ref_logp - logp
+    return jnp.exp(d) - d - 1.0
+
+
+def entropy_threshold(
+    entropy: jax.Array, mask: jax.Array, top_entropy_quantile: float
+) -> jax.Array:
+    """τ_H: the (1 − q) quantile, linear interpolation, of the entropies where ``mask`` holds.
+
+    Works on any shape (flattened): over a whole step the trainer feeds every valid token of the
+    step (all micro-batches, all ranks) from a no-grad pre-pass. No valid token → +inf.
+    """
+    h_N = jnp.reshape(entropy, (-1,)).astype(jnp.float32)
+    valid_N = jnp.reshape(mask, (-1,)) > 0
+    n = jnp.sum(valid_N.astype(jnp.int32))
+    sorted_N = jnp.sort(jnp.where(valid_N, h_N, jnp.inf))
+    last = jnp.maximum(n - 1, 0)
+    pos = jnp.float32(1.0 - top_entropy_quantile) * last.astype(jnp.float32)
+    i0 = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
+    i1 = jnp.minimum(i0 + 1, last)
+    frac = pos - i0.astype(jnp.float32)
+    v0, v1 = sorted_N[i0], sorted_N[i1]
+    tau = v0 + frac * (v1 - v0)
+    return jax.lax.stop_gradient(jnp.where(n > 0, tau, jnp.inf))
+
+
+def entropy_mask(entropy_BT: jax.Array, mask_BT: jax.Array, threshold: jax.Array) -> jax.Array:
+    """Keep valid tokens whose entropy is ≥ the threshold (bool, same shape)."""
+    return (mask_BT > 0) & (entropy_BT >= threshold)
+
+
+def clipped_surrogate(
+    ratio: jax.Array,
+    adv: jax.Array,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+) -> jax.Array:
+    """PPO objective ``min(min(ρ, δ)·A, clip(ρ, 1−ε_low, 1+ε_high)·A)`` (to maximise).
+
+    Value as TRL. The gradient is ``A·∂ρ`` exactly where the selected term depends on ρ, built
+    from explicit masks with inclusive boundaries (fastllm.md §3.7): for A > 0 it flows iff
+    ρ ≤ 1+ε_high (and ρ ≤ δ), for A < 0 iff ρ ≥ 1−ε_low (and ρ ≤ δ). Autodiff of min/clip
+    would split ties 0.5/0.5 at the boundaries instead.
+    """
+    lo, hi = 1.0 - epsilon_low, 1.0 + epsilon_high
+    r = jax.lax.stop_gradient(ratio)
+    a = jax.lax.stop_gradient(adv)
+    capped = r if delta is None else jnp.minimum(r, delta)
+    unclipped_term, clipped_term = capped * a, jnp.clip(r, lo, hi) * a
+    unclipped_live = jnp.ones_like(r, dtype=bool) if delta is None else r <= delta
+    clipped_live = (r >= lo) & (r <= hi)
+    live = jnp.where(
+        unclipped_term < clipped_term,
+        unclipped_live,
+        jnp.where(clipped_term < unclipped_term, clipped_live, unclipped_live | clipped_live),
+    )
+    # Where live, ratio * a equals the selected term bit for bit (min(ρ,δ) = ρ or clip(ρ) = ρ).
+    return jnp.where(live, ratio * a, jnp.minimum(unclipped_term, clipped_term))
+
+
+def _clip_counts(
+    ratio: jax.Array,
+    adv: jax.Array,
+    weight: jax.Array,
+    lo: float,
+    hi: float,
+    delta: float | None,
+    segment_ids_BT: jax.Array | None,
+    num_segments: int,
+) -> Metrics:
+    """TRL clip fractions as (sum, count): low = ρ<1−ε_low ∧ A<0, high = ρ>1+ε_high ∧ A>0."""
+    r = jax.lax.stop_gradient(ratio if delta is None else jnp.minimum(ratio, delta))
+    low = ((r < lo) & (adv < 0)).astype(jnp.float32) * weight
+    high = ((r > hi) & (adv > 0)).astype(jnp.float32) * weight
+    region = jnp.maximum(low, high)
+    if segment_ids_BT is not None:  # token level: reduce through per-document sums
+        low, high, region, weight = (
+            segment_sum(x, segment_ids_BT, num_segments) for x in (low, high, region, weight)
+        )
+    count = jnp.sum(weight[:, 1:])
+    return {
+        "clip_ratio/low_mean": (jnp.sum(low[:, 1:]), count),
+        "clip_ratio/high_mean": (jnp.sum(high[:, 1:]), count),
+        "clip_ratio/region_mean": (jnp.sum(region[:, 1:]), count),
+    }
+
+
+def policy_loss_terms(
+    logp_BT: jax.Array,
+    old_logp_BT: jax.Array | None,
+    ref_logp_BT: jax.Array | None,
+    adv_BS: jax.Array,
+    loss_mask_BT: jax.Array,
+    segment_ids_BT: jax.Array,
+    entropy_BT: jax.Array | None = None,
+    *,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    max_completion_length: int = 512,
+    entropy_threshold: jax.Array | None = None,
+) -> PolicyLossTerms:
+    """Numerator, denominator and metric sums of one packed micro-batch (module docstring).
+
+    ``old_logp_BT=None`` means on-policy: old = stop_gradient(logp), ρ ≡ 1 with ∂ρ = ∂lp.
+    ``ref_logp_BT`` is required iff ``beta != 0``. ``entropy_threshold`` (from
+    ``entropy_threshold(...)`` over the whole step) enables the entropy mask; ``entropy_BT``
+    feeds it and the ``entropy`` metric. Metrics: ``clip_ratio/{low,high,region}_mean`` (over
+    loss tokens at token level, over documents at sequence level), ``entropy`` and, when
+    β ≠ 0, ``kl`` (over loss tokens).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {LOSS_TYPES}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level={importance_sampling_level!r} is invalid: "
+            f"use one of {IMPORTANCE_SAMPLING_LEVELS}"
+        )
+    if beta != 0.0 and ref_logp_BT is None:
+        raise ValueError(f"beta={beta} needs ref_logp_BT (reference log-probs)")
+    if entropy_threshold is not None and entropy_BT is None:
+        raise ValueError("entropy_threshold needs entropy_BT")
+    num_segments = adv_BS.shape[1]
+    seg_BT = segment_ids_BT.astype(jnp.int32)
+    m_BT = (loss_mask_BT > 0) & (seg_BT > 0)
+    mf_BT = m_BT.astype(jnp.float32)
+    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    segsum = lambda x_BT: segment_sum(x_BT, seg_BT, num_segments)
+
+    logp_BT = logp_BT.astype(jnp.float32)
+    old_BT = jax.lax.stop_gradient(logp_BT if old_logp_BT is None else old_logp_BT)
+    log_ratio_BT = jnp.where(m_BT, logp_BT - old_BT.astype(jnp.float32), 0.0)
+    adv_BS = jax.lax.stop_gradient(adv_BS.astype(jnp.float32))
+    adv_BT = jnp.where(m_BT, gather_segments(adv_BS, seg_BT), 0.0)
+    present_BS = documents_present(seg_BT, num_segments)
+    ntok_BS = segsum(mf_BT)
+    n_seq = jnp.sum(present_BS.astype(jnp.float32))
+
+    if importance_sampling_level == "token":
+        ratio_BT = jnp.exp(log_ratio_BT)
+        metrics = _clip_counts(ratio_BT, adv_BT, mf_BT, lo, hi, delta, seg_BT, num_segments)
+    else:
+        seq_log_ratio_BS = segsum(log_ratio_BT) / jnp.maximum(ntok_BS, 1.0)
+        ratio_BS = jnp.exp(seq_log_ratio_BS)
+        ratio_BT = jnp.where(m_BT, gather_segments(ratio_BS, seg_BT), 1.0)
+        metrics = _clip_counts(
+            ratio_BS, adv_BS, present_BS.astype(jnp.float32), lo, hi, delta, None, num_segments
+        )
+
+    objective_BT = clipped_surrogate(
+        ratio_BT, adv_BT, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta
+    )
+    loss_BT = -objective_BT
+    if entropy_threshold is not None:
+        keep_BT = entropy_mask(entropy_BT, m_BT, entropy_threshold)
+        loss_BT = loss_BT * keep_BT.astype(jnp.float32)
+    if beta != 0.0:
+        diff_BT = jnp.where(m_BT, jax.lax.stop_gradient(ref_logp_BT) - logp_BT, 0.0)
+        kl_BT = jnp.exp(diff_BT) - diff_BT - 1.0
+        loss_BT = loss_BT + beta * kl_BT
+        metrics["kl"] = (jnp.sum(segsum(kl_BT * mf_BT)[:, 1:]), jnp.sum(ntok_BS[:, 1:]))
+    if entropy_BT is not None:
+        h_BT = jnp.where(m_BT, jax.lax.stop_gradient(entropy_BT).astype(jnp.float32), 0.0)
+        metrics["entropy"] = (jnp.sum(segsum(h_BT)[:, 1:]), jnp.sum(ntok_BS[:, 1:]))
+
+    loss_sum_BS = segsum(jnp.where(m_BT, loss_BT, 0.0))[:, 1:]
+    ntok_BS = ntok_BS[:, 1:]
+    if loss_type == "grpo":
+        numerator, denominator = jnp.sum(loss_sum_BS / jnp.maximum(ntok_BS, 1.0)), n_seq
+    elif loss_type in ("bnpo", "dapo"):
+        numerator, denominator = jnp.sum(loss_sum_BS), jnp.sum(ntok_BS)
+    elif loss_type == "dr_grpo":
+        numerator, denominator = jnp.sum(loss_sum_BS), n_seq * float(max_completion_length)
+    else:  # seq_mean_token_sum
+        numerator, denominator = jnp.sum(loss_sum_BS), n_seq
+    return PolicyLossTerms(numerator, denominator, metrics)
