@@ -1,0 +1,125 @@
+"""Packed causal attention and rotary position embeddings, as pure functions.
+
+Shapes follow the package vocabulary (``jaxrl/__init__.py``); inside attention, ``T`` is the
+query length and ``L`` the key/value length (``L == T`` without a KV cache, longer with one).
+H query heads share K kv heads in groups of ``G = H // K`` (query head ``h = k * G + g``, as in
+Hugging Face's ``repeat_kv``).
+
+Visibility rule (one rule for training, packing and a later KV-cache decode path)::
+
+    visible[b, t, l] = (q_segment[b, t] == kv_segment[b, l]) and (kv_pos[b, l] <= q_pos[b, t])
+
+Segment ids are 1-based documents, 0 is padding: real tokens never see padding, padding sees
+only padding. A query that sees nothing (possible with a cache) gets a zero output and zero
+gradients, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+    """Positions that restart at 0 at every change of segment id along a row (int32 [B, T]).
+
+    Documents must be contiguous runs; padding runs count from 0 like any other run.
+    """
+    segment_ids_BT = jnp.asarray(segment_ids_BT)
+    t = segment_ids_BT.shape[-1]
+    idx_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids_BT.shape)
+    starts_BT = jnp.concatenate(
+        [
+            jnp.ones_like(segment_ids_BT[..., :1], dtype=bool),
+            segment_ids_BT[..., 1:] != segment_ids_BT[..., :-1],
+        ],
+        axis=-1,
+    )
+    run_start_BT = lax.cummax(jnp.where(starts_BT, idx_BT, 0), axis=segment_ids_BT.ndim - 1)
+    return idx_BT - run_start_BT
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+) -> np.ndarray:
+    """Inverse frequencies ``1 / theta**(2i / Dh)`` (float32 [Dh/2]), with optional llama3 scaling.
+
+    The arithmetic mirrors transformers' ``_compute_default_rope_parameters`` and
+    ``_compute_llama3_parameters`` step by step in float32, so the angles match bit for bit
+    up to the platform's ``pow``.
+    """
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(old_context_len) / wavelen - np.float32(low_freq_factor)) / np.float32(
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (np.float32(1) - smooth) * inv_freq_llama / np.float32(factor) + (
+        smooth * inv_freq_llama
+    )
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+def apply_rope(x_BTHDh: jax.Array, pos_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding in Hugging Face's rotate-half layout, angles in float32.
+
+    ``x * cos(p w) + rotate_half(x) * sin(p w)`` with ``rotate_half([x1, x2]) = [-x2, x1]`` and
+    the frequencies ``w`` repeated over both halves of the head dim.
+    """
+    angle_BTF = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angle_BTDh = jnp.concatenate([angle_BTF, angle_BTF], axis=-1)
+    cos_BT1Dh = jnp.cos(angle_BTDh)[:, :, None, :]
+    sin_BT1Dh = jnp.sin(angle_BTDh)[:, :, None, :]
+    x32 = x_BTHDh.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos_BT1Dh + rotated * sin_BT1Dh).astype(x_BTHDh.dtype)
+
+
+def attention(
+    q_BTHDh: jax.Array,
+    k_BLKDh: jax.Array,
+    v_BLKDh: jax.Array,
+    q_segment_BT: jax.Array,
+    kv_segment_BL: jax.Array,
+    q_pos_BT: jax.Array,
+    kv_pos_BL: jax.Array,
+) -> jax.Array:
+    """Grouped-query attention under the module's visibility rule; returns [B, T, H, Dh].
+
+    ``softmax(q k^T / sqrt(Dh))`` with scores, mask and softmax in float32; the matmuls take
+    the operands' dtype and the probabilities are cast back to it for the value product.
+    """
+    b, t, h, dh = q_BTHDh.shape
+    kv_heads = k_BLKDh.shape[2]
+    if h % kv_heads:
+        raise ValueError(f"attention: {h} query heads are not a multiple of {kv_heads} kv heads")
+    q_BTKGDh = q_BTHDh.reshape(b, t, kv_heads, h // kv_heads, dh)
+    scores_BKGTL = jnp.einsum(
+        "btkgd,blkd->bkgtl", q_BTKGDh, k_BLKDh, preferred_element_type=jnp.float32
+    ) * np.float32(dh**-0.5)
+    visible_BTL = (q_segment_BT[:, :, None] == kv_segment_BL[:, None, :]) & (
+        kv_pos_BL[:, None, :] <= q_pos_BT[:, :, None]
+    )
+    visible_B11TL = visible_BTL[:, None, None, :, :]
+    # A finite fill keeps fully masked rows NaN-free; `where` zeroes their probabilities.
+    scores_BKGTL = jnp.where(visible_B11TL, scores_BKGTL, np.float32(-1e30))
+    probs_BKGTL = jnp.where(visible_B11TL, jax.nn.softmax(scores_BKGTL, axis=-1), 0.0)
+    out_BTKGDh = jnp.einsum("bkgtl,blkd->btkgd", probs_BKGTL.astype(v_BLKDh.dtype), v_BLKDh)
+    return out_BTKGDh.reshape(b, t, h, dh)

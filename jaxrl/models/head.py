@@ -1,0 +1,102 @@
+"""LM head and memory-bounded token log-probabilities (spec fastllm.md section 5).
+
+With ``fp32=True`` the head is ``hidden.astype(f32) @ kernel.astype(f32)`` at
+``Precision.HIGHEST``: bf16 products are exact in fp32, so the gain is fp32 accumulation and
+fp32 logits, the numerics of a vLLM sampler with an fp32 head. Autodiff transposes the casts,
+so the input and weight gradients come back in the input and weight dtypes, computed in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def lm_head(hidden: jax.Array, kernel: jax.Array, *, fp32: bool) -> jax.Array:
+    """Logits ``hidden[..., D] @ kernel[D, V]``; fp32 at HIGHEST precision when ``fp32``.
+
+    Without ``fp32`` the matmul runs in the operands' dtype (bf16 logits for bf16 operands);
+    :func:`token_logprobs` and ``Transformer.__call__`` first cast the kernel to the hidden dtype.
+    """
+    if fp32:
+        return jnp.matmul(
+            hidden.astype(jnp.float32),
+            kernel.astype(jnp.float32),
+            precision=lax.Precision.HIGHEST,
+        )
+    return jnp.matmul(hidden, kernel)
+
+
+def _chunk_logprobs(
+    hidden_BCD: jax.Array,
+    kernel_DV: jax.Array,
+    targets_BC: jax.Array,
+    *,
+    fp32: bool,
+    temperature: float | jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    # The kernel arrives as an fp32 copy so that its gradient is summed over chunks in fp32.
+    # Without fp32 the head runs in the hidden dtype, as in Transformer.__call__.
+    if not fp32:
+        kernel_DV = kernel_DV.astype(hidden_BCD.dtype)
+    logits_BCV = lm_head(hidden_BCD, kernel_DV, fp32=fp32)
+    logits_BCV = logits_BCV.astype(jnp.float32) / temperature
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1, mode="clip")[
+        ..., 0
+    ]
+    probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+    entropy_BC = lse_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
+    return target_logit_BC - lse_BC, entropy_BC
+
+
+def token_logprobs(
+    hidden_BTD: jax.Array,
+    kernel_DV: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    fp32: bool,
+    temperature: float | jax.Array = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probability of each target and the entropy, both float32 [B, T].
+
+    With ``z = (hidden @ kernel) / temperature`` (the head as in :func:`lm_head`)::
+
+        logp[b, t]    = z[b, t, targets[b, t]] - logsumexp(z[b, t])
+        entropy[b, t] = logsumexp(z[b, t]) - sum_v softmax(z[b, t])_v z[b, t, v]
+
+    The T axis is processed ``chunk_size`` tokens at a time under ``jax.checkpoint``, so no
+    more than one chunk's [B, chunk, V] logits exist at once, forward or backward
+    (``None``: one chunk). T need not be a multiple of ``chunk_size``. Targets outside
+    ``[0, V)`` are clamped (give such tokens zero loss weight). Without ``fp32`` the head runs
+    in the hidden dtype. The kernel's gradient is accumulated over chunks in fp32 and returned
+    in the kernel's dtype.
+    """
+    b, t, d = hidden_BTD.shape
+    if kernel_DV.shape[0] != d or targets_BT.shape != (b, t):
+        raise ValueError(
+            f"token_logprobs: hidden {hidden_BTD.shape}, kernel {kernel_DV.shape} and targets "
+            f"{targets_BT.shape} must be [B, T, D], [D, V] and [B, T]"
+        )
+    chunk = t if chunk_size is None else int(chunk_size)
+    if chunk <= 0:
+        raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be a positive int")
+    chunk = min(chunk, t)
+    n_chunks = -(-t // chunk)
+    pad = n_chunks * chunk - t
+    hidden_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    hidden_NBCD = hidden_NBCD.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
+    targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk)
+    targets_NBC = targets_NBC.swapaxes(0, 1)
+    kernel32_DV = kernel_DV.astype(jnp.float32)
+
+    @jax.checkpoint
+    def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return _chunk_logprobs(xs[0], kernel32_DV, xs[1], fp32=fp32, temperature=temperature)
+
+    logp_NBC, entropy_NBC = lax.map(body, (hidden_NBCD, targets_NBC))
+    logp_BT = logp_NBC.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
+    entropy_BT = entropy_NBC.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
+    return logp_BT, entropy_BT

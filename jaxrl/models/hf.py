@@ -1,0 +1,290 @@
+"""Hugging Face checkpoints in and out: local safetensors directories, numpy only, no network.
+
+Tensor names map one to one onto the :class:`Transformer` state; HF ``nn.Linear`` weights are
+``[out, in]`` and become ``[in, ...out]`` kernels (``q_proj.weight [H*Dh, D]`` ->
+``q_kernel [D, H, Dh]``, ``o_proj.weight [D, H*Dh]`` -> ``o_kernel [H, Dh, D]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl.models.transformer import ModelConfig, RopeScaling, Transformer
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_ARCH_OF = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def config_from_hf(
+    hf: Mapping[str, Any],
+    *,
+    param_dtype: str = "float32",
+    dtype: str | None = None,
+    fp32_lm_head: bool = False,
+) -> ModelConfig:
+    """ModelConfig from a transformers ``config.json`` dict (v4 or v5 rope format)."""
+    archs = list(hf.get("architectures") or [])
+    model_type = hf.get("model_type")
+    known = [a for a in archs if a in ARCHITECTURES]
+    if known:
+        model_type = ARCHITECTURES[known[0]]
+    elif archs or model_type not in _ARCH_OF:
+        raise ValueError(
+            f"unsupported architecture {archs or model_type!r}: jaxrl supports "
+            f"{sorted(ARCHITECTURES)} (model_type {sorted(_ARCH_OF)})"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=True: jaxrl MLPs have no biases")
+    if model_type != "qwen2" and hf.get("attention_bias"):
+        raise ValueError(
+            f"unsupported attention_bias=True for {model_type}: it adds an o_proj bias "
+            "that jaxrl does not model"
+        )
+    if hf.get("use_sliding_window"):
+        raise ValueError("unsupported use_sliding_window=True: jaxrl attends to the full document")
+    rope = hf.get("rope_parameters") or {}
+    if rope and all(isinstance(v, Mapping) for v in rope.values()):
+        raise ValueError(f"unsupported per-layer rope_parameters {sorted(rope)}")
+    scaling = hf.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope_type={rope_type!r}: jaxrl supports default and llama3")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=RopeScaling.from_hf(scaling) if rope_type == "llama3" else None,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        param_dtype=param_dtype,
+        dtype=dtype,
+        fp32_lm_head=fp32_lm_head,
+    )
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """transformers ``config.json`` dict (legacy ``rope_theta``/``rope_scaling`` keys)."""
+    hf: dict[str, Any] = {
+        "architectures": [_ARCH_OF[config.model_type]],
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling.to_hf() if config.rope_scaling else None,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "torch_dtype": config.param_dtype,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if config.model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    else:
+        hf.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=config.num_hidden_layers,
+        )
+        if config.model_type == "qwen3":
+            hf["attention_bias"] = False
+    return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    path: tuple[str | int, ...]  # key path in the model state
+    shape: tuple[int, ...]  # HF shape
+    transpose: bool  # nn.Linear weight: [out, in] in HF, [in, ...out] in jaxrl
+
+
+def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
+    """HF tensor name -> where it lives in the jaxrl state."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    dh = config.head_dim
+    q, kv = config.num_attention_heads * dh, config.num_key_value_heads * dh
+    names = {"model.embed_tokens.weight": _Tensor(("embedding",), (v, d), False)}
+    names["model.norm.weight"] = _Tensor(("final_norm", "scale"), (d,), False)
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = _Tensor(("lm_head",), (v, d), True)
+    for i in range(config.num_hidden_layers):
+        hf, at = f"model.layers.{i}.", ("layers", i, "attn")
+        names[hf + "input_layernorm.weight"] = _Tensor(
+            ("layers", i, "input_norm", "scale"), (d,), False
+        )
+        names[hf + "post_attention_layernorm.weight"] = _Tensor(
+            ("layers", i, "post_attn_norm", "scale"), (d,), False
+        )
+        for proj, out in (("q", q), ("k", kv), ("v", kv)):
+            names[f"{hf}self_attn.{proj}_proj.weight"] = _Tensor(
+                at + (f"{proj}_kernel",), (out, d), True
+            )
+            if config.attention_bias:
+                names[f"{hf}self_attn.{proj}_proj.bias"] = _Tensor(
+                    at + (f"{proj}_bias",), (out,), False
+                )
+        names[hf + "self_attn.o_proj.weight"] = _Tensor(at + ("o_kernel",), (d, q), True)
+        if config.qk_norm:
+            for proj in ("q", "k"):
+                names[f"{hf}self_attn.{proj}_norm.weight"] = _Tensor(
+                    at + (f"{proj}_norm", "scale"), (dh,), False
+                )
+        for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+            names[f"{hf}mlp.{proj}_proj.weight"] = _Tensor(
+                ("layers", i, "mlp", f"{proj}_kernel"), shape, True
+            )
+    return names
+
+
+def _key(path: tuple[Any, ...]) -> tuple[str | int, ...]:
+    return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
+
+
+def _weight_files(root: Path) -> list[Path]:
+    single, index = root / "model.safetensors", root / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that do not exist: {missing}")
+        return files
+    present = sorted(p.name for p in root.iterdir())
+    raise FileNotFoundError(
+        f"{root}: no model.safetensors or model.safetensors.index.json (found {present}); "
+        "jaxrl reads safetensors only: convert *.bin checkpoints with transformers first"
+    )
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    *,
+    param_dtype: str = "float32",
+    dtype: str | None = None,
+    fp32_lm_head: bool = False,
+) -> Transformer:
+    """Load a local HF directory (config.json + safetensors, single or sharded)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root}: not a directory; expected a local Hugging Face model directory with "
+            "config.json and model.safetensors (jaxrl never downloads)"
+        )
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a HF model directory needs it")
+    config = config_from_hf(
+        json.loads(config_path.read_text()),
+        param_dtype=param_dtype,
+        dtype=dtype,
+        fp32_lm_head=fp32_lm_head,
+    )
+    tensors: dict[str, np.ndarray] = {}
+    for file in _weight_files(root):
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                tensors[name] = f.get_tensor(name)
+    expected = _tensor_map(config)
+    missing = sorted(set(expected) - set(tensors))
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(
+        n
+        for n in set(tensors) - set(expected)
+        if n not in ignorable and not n.endswith(_IGNORED_SUFFIXES)
+    )
+    if missing or unexpected:
+        raise ValueError(
+            f"{root}: tensors do not match {config.model_type} with "
+            f"{config.num_hidden_layers} layers: missing {missing}, unexpected {unexpected}"
+        )
+    by_path = {spec.path: (name, spec) for name, spec in expected.items()}
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+    def load(key_path: tuple[Any, ...], variable: nnx.Variable) -> nnx.Variable:
+        name, spec = by_path[_key(key_path)]
+        array = tensors[name]
+        if array.shape != spec.shape:
+            raise ValueError(
+                f"{root}: tensor {name} has shape {array.shape}, expected {spec.shape}"
+            )
+        array = (array.T if spec.transpose else array).reshape(variable.shape)
+        return variable.replace(jnp.asarray(array, dtype=param_dtype))
+
+    state = jax.tree_util.tree_map_with_path(
+        load, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.merge(graphdef, state)
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
+    """Write config.json and model.safetensors (atomically) that transformers can load."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    state = nnx.state(model)
+    values = {
+        _key(p): np.asarray(jax.device_get(v[...]))
+        for p, v in jax.tree_util.tree_leaves_with_path(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    }
+    tensors = {}
+    for name, spec in _tensor_map(config).items():
+        value = values[spec.path]
+        if spec.transpose:
+            value = value.reshape(math.prod(spec.shape[1:]), spec.shape[0]).T
+        tensors[name] = np.ascontiguousarray(value.reshape(spec.shape))
+    _atomic_write(
+        root / "model.safetensors",
+        lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
+    )
+    text = json.dumps(config_to_hf(config), indent=2, sort_keys=True) + "\n"
+    _atomic_write(root / "config.json", lambda tmp: tmp.write_text(text))

@@ -1,0 +1,363 @@
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 family, in Flax NNX.
+
+Pre-norm blocks: ``x += attn(rms(x)); x += mlp(rms(x))``, grouped-query attention with RoPE
+(``attention.py``), SwiGLU MLP ``down(silu(gate x) * up x)``, a final RMSNorm and an LM head
+(``head.py``). Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k before RoPE.
+
+Precision policy (DESIGN.md 2.4): parameters are stored in ``param_dtype`` and cast to the
+compute ``dtype`` where used; RMSNorm statistics, attention scores and softmax are float32;
+``fp32_lm_head`` computes logits as an fp32 x fp32 matmul at ``Precision.HIGHEST``.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logical* axis
+names (``embed``, ``vocab``, ``heads``, ...); ``sharding.py`` maps them to mesh axes. No
+Variable is shared between modules (the tied head reads the embedding), so the model also
+runs in NNX tree mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.attention import apply_rope, attention, positions_from_segments, rope_inv_freq
+from jaxrl.models.head import lm_head
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+_INIT_STD = 0.02  # Hugging Face's default initializer_range.
+
+
+def _fail(field: str, value: Any, fix: str) -> None:
+    raise ValueError(f"ModelConfig.{field}={value!r}: {fix}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (transformers' ``rope_type: "llama3"``)."""
+
+    rope_type: str = "llama3"  # only "llama3" is supported
+    factor: float  # divisor applied to low frequencies
+    low_freq_factor: float  # wavelengths above original_max / low_freq_factor are divided
+    high_freq_factor: float  # wavelengths below original_max / high_freq_factor are kept
+    original_max_position_embeddings: int  # pretraining context length
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            _fail("rope_scaling.rope_type", self.rope_type, 'only "llama3" is supported')
+        if self.factor <= 0:
+            _fail("rope_scaling.factor", self.factor, "must be > 0")
+        if self.high_freq_factor <= self.low_freq_factor:
+            _fail(
+                "rope_scaling.high_freq_factor",
+                self.high_freq_factor,
+                f"must exceed low_freq_factor={self.low_freq_factor}",
+            )
+        if self.original_max_position_embeddings <= 0:
+            _fail(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+                "must be > 0",
+            )
+
+    @classmethod
+    def from_hf(cls, scaling: Mapping[str, Any]) -> RopeScaling:
+        """From a transformers ``rope_scaling`` / ``rope_parameters`` dict."""
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type != "llama3":
+            _fail("rope_scaling", dict(scaling), 'only rope_type "llama3" (or None) is supported')
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in scaling]
+        if missing:
+            _fail("rope_scaling", dict(scaling), f"llama3 scaling needs {missing}")
+        return cls(**{k: scaling[k] for k in keys})
+
+    def to_hf(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture and precision of a :class:`Transformer` (names follow transformers)."""
+
+    model_type: str  # "llama", "qwen2" or "qwen3"
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F, SwiGLU hidden width
+    num_hidden_layers: int  # number of blocks
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # K, divides H (GQA)
+    head_dim: int | None = None  # Dh; None means hidden_size // num_attention_heads
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: RopeScaling | Mapping[str, Any] | None = None  # None or llama3 (dict accepted)
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # LM head kernel is the transposed embedding
+    attention_bias: bool = False  # q/k/v biases (Qwen2: always True; others: False)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3: always True)
+    max_position_embeddings: int = 4096  # longest position the model was trained for
+    param_dtype: str = "float32"  # storage dtype of parameters
+    dtype: str | None = None  # compute dtype; None means param_dtype
+    fp32_lm_head: bool = False  # logits from an fp32 x fp32 HIGHEST matmul (spec fastllm 5)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            _fail("model_type", self.model_type, f"choose one of {MODEL_TYPES}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(name, value, "must be a positive int")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                _fail("head_dim", None, "set it: hidden_size is not divisible by the head count")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            _fail("head_dim", self.head_dim, "must be a positive even int (RoPE rotates pairs)")
+        if self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "must be > 0")
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+        if self.rms_norm_eps <= 0:
+            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.attention_bias != (self.model_type == "qwen2"):
+            _fail(
+                "attention_bias",
+                self.attention_bias,
+                f"{self.model_type} has q/k/v biases iff it is qwen2; "
+                f"set attention_bias={self.model_type == 'qwen2'}",
+            )
+        if self.qk_norm != (self.model_type == "qwen3"):
+            _fail(
+                "qk_norm",
+                self.qk_norm,
+                f"{self.model_type} has q/k norms iff it is qwen3; "
+                f"set qk_norm={self.model_type == 'qwen3'}",
+            )
+        if self.param_dtype not in DTYPES:
+            _fail("param_dtype", self.param_dtype, f"choose one of {DTYPES}")
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", self.param_dtype)
+        if self.dtype not in DTYPES:
+            _fail("dtype", self.dtype, f"choose one of {DTYPES} or None (= param_dtype)")
+
+    @classmethod
+    def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
+        """A small model trained from scratch on CPU: D=128, 4 layers, H=4, K=2, F=384."""
+        model_type = overrides.get("model_type", "llama")
+        fields: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            attention_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _param(
+    key: jax.Array | None,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    dtype: str,
+    init: str = "normal",
+) -> nnx.Param:
+    """A Param with logical-axis metadata; ``init`` is "normal" (std 0.02), "zeros" or "ones"."""
+    if init == "normal":
+        value = _INIT_STD * jax.random.normal(key, shape, jnp.float32)
+    else:
+        value = (jnp.zeros if init == "zeros" else jnp.ones)(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale``, statistics and product in float32."""
+
+    def __init__(self, dim: int, *, eps: float, axis: str, param_dtype: str):
+        self.scale = _param(None, (dim,), (axis,), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Projections, optional q/k norm and RoPE around :func:`attention.attention`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, dh = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        pd = config.param_dtype
+        self.q_kernel = _param(rngs.params(), (d, h, dh), ("embed", "heads", "head_dim"), pd)
+        self.k_kernel = _param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_kernel = _param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_kernel = _param(rngs.params(), (h, dh, d), ("heads", "head_dim", "embed"), pd)
+        if config.attention_bias:
+            self.q_bias = _param(None, (h, dh), ("heads", "head_dim"), pd, init="zeros")
+            self.k_bias = _param(None, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.v_bias = _param(None, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        if config.qk_norm:
+            norm = dict(eps=config.rms_norm_eps, axis="head_dim", param_dtype=pd)
+            self.q_norm = RMSNorm(dh, **norm)
+            self.k_norm = RMSNorm(dh, **norm)
+        self.config = config
+
+    def __call__(
+        self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array
+    ) -> jax.Array:
+        cfg, dt = self.config, x_BTD.dtype
+        q_BTHDh = jnp.einsum("btd,dhe->bthe", x_BTD, self.q_kernel[...].astype(dt))
+        k_BTKDh = jnp.einsum("btd,dke->btke", x_BTD, self.k_kernel[...].astype(dt))
+        v_BTKDh = jnp.einsum("btd,dke->btke", x_BTD, self.v_kernel[...].astype(dt))
+        if cfg.attention_bias:
+            q_BTHDh = q_BTHDh + self.q_bias[...].astype(dt)
+            k_BTKDh = k_BTKDh + self.k_bias[...].astype(dt)
+            v_BTKDh = v_BTKDh + self.v_bias[...].astype(dt)
+        if cfg.qk_norm:
+            q_BTHDh, k_BTKDh = self.q_norm(q_BTHDh), self.k_norm(k_BTKDh)
+        scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling is not None else None
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
+        q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
+        k_BTKDh = apply_rope(k_BTKDh, positions_BT, inv_freq)
+        out_BTHDh = attention(
+            q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, segment_ids_BT, positions_BT, positions_BT
+        )
+        return jnp.einsum("bthe,hed->btd", out_BTHDh, self.o_kernel[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
+        self.gate_kernel = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
+        self.up_kernel = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
+        self.down_kernel = _param(rngs.params(), (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        gate_BTF = x_BTD @ self.gate_kernel[...].astype(dt)
+        up_BTF = x_BTD @ self.up_kernel[...].astype(dt)
+        return (jax.nn.silu(gate_BTF) * up_BTF) @ self.down_kernel[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        norm = dict(eps=config.rms_norm_eps, axis="embed", param_dtype=config.param_dtype)
+        self.input_norm = RMSNorm(config.hidden_size, **norm)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(
+        self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array
+    ) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
+        return x_BTD + self.mlp(self.post_attn_norm(x_BTD))
+
+
+class Transformer(nnx.Module):
+    """The language model: ``model(input_ids_BT, positions, segment_ids) -> logits_BTV``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        pd = config.param_dtype
+        self.embedding = _param(
+            rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
+        )
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        self.final_norm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, axis="embed", param_dtype=pd
+        )
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(
+                rngs.params(), (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd
+            )
+        self.config = config
+
+    def hidden_states(
+        self,
+        input_ids_BT: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-normed hidden states [B, T, D] in the compute dtype (the LM head's input).
+
+        ``segment_ids`` (1-based documents, 0 = padding) restrict attention to the same
+        document; ``positions`` default to ``arange(T)`` without segments and otherwise restart
+        at 0 for every document. Ids outside ``[0, V)`` are clamped, so padding may hold any id.
+        """
+        input_ids_BT, segment_ids_BT, positions_BT = (
+            jnp.asarray(input_ids_BT),
+            segment_ids,
+            positions,
+        )
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones(input_ids_BT.shape, jnp.int32)
+            if positions_BT is None:
+                positions_BT = jnp.broadcast_to(
+                    jnp.arange(input_ids_BT.shape[1], dtype=jnp.int32), input_ids_BT.shape
+                )
+        elif positions_BT is None:
+            positions_BT = positions_from_segments(segment_ids_BT)
+        segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
+        if segment_ids_BT.shape != input_ids_BT.shape or positions_BT.shape != input_ids_BT.shape:
+            raise ValueError(
+                f"input_ids {input_ids_BT.shape}, positions {positions_BT.shape} and segment_ids "
+                f"{segment_ids_BT.shape} must all be [B, T]"
+            )
+        x_BTD = jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
+            self.config.dtype
+        )
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, segment_ids_BT, positions_BT)
+        return self.final_norm(x_BTD)
+
+    def head_kernel(self) -> jax.Array:
+        """LM head kernel [D, V] in param dtype; the transposed embedding when tied."""
+        if self.config.tie_word_embeddings:
+            return self.embedding[...].T
+        return self.lm_head[...]
+
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits [B, T, V]: float32 with ``fp32_lm_head``, else the compute dtype."""
+        hidden_BTD = self.hidden_states(input_ids_BT, positions, segment_ids)
+        kernel_DV = self.head_kernel()
+        if not self.config.fp32_lm_head:
+            kernel_DV = kernel_DV.astype(hidden_BTD.dtype)
+        return lm_head(hidden_BTD, kernel_DV, fp32=self.config.fp32_lm_head)
