@@ -1,0 +1,91 @@
+"""``DPOConfig``: DPO variants and their step normalisation (shared/specs/dpo.md §1, §3).
+
+TRL names and defaults (β = 0.1, ``sigmoid``). open-instruct's code defaults differ (β = 5.0,
+``dpo_norm``): recipes ported from it must set ``beta`` and ``loss_type`` explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.config.base import require, require_choice
+
+LOSS_TYPES = (
+    "sigmoid",
+    "dpo",
+    "sigmoid_norm",
+    "dpo_norm",
+    "ipo",
+    "hinge",
+    "robust",
+    "simpo",
+    "wpo",
+)
+SMOOTHING_LOSS_TYPES = ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm", "simpo", "wpo", "robust")
+MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo")
+ALIASES = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}
+NORMALIZE = ("pair", "token")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    """DPO / IPO / SimPO / WPO algorithm settings (TRL names where TRL has the concept)."""
+
+    beta: float = 0.1  # β, > 0
+    loss_type: str = "sigmoid"  # sigmoid (dpo), sigmoid_norm (dpo_norm), ipo, hinge, robust, ...
+    label_smoothing: float = 0.0  # ε in [0, 0.5); only for sigmoid-family, simpo, wpo, robust
+    simpo_gamma: float = 0.3  # SimPO margin over β (open-instruct's gamma_beta_ratio)
+    normalize: str = "pair"  # pair: Σℓ/N_pairs; token: Σ T_p ℓ_p / Σ T_p
+    per_device_train_batch_size: int = 8  # pairs per rank per micro-step
+    gradient_accumulation_steps: int = 1  # micro-steps per step; pairs/step = b · g · P
+    world_size: int = 1  # P: data-parallel size (the loader sets it from mesh.data)
+    max_length: int = 1024  # per sequence (prompt + response), applied at tokenisation
+    precompute_ref_log_probs: bool = True  # reference cache; False keeps a frozen reference
+    reference_cache_dir: str | None = None  # None → <output_dir>/ref_cache
+
+    def __post_init__(self) -> None:
+        require_choice("loss_type", self.loss_type, LOSS_TYPES)
+        require(self.beta > 0, "beta", self.beta, "use a value > 0")
+        require(
+            0.0 <= self.label_smoothing < 0.5,
+            "label_smoothing",
+            self.label_smoothing,
+            "use a value in [0, 0.5)",
+        )
+        require(
+            self.label_smoothing == 0.0 or self.loss_type in SMOOTHING_LOSS_TYPES,
+            "label_smoothing",
+            self.label_smoothing,
+            f"loss_type={self.loss_type!r} has no label smoothing; set label_smoothing=0 or use "
+            f"one of {', '.join(map(repr, SMOOTHING_LOSS_TYPES))}",
+        )
+        require_choice("normalize", self.normalize, NORMALIZE)
+        for name in (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "world_size",
+            "max_length",
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            require(ok, name, value, "use an integer ≥ 1")
+
+    @property
+    def canonical_loss_type(self) -> str:
+        """``dpo`` → ``sigmoid``, ``dpo_norm`` → ``sigmoid_norm``; others unchanged."""
+        return ALIASES.get(self.loss_type, self.loss_type)
+
+    @property
+    def uses_mean_logps(self) -> bool:
+        """Sequence log-probs are per-token means (else sums) for this loss type (§4)."""
+        return self.loss_type in MEAN_LOSS_TYPES
+
+    @property
+    def needs_reference(self) -> bool:
+        """Every type but ``simpo`` needs reference log-probs (no cache is built for simpo)."""
+        return self.loss_type != "simpo"
+
+    @property
+    def pairs_per_step(self) -> int:
+        """b · g · P pairs per optimizer step (static schedules)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size

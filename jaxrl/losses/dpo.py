@@ -1,0 +1,292 @@
+"""DPO and its variants on packed pairs (shared/specs/dpo.md §3–5).
+
+Notation: π_c, π_r policy sequence log-probs of chosen and rejected, ref_c, ref_r the reference
+values, β = ``beta``, ε = ``label_smoothing``, σ the logistic sigmoid, and the DPO margin
+``z = (π_c − π_r) − (ref_c − ref_r)``.
+
+    sigmoid / dpo (cDPO if ε > 0)   −(1−ε) logσ(βz) − ε logσ(−βz)          sums (Rafailov 2023)
+    sigmoid_norm / dpo_norm         the same on per-token means               means
+    ipo                             (z − 1/(2β))²                             means (Azar 2023)
+    hinge                           relu(1 − βz)                              sums (SLiC)
+    robust                          [−(1−ε) logσ(βz) + ε logσ(−βz)] / (1−2ε)  sums (rDPO)
+    simpo                           sigmoid on z_s = (π̄_c − π̄_r) − γ̃, no ref means (Meng 2024)
+    wpo                             sg(min(1, exp(ā_c + ā_r))) · ℓ_sigmoid    sums (Zhou 2024)
+
+Packing: a pair is two adjacent documents of one row, chosen = segment 2p−1 and rejected =
+segment 2p (p = 1..P, P = (S−1)//2 slots per row). The step objective is a ratio of global sums
+(§3): ``pair`` → Σ_p ℓ_p / N_pairs; ``token`` → Σ_p T_p ℓ_p / Σ_p T_p, with T_p the chosen plus
+rejected non-padding tokens, prompt included. Metrics are plain means over pairs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.losses.policy import Metrics, documents_present, segment_sum
+
+LOSS_TYPES = (
+    "sigmoid",
+    "dpo",
+    "sigmoid_norm",
+    "dpo_norm",
+    "ipo",
+    "hinge",
+    "robust",
+    "simpo",
+    "wpo",
+)
+MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo")
+SMOOTHING_LOSS_TYPES = ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm", "simpo", "wpo", "robust")
+NORMALIZE = ("pair", "token")
+IGNORE_INDEX = -100
+
+
+class DPOLossTerms(NamedTuple):
+    """One micro-batch's share of the step objective; metrics are (sum, count) pairs."""
+
+    numerator: jax.Array
+    denominator: jax.Array
+    metrics: Metrics
+
+
+def uses_mean_logps(loss_type: str) -> bool:
+    """True when the loss takes per-token mean sequence log-probs, False for sums."""
+    check_loss_type(loss_type)
+    return loss_type in MEAN_LOSS_TYPES
+
+
+def check_loss_type(loss_type: str, label_smoothing: float = 0.0) -> None:
+    """ValueError for an unknown type, ε outside [0, 0.5), or ε ≠ 0 where it has no meaning."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {LOSS_TYPES}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing={label_smoothing!r} is invalid: use a value in [0, 0.5)")
+    if label_smoothing != 0.0 and loss_type not in SMOOTHING_LOSS_TYPES:
+        raise ValueError(
+            f"label_smoothing={label_smoothing!r} is invalid with loss_type={loss_type!r}: set it "
+            f"to 0 or use one of {SMOOTHING_LOSS_TYPES}"
+        )
+
+
+def _smoothed_sigmoid(x: jax.Array, eps: float) -> jax.Array:
+    return -(1.0 - eps) * jax.nn.log_sigmoid(x) - eps * jax.nn.log_sigmoid(-x)
+
+
+def wpo_weights(mean_chosen: jax.Array, mean_rejected: jax.Array) -> jax.Array:
+    """WPO pair weights ``sg(min(1, exp(ā_c + ā_r)))`` from per-token mean policy log-probs."""
+    w = jnp.minimum(1.0, jnp.exp(mean_chosen.astype(jnp.float32) + mean_rejected))
+    return jax.lax.stop_gradient(w)
+
+
+def dpo_loss(
+    policy_chosen: jax.Array,
+    policy_rejected: jax.Array,
+    ref_chosen: jax.Array | None,
+    ref_rejected: jax.Array | None,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.3,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+    """Per-pair fp32 losses (module docstring). Inputs are sequence values, summed or averaged
+    as ``uses_mean_logps(loss_type)`` says. ``simpo`` ignores the references (may be None);
+    ``wpo`` needs ``weights`` (see ``wpo_weights``; treated as constants)."""
+    check_loss_type(loss_type, label_smoothing)
+    eps = float(label_smoothing)
+    pc = jnp.asarray(policy_chosen, jnp.float32)
+    pr = jnp.asarray(policy_rejected, jnp.float32)
+    if loss_type == "simpo":
+        return _smoothed_sigmoid(beta * ((pc - pr) - simpo_gamma), eps)
+    if ref_chosen is None or ref_rejected is None:
+        raise ValueError(f"loss_type={loss_type!r} needs ref_chosen and ref_rejected")
+    z = (pc - pr) - (jnp.asarray(ref_chosen, jnp.float32) - jnp.asarray(ref_rejected, jnp.float32))
+    if loss_type in ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm"):
+        return _smoothed_sigmoid(beta * z, eps)
+    if loss_type == "ipo":
+        return (z - 1.0 / (2.0 * beta)) ** 2
+    if loss_type == "hinge":
+        return jax.nn.relu(1.0 - beta * z)
+    if loss_type == "robust":
+        logsig, logsig_neg = jax.nn.log_sigmoid(beta * z), jax.nn.log_sigmoid(-beta * z)
+        return (-(1.0 - eps) * logsig + eps * logsig_neg) / (1.0 - 2.0 * eps)
+    # wpo
+    if weights is None:
+        raise ValueError("loss_type='wpo' needs weights (wpo_weights of per-token mean log-probs)")
+    w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))
+    return w * _smoothed_sigmoid(beta * z, eps)
+
+
+def dpo_rewards(
+    policy_chosen: jax.Array,
+    policy_rejected: jax.Array,
+    ref_chosen: jax.Array | None,
+    ref_rejected: jax.Array | None,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+) -> tuple[jax.Array, jax.Array]:
+    """Implicit rewards (no gradient): ``β(π − ref)`` per branch; ``β π̄`` for ``simpo``."""
+    check_loss_type(loss_type)
+    pc = jnp.asarray(policy_chosen, jnp.float32)
+    pr = jnp.asarray(policy_rejected, jnp.float32)
+    if loss_type != "simpo":
+        pc = pc - jnp.asarray(ref_chosen, jnp.float32)
+        pr = pr - jnp.asarray(ref_rejected, jnp.float32)
+    return jax.lax.stop_gradient(beta * pc), jax.lax.stop_gradient(beta * pr)
+
+
+def dpo_metrics(
+    policy_chosen: jax.Array,
+    policy_rejected: jax.Array,
+    ref_chosen: jax.Array | None,
+    ref_rejected: jax.Array | None,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    valid: jax.Array | None = None,
+) -> Metrics:
+    """§5 metrics as (sum, count) over the valid pairs; the step reports Σ sum / Σ count.
+
+    ``rewards/accuracy`` is strict (ties are wrong); ``rewards/margin`` is the mean of r_c − r_r.
+    """
+    r_c, r_r = dpo_rewards(
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type
+    )
+    w = jnp.ones_like(r_c) if valid is None else valid.astype(jnp.float32)
+    on = w > 0
+    total = lambda x: jnp.sum(jnp.where(on, x, 0.0))
+    count = jnp.sum(w)
+    logp_c = jax.lax.stop_gradient(jnp.asarray(policy_chosen, jnp.float32))
+    logp_r = jax.lax.stop_gradient(jnp.asarray(policy_rejected, jnp.float32))
+    return {
+        "rewards/chosen": (total(r_c), count),
+        "rewards/rejected": (total(r_r), count),
+        "rewards/accuracy": (total((r_c > r_r).astype(jnp.float32)), count),
+        "rewards/margin": (total(r_c - r_r), count),
+        "logps/chosen": (total(logp_c), count),
+        "logps/rejected": (total(logp_r), count),
+    }
+
+
+def target_mask(
+    labels_BT: jax.Array, segment_ids_BT: jax.Array, ignore_index: int = IGNORE_INDEX
+) -> jax.Array:
+    """Target-aligned loss mask: position t counts iff token t+1 is a label of the same document.
+
+    ``labels`` hold ``ignore_index`` on prompt and padding tokens. The last position of a row or
+    document never counts (it has no next token in its document).
+    """
+    nxt_label_BT = jnp.roll(labels_BT, -1, axis=1)
+    nxt_seg_BT = jnp.roll(segment_ids_BT, -1, axis=1)
+    not_last_BT = jnp.arange(labels_BT.shape[1])[None, :] < labels_BT.shape[1] - 1
+    not_last_BT = jnp.broadcast_to(not_last_BT, labels_BT.shape)
+    same_doc_BT = (nxt_seg_BT == segment_ids_BT) & (segment_ids_BT > 0)
+    return (nxt_label_BT != ignore_index) & same_doc_BT & not_last_BT
+
+
+def sequence_logps(
+    token_logp: jax.Array,
+    mask: jax.Array,
+    segment_ids: jax.Array,
+    num_segments: int,
+    mean: bool,
+) -> jax.Array:
+    """Per-document sums (or means, count clamped ≥ 1) of masked target-aligned log-probs
+    ``[B, T]`` → ``[B, S]``; slot 0 (padding) and fully masked documents give 0."""
+    m_BT = (mask > 0) & (segment_ids > 0)
+    lp_BT = jnp.where(m_BT, token_logp.astype(jnp.float32), 0.0)
+    sum_BS = segment_sum(lp_BT, segment_ids, num_segments)
+    if not mean:
+        return sum_BS
+    count_BS = segment_sum(m_BT.astype(jnp.float32), segment_ids, num_segments)
+    return sum_BS / jnp.maximum(count_BS, 1.0)
+
+
+def pair_documents(x_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-document ``[B, S]`` → (chosen ``[B, P]``, rejected ``[B, P]``): slots 2p−1 and 2p."""
+    num_pairs = (x_BS.shape[1] - 1) // 2
+    return x_BS[:, 1 : 1 + 2 * num_pairs : 2], x_BS[:, 2 : 2 + 2 * num_pairs : 2]
+
+
+def pair_mask(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
+    """``[B, P]`` bool: pair slot p holds both its chosen and its rejected document."""
+    chosen_BP, rejected_BP = pair_documents(documents_present(segment_ids_BT, num_segments))
+    return chosen_BP & rejected_BP
+
+
+def pair_tokens(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
+    """``[B, P]`` T_p: non-padding tokens of the chosen plus rejected documents (prompt incl.)."""
+    real_BT = (segment_ids_BT > 0).astype(jnp.float32)
+    chosen_BP, rejected_BP = pair_documents(segment_sum(real_BT, segment_ids_BT, num_segments))
+    return chosen_BP + rejected_BP
+
+
+def pair_normalizer_terms(
+    losses_BP: jax.Array, valid_BP: jax.Array, tokens_BP: jax.Array, normalize: str
+) -> tuple[jax.Array, jax.Array]:
+    """(numerator, denominator): ``pair`` → (Σ ℓ_p, N_pairs); ``token`` → (Σ T_p ℓ_p, Σ T_p)."""
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize={normalize!r} is invalid: use one of {NORMALIZE}")
+    on = valid_BP > 0
+    weight_BP = jnp.where(on, 1.0 if normalize == "pair" else tokens_BP.astype(jnp.float32), 0.0)
+    return jnp.sum(jnp.where(on, losses_BP, 0.0) * weight_BP), jnp.sum(weight_BP)
+
+
+def dpo_loss_terms(
+    token_logp_BT: jax.Array,
+    loss_mask_BT: jax.Array,
+    segment_ids_BT: jax.Array,
+    ref_chosen_BP: jax.Array | None,
+    ref_rejected_BP: jax.Array | None,
+    *,
+    num_segments: int,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.3,
+    normalize: str = "pair",
+) -> DPOLossTerms:
+    """Numerator, denominator and §5 metric sums of one packed micro-batch of pairs.
+
+    ``token_logp_BT`` are target-aligned policy log-probs, ``loss_mask_BT`` the target mask
+    (``target_mask``), ``ref_*_BP`` the reference sequence values (cache lookups) in the loss's
+    aggregation, per pair slot; None for ``simpo``. Empty pair slots contribute nothing.
+    """
+    check_loss_type(loss_type, label_smoothing)
+    seg_BT = segment_ids_BT.astype(jnp.int32)
+    valid_BP = pair_mask(seg_BT, num_segments)
+    means_BS = sequence_logps(token_logp_BT, loss_mask_BT, seg_BT, num_segments, mean=True)
+    if uses_mean_logps(loss_type):
+        values_BS = means_BS
+    else:
+        values_BS = sequence_logps(token_logp_BT, loss_mask_BT, seg_BT, num_segments, mean=False)
+    pc_BP, pr_BP = pair_documents(values_BS)
+    rc_BP = rr_BP = None
+    if loss_type != "simpo":
+        if ref_chosen_BP is None or ref_rejected_BP is None:
+            raise ValueError(f"loss_type={loss_type!r} needs ref_chosen_BP and ref_rejected_BP")
+        rc_BP = jnp.where(valid_BP, ref_chosen_BP.astype(jnp.float32), 0.0)
+        rr_BP = jnp.where(valid_BP, ref_rejected_BP.astype(jnp.float32), 0.0)
+    weights_BP = wpo_weights(*pair_documents(means_BS)) if loss_type == "wpo" else None
+    losses_BP = dpo_loss(
+        pc_BP,
+        pr_BP,
+        rc_BP,
+        rr_BP,
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=label_smoothing,
+        simpo_gamma=simpo_gamma,
+        weights=weights_BP,
+    )
+    tokens_BP = pair_tokens(seg_BT, num_segments)
+    numerator, denominator = pair_normalizer_terms(losses_BP, valid_BP, tokens_BP, normalize)
+    metrics = dpo_metrics(
+        pc_BP, pr_BP, rc_BP, rr_BP, beta=beta, loss_type=loss_type, valid=valid_BP
+    )
+    return DPOLossTerms(numerator, denominator, metrics)
