@@ -74,6 +74,8 @@ class StepSchedule:
     m-th micro-batch; every rank has ``stats.num_micro_batches`` of them."""
 
     micro_batches: list[list[list[int]]]
+    bins: list[list[int]]  # the aligned bin list (global indices); micro_batches[r][m] is one
+    rank_bins: list[list[int]]  # bin ids per rank: micro_batches[r][m] == bins[rank_bins[r][m]]
     sample_indices: list[int]  # kept samples, in step order (rollout by rollout)
     rollout_ids: list[Hashable]  # kept rollouts, in order
     dropped_rollout_ids: list[Hashable]  # trailing rollouts removed by the drop loop
@@ -161,16 +163,21 @@ def _check_positive_int(name: str, value: Any, *, optional: bool = False) -> Non
 
 
 def _validate_lengths(lengths: Any) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or arr.size == 0:
-        raise ScheduleError(
-            f"lengths must be a non-empty 1-D sequence of token counts, got shape {arr.shape}"
-        )
-    if arr.dtype.kind not in "iu":
-        for i, x in enumerate(arr.tolist()):
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise ScheduleError(f"lengths[{i}] = {x!r} is not an integer token count")
-    arr = arr.astype(np.int64)
+    if isinstance(lengths, np.ndarray):
+        if lengths.ndim != 1:
+            raise ScheduleError(f"lengths must be 1-D, got shape {lengths.shape}")
+        if lengths.size and lengths.dtype.kind not in "iu":
+            raise ScheduleError(f"lengths[0] = {lengths[0].item()!r} is not an integer token count")
+        arr = lengths.astype(np.int64)
+    else:
+        values = list(lengths)
+        for i, x in enumerate(values):
+            if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer):
+                shown = x.item() if isinstance(x, np.generic) else x
+                raise ScheduleError(f"lengths[{i}] = {shown!r} is not an integer token count")
+        arr = np.asarray(values, dtype=np.int64)
+    if arr.size == 0:
+        raise ScheduleError("lengths is empty: a schedule needs at least one sample")
     bad = np.flatnonzero(arr <= 0)
     if bad.size:
         i = int(bad[0])
@@ -392,9 +399,8 @@ def _emit_step(
     micro_batch_size: int | None,
 ) -> StepSchedule:
     """Turn a plan (local bins and their ranks) into global micro-batches and stats."""
-    micro_batches = [
-        [[samples[i] for i in plan.bins[j]] for j in rank_bins] for rank_bins in plan.rank_bins
-    ]
+    bins = [[samples[i] for i in b] for b in plan.bins]
+    micro_batches = [[bins[j] for j in rank_bins] for rank_bins in plan.rank_bins]
     tokens_per_rank = [int(plan.bin_tokens[rb].sum()) for rb in plan.rank_bins]
     cost_per_rank = [float(plan.bin_costs[rb].sum()) for rb in plan.rank_bins]
     num_bins = len(plan.bins)
@@ -418,6 +424,8 @@ def _emit_step(
     )
     return StepSchedule(
         micro_batches=micro_batches,
+        bins=bins,
+        rank_bins=[list(rb) for rb in plan.rank_bins],
         sample_indices=samples[: plan.num_samples],
         rollout_ids=list(kept_ids),
         dropped_rollout_ids=list(dropped_ids),
