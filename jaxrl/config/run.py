@@ -30,12 +30,24 @@ class ScheduleConfig:
     micro_batch_buckets: tuple[int, ...] = ()  # allowed per-rank micro-batch counts K; () = 2^n
 
     def __post_init__(self):
-        require(self.max_tokens >= 1, "schedule.max_tokens", self.max_tokens,
-                "use a positive token budget per micro-batch")
-        require(self.docs_per_step >= 0, "schedule.docs_per_step", self.docs_per_step,
-                "use 0 to turn document-count accumulation off, or a positive target")
-        require(all(k >= 1 for k in self.micro_batch_buckets), "schedule.micro_batch_buckets",
-                self.micro_batch_buckets, "use positive bucket sizes")
+        require(
+            self.max_tokens >= 1,
+            "schedule.max_tokens",
+            self.max_tokens,
+            "use a positive token budget per micro-batch",
+        )
+        require(
+            self.docs_per_step >= 0,
+            "schedule.docs_per_step",
+            self.docs_per_step,
+            "use 0 to turn document-count accumulation off, or a positive target",
+        )
+        require(
+            all(k >= 1 for k in self.micro_batch_buckets),
+            "schedule.micro_batch_buckets",
+            self.micro_batch_buckets,
+            "use positive bucket sizes",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,15 +65,27 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0  # global-norm clip; 0 = off
 
     def __post_init__(self):
-        require(self.learning_rate > 0, "optimizer.learning_rate", self.learning_rate,
-                "use a positive learning rate")
+        require(
+            self.learning_rate > 0,
+            "optimizer.learning_rate",
+            self.learning_rate,
+            "use a positive learning rate",
+        )
         require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "use >= 0")
-        require(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio,
-                "use a value in [0, 1]")
+        require(
+            0 <= self.min_lr_ratio <= 1,
+            "optimizer.min_lr_ratio",
+            self.min_lr_ratio,
+            "use a value in [0, 1]",
+        )
         require(0 <= self.b1 < 1, "optimizer.b1", self.b1, "use a value in [0, 1)")
         require(0 <= self.b2 < 1, "optimizer.b2", self.b2, "use a value in [0, 1)")
-        require(self.max_grad_norm >= 0, "optimizer.max_grad_norm", self.max_grad_norm,
-                "use 0 to turn clipping off, or a positive norm")
+        require(
+            self.max_grad_norm >= 0,
+            "optimizer.max_grad_norm",
+            self.max_grad_norm,
+            "use 0 to turn clipping off, or a positive norm",
+        )
         require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "use >= 0")
 
 
@@ -77,8 +101,12 @@ class ModelSection:
     logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
 
     def __post_init__(self):
-        require(self.logprob_chunk >= 0, "model.logprob_chunk", self.logprob_chunk,
-                "use 0 (no chunking) or a positive chunk size")
+        require(
+            self.logprob_chunk >= 0,
+            "model.logprob_chunk",
+            self.logprob_chunk,
+            "use 0 (no chunking) or a positive chunk size",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,8 +121,12 @@ class TaskConfig:
     eval_size: int = 200  # distinct held-out problems
 
     def __post_init__(self):
-        require(1 <= self.min_digits <= self.max_digits, "task.min_digits", self.min_digits,
-                f"use 1 <= min_digits <= max_digits ({self.max_digits})")
+        require(
+            1 <= self.min_digits <= self.max_digits,
+            "task.min_digits",
+            self.min_digits,
+            f"use 1 <= min_digits <= max_digits ({self.max_digits})",
+        )
         require(self.train_size >= 1, "task.train_size", self.train_size, "use >= 1")
         require(self.eval_size >= 1, "task.eval_size", self.eval_size, "use >= 1")
 
@@ -173,4 +205,5 @@ class RunConfig:
             raise ConfigError(
                 f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
                 f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
-                "schedule.max_tokens or lower sft.max_length")
+                "schedule.max_tokens or lower sft.max_length"
+            )

@@ -24,7 +24,11 @@ class SFTConfig:
     max_length: int = 64  # longest allowed document (prompt + answer + EOS), in tokens
 
     def __post_init__(self):
-        require(self.batch_size >= 1, "sft.batch_size", self.batch_size,
-                "use a positive number of documents per step")
+        require(
+            self.batch_size >= 1,
+            "sft.batch_size",
+            self.batch_size,
+            "use a positive number of documents per step",
+        )
         require_choice("sft.loss_normalization", self.loss_normalization, NORMALIZATIONS)
         require(self.max_length >= 2, "sft.max_length", self.max_length, "use >= 2 tokens")

@@ -38,8 +38,9 @@ class ArithmeticTask:
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits:
-            raise ValueError(f"need 1 <= min_digits ({self.min_digits}) <= max_digits "
-                             f"({self.max_digits})")
+            raise ValueError(
+                f"need 1 <= min_digits ({self.min_digits}) <= max_digits ({self.max_digits})"
+            )
         if not self.ops or any(o not in _OPS for o in self.ops):
             raise ValueError(f"ops={self.ops!r}: use characters from {''.join(_OPS)}")
 
@@ -72,8 +73,10 @@ class ArithmeticTask:
             seen.add((a, op, b))
             out.append(Example(prompt=f"{a}{op}{b}=", answer=str(_OPS[op](a, b))))
         if len(out) < n:
-            raise ValueError(f"cannot draw {n} distinct {split} problems from about {space}; "
-                             "raise max_digits or lower the split size")
+            raise ValueError(
+                f"cannot draw {n} distinct {split} problems from about {space}; "
+                "raise max_digits or lower the split size"
+            )
         return out
 
     @staticmethod

@@ -17,8 +17,14 @@ PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 class TextTokenizer:
     """Encode/decode text with explicit ``eos_id``/``pad_id``/``bos_id`` (``None`` if absent)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, eos_token: str, pad_token: str | None = None,
-                 bos_token: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        eos_token: str,
+        pad_token: str | None = None,
+        bos_token: str | None = None,
+    ):
         self._tok = tokenizer
         self.eos_id = self._require(eos_token, "eos_token")
         self.pad_id = self._require(pad_token, "pad_token") if pad_token else self.eos_id
@@ -49,8 +55,10 @@ class TextTokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(d / "tokenizer.json"))
-        special = {"eos_token": self._tok.id_to_token(self.eos_id),
-                   "pad_token": self._tok.id_to_token(self.pad_id)}
+        special = {
+            "eos_token": self._tok.id_to_token(self.eos_id),
+            "pad_token": self._tok.id_to_token(self.pad_id),
+        }
         if self.bos_id is not None:
             special["bos_token"] = self._tok.id_to_token(self.bos_id)
         (d / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
@@ -61,8 +69,10 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     d = Path(directory)
     path = d / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {str(d)!r}: jaxrl loads HF fast tokenizers "
-                                "from a local directory (nothing is downloaded)")
+        raise FileNotFoundError(
+            f"no tokenizer.json in {str(d)!r}: jaxrl loads HF fast tokenizers "
+            "from a local directory (nothing is downloaded)"
+        )
     tok = Tokenizer.from_file(str(path))
     cfg_path = d / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -73,10 +83,12 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
 
     eos = name("eos_token")
     if eos is None:
-        raise ValueError(f"{str(cfg_path)!r} does not name an eos_token; jaxrl needs one to stop "
-                         "generation")
-    return TextTokenizer(tok, eos_token=eos, pad_token=name("pad_token"),
-                         bos_token=name("bos_token"))
+        raise ValueError(
+            f"{str(cfg_path)!r} does not name an eos_token; jaxrl needs one to stop generation"
+        )
+    return TextTokenizer(
+        tok, eos_token=eos, pad_token=name("pad_token"), bos_token=name("bos_token")
+    )
 
 
 def char_tokenizer(alphabet: str) -> TextTokenizer:
