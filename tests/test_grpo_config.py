@@ -1,0 +1,254 @@
+"""GRPOConfig resolution and validation (grpo.md §1–2, §5; examples 1–8 and 12)."""
+
+import dataclasses
+import warnings
+
+import pytest
+
+from jaxrl.config.base import ConfigError, from_dict
+from jaxrl.config.grpo import LOSS_TYPES, GRPOConfig
+from jaxrl.losses import policy
+
+
+def cfg(**kw):
+    return GRPOConfig(**kw)
+
+
+# ----------------------------------------------------------------- worked examples
+
+
+def test_example_1_buffer_spans_two_optimizer_steps():
+    c = cfg(
+        per_device_train_batch_size=8,
+        world_size=1,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+    )
+    assert c.generation_batch_size == 32 and c.steps_per_generation == 4
+    micro_steps = c.steps_per_generation * c.num_iterations
+    assert micro_steps // c.gradient_accumulation_steps == 2
+    assert c.needs_old_logprobs  # 2 % 4 != 0
+    c2 = c.replace(num_iterations=2)
+    assert c2.steps_per_generation * c2.num_iterations == 8
+    assert c2.steps_per_generation * c2.num_iterations // c2.gradient_accumulation_steps == 4
+    assert c2.needs_old_logprobs
+
+
+def test_example_2_defaults_from_accumulation():
+    c = cfg(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=4)
+    assert (c.steps_per_generation, c.generation_batch_size) == (4, 64)
+    assert not c.needs_old_logprobs
+
+
+def test_example_3_generation_batch_given():
+    c = cfg(
+        generation_batch_size=48, per_device_train_batch_size=8, world_size=2, num_generations=8
+    )
+    assert c.steps_per_generation == 3 and c.generation_batch_size == 48
+    assert c.prompts_per_generation == 6
+    with pytest.raises(ConfigError, match=r"generation_batch_size=48.*num_generations=5"):
+        cfg(
+            generation_batch_size=48, per_device_train_batch_size=8, world_size=2, num_generations=5
+        )
+
+
+def test_example_4_not_divisible_by_global_batch():
+    with pytest.raises(
+        ConfigError,
+        match=r"generation_batch_size=40.*divisible by the global "
+        r"batch size.*16",
+    ):
+        cfg(generation_batch_size=40, per_device_train_batch_size=8, world_size=2)
+
+
+@pytest.mark.parametrize("b_gen,steps", [(32, 4), (64, 4), (8, 1), (7, 3)])
+def test_example_5_both_set_is_an_error_whatever_the_values(b_gen, steps):
+    with pytest.raises(ConfigError, match="can not be both configured at the same time"):
+        cfg(per_device_train_batch_size=8, generation_batch_size=b_gen, steps_per_generation=steps)
+
+
+def test_example_6_group_size_and_auto_find_batch_size():
+    with pytest.raises(ConfigError, match="at least 2 generations"):
+        cfg(num_generations=1)
+    with pytest.raises(ConfigError, match=r"auto_find_batch_size=True.*prompt groups"):
+        cfg(auto_find_batch_size=True)
+
+
+def test_example_7_eval_batch_holds_whole_groups():
+    kw = dict(
+        do_eval=True,
+        eval_strategy="steps",
+        per_device_eval_batch_size=3,
+        world_size=1,
+        num_generations=2,
+    )
+    with pytest.raises(ConfigError, match=r"per_device_eval_batch_size=3.*group size 2"):
+        cfg(**kw)
+    assert cfg(**kw, num_generations_eval=3).num_generations_eval == 3
+    assert cfg(**{**kw, "eval_strategy": "no"}).do_eval  # eval off: not checked
+
+
+def test_example_8_group_larger_than_micro_batch():
+    c = cfg(per_device_train_batch_size=3, num_generations=6, gradient_accumulation_steps=2)
+    assert c.generation_batch_size == 6 and c.steps_per_generation == 2
+
+
+# (g, S, μ) → computed?   grpo.md §5
+OLD_LOGPROB_TABLE = [
+    (2, 2, 1, False),
+    (2, 4, 1, True),
+    (4, 2, 1, False),
+    (2, 2, 2, True),
+    (4, 2, 2, False),
+    (3, 2, 1, True),
+]
+
+
+@pytest.mark.parametrize("g,s,mu,computed", OLD_LOGPROB_TABLE)
+def test_example_12_old_logprob_table(g, s, mu, computed):
+    c = cfg(
+        per_device_train_batch_size=2,
+        num_generations=2,
+        gradient_accumulation_steps=g,
+        steps_per_generation=s,
+        num_iterations=mu,
+    )
+    assert c.needs_old_logprobs is computed
+
+
+# ----------------------------------------------------------------- resolution rules
+
+
+def test_scale_rewards_booleans_resolve():
+    assert cfg(scale_rewards=True).scale_rewards == "group"
+    assert cfg(scale_rewards=False).scale_rewards == "none"
+    assert cfg(scale_rewards="batch").scale_rewards == "batch"
+
+
+def test_only_steps_per_generation_given():
+    c = cfg(per_device_train_batch_size=4, world_size=2, steps_per_generation=3)
+    assert c.generation_batch_size == 24
+
+
+def test_validation_order_follows_spec():
+    # Rule 2 (auto_find_batch_size) fires before rule 3 (both set) and rule 6 (G ≥ 2).
+    with pytest.raises(ConfigError, match="auto_find_batch_size"):
+        cfg(
+            auto_find_batch_size=True,
+            generation_batch_size=8,
+            steps_per_generation=1,
+            num_generations=1,
+        )
+    # Rule 3 before rule 6.
+    with pytest.raises(ConfigError, match="both configured"):
+        cfg(generation_batch_size=8, steps_per_generation=1, num_generations=1)
+    # Rule 5 (B_gen % G) before rule 6 (G ≥ 2) and rule 7 (ranges).
+    with pytest.raises(ConfigError, match="divisible by num_generations=3"):
+        cfg(per_device_train_batch_size=8, num_generations=3, temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("loss_type", "cispo"),
+        ("loss_type", "sapo"),
+        ("importance_sampling_level", "seq"),
+        ("scale_rewards", "std"),
+        ("multi_objective_aggregation", "mean"),
+        ("eval_strategy", "always"),
+    ],
+)
+def test_unknown_enumerations_name_supported_values(field, value):
+    with pytest.raises(ConfigError, match=rf"{field}='{value}' is invalid: use one of"):
+        cfg(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("per_device_train_batch_size", 0),
+        ("gradient_accumulation_steps", 0),
+        ("world_size", 0),
+        ("num_iterations", 0),
+        ("max_completion_length", 0),
+        ("temperature", 0.0),
+        ("epsilon", -0.1),
+        ("epsilon_high", -0.1),
+        ("beta", -1.0),
+        ("top_entropy_quantile", 0.0),
+        ("top_entropy_quantile", 1.5),
+        ("delta", 1.0),
+        ("docs_per_step", -1),
+        ("generation_batch_size", 0),
+        ("steps_per_generation", 0),
+    ],
+)
+def test_ranges(field, value):
+    with pytest.raises(ConfigError, match=rf"{field}={value!r} is invalid"):
+        cfg(**{field: value})
+
+
+def test_valid_range_edges_accepted():
+    c = cfg(top_entropy_quantile=1.0, delta=1.5, epsilon=0.0, beta=0.0, docs_per_step=0)
+    assert c.delta == 1.5
+    assert cfg(top_entropy_quantile=0.2).top_entropy_quantile == 0.2
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo", "dapo"])
+def test_sequence_level_with_token_summing_loss_warns(loss_type):
+    with pytest.warns(UserWarning, match="weights sequences by their length"):
+        cfg(importance_sampling_level="sequence", loss_type=loss_type)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "seq_mean_token_sum"])
+def test_sequence_level_per_sequence_losses_do_not_warn(loss_type):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg(importance_sampling_level="sequence", loss_type=loss_type)
+        cfg(importance_sampling_level="token", loss_type="dapo")
+
+
+# ----------------------------------------------------------------- plumbing
+
+
+def test_defaults_are_trl_defaults():
+    c = cfg()
+    assert (c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_generations) == (
+        8,
+        1,
+        8,
+    )
+    assert (c.loss_type, c.importance_sampling_level, c.scale_rewards) == ("dapo", "token", "group")
+    assert (c.epsilon, c.epsilon_high, c.delta, c.beta) == (0.2, None, None, 0.0)
+    assert (c.max_completion_length, c.temperature, c.top_entropy_quantile) == (512, 1.0, 1.0)
+    assert (c.docs_per_step, c.fp32_lm_head) == (0, False)
+    assert (c.generation_batch_size, c.steps_per_generation) == (8, 1)
+
+
+def test_frozen_and_replace_re_resolves():
+    c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.num_generations = 4  # type: ignore[misc]
+    c2 = c.replace(per_device_train_batch_size=8)
+    assert c2.generation_batch_size == 16  # derived again, not carried over
+    with pytest.raises(ConfigError, match="both configured"):
+        dataclasses.replace(c)  # why replace() exists
+    assert GRPOConfig(**c.given_dict()) == c
+
+
+def test_from_yaml_dict():
+    c = from_dict(
+        GRPOConfig,
+        {
+            "scale_rewards": False,
+            "generation_batch_size": 16,
+            "num_generations": 4,
+            "reward_weights": [1, 0.5],
+        },
+    )
+    assert c.scale_rewards == "none" and c.steps_per_generation == 2
+    assert c.reward_weights == (1.0, 0.5)
+
+
+def test_loss_types_agree_with_policy_module():
+    assert set(LOSS_TYPES) == set(policy.LOSS_TYPES)
