@@ -55,7 +55,7 @@ class ArithmeticTask:
     def examples(self, n: int, *, split: str = "train") -> list[Example]:
         """``n`` distinct problems of a split; ``eval`` problems never occur in ``train``.
 
-        Splits are decided by a CRC of the problem text (10% eval), so they are disjoint for any sizes.
+        Splits are decided by a CRC of the problem text (10% eval): disjoint for any sizes.
         """
         if split not in ("train", "eval"):
             raise ValueError(f"split={split!r}: use 'train' or 'eval'")

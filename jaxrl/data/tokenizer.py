@@ -65,7 +65,7 @@ class TextTokenizer:
 
 
 def load_tokenizer(directory: str | Path) -> TextTokenizer:
-    """Load ``tokenizer.json`` (+ special tokens from ``tokenizer_config.json``) from a local dir."""
+    """Load ``tokenizer.json`` and special tokens (``tokenizer_config.json``) from a dir."""
     d = Path(directory)
     path = d / "tokenizer.json"
     if not path.is_file():

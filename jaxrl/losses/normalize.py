@@ -48,9 +48,13 @@ def segment_sum(x_BT: jax.Array, segment_ids_BT: jax.Array, num_segments: int) -
 
     ``segment_ids`` must lie in ``[0, num_segments)``; slot 0 collects padding. Out-of-range
     ids would be dropped silently by XLA, so callers size ``num_segments`` from the batch.
+    O(B·T) work and memory whatever S is.
     """
-    onehot_BTS = jax.nn.one_hot(segment_ids_BT, num_segments, dtype=x_BT.dtype)
-    return jnp.einsum("bt,bts->bs", x_BT, onehot_BTS, precision=jax.lax.Precision.HIGHEST)
+    B = x_BT.shape[0]
+    row_offsets_B1 = (jnp.arange(B, dtype=jnp.int32) * num_segments)[:, None]
+    flat_ids = (segment_ids_BT.astype(jnp.int32) + row_offsets_B1).reshape(-1)
+    sums = jax.ops.segment_sum(x_BT.reshape(-1), flat_ids, num_segments=B * num_segments)
+    return sums.reshape(B, num_segments)
 
 
 def num_documents(segment_ids_BT: jax.Array) -> jax.Array:

@@ -1,0 +1,92 @@
+"""Document feeds: seeded epochs of a dataset, a give-back queue, and docs_per_step planning.
+
+The feed is host state; its ``state_dict`` goes into every checkpoint (the data cursor), so a
+resumed run sees exactly the documents an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+
+class OutOfDataError(RuntimeError):
+    """The data ran out before a step could be filled; no partial step is taken."""
+
+
+class DocumentFeed:
+    """Document ids in seeded epoch permutations, with returned ids served first."""
+
+    def __init__(
+        self, num_docs: int, *, seed: int, shuffle: bool = True, num_epochs: int | None = None
+    ):
+        if num_docs < 1:
+            raise ValueError("a document feed needs at least one document")
+        self.num_docs, self.seed, self.shuffle, self.num_epochs = (
+            num_docs,
+            seed,
+            shuffle,
+            num_epochs,
+        )
+        self.epoch, self.position = 0, 0
+        self._returned: deque[int] = deque()
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_docs)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
+
+    def available(self) -> int | None:
+        """Documents left (``None`` when epochs are unlimited)."""
+        if self.num_epochs is None:
+            return None
+        left_in_epoch = self.num_docs - self.position
+        later = (self.num_epochs - self.epoch - 1) * self.num_docs
+        return len(self._returned) + max(left_in_epoch + later, 0)
+
+    def take(self, n: int) -> list[int]:
+        """Up to ``n`` ids: returned ones first, then the epoch order (fewer only at the end)."""
+        out: list[int] = []
+        while len(out) < n and self._returned:
+            out.append(self._returned.popleft())
+        while len(out) < n:
+            if self.position == self.num_docs:
+                if self.num_epochs is not None and self.epoch + 1 >= self.num_epochs:
+                    break
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            k = min(n - len(out), self.num_docs - self.position)
+            out.extend(int(i) for i in self._order[self.position : self.position + k])
+            self.position += k
+        return out
+
+    def give_back(self, ids: list[int]) -> None:
+        """Return unconsumed ids to the front, keeping their order."""
+        self._returned.extendleft(reversed(ids))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "returned": list(self._returned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._returned = deque(int(i) for i in state["returned"])
+        self._order = self._permutation(self.epoch)
+
+
+def cut_rounds(micro_batches: list[list[list[int]]], target: int) -> int:
+    """Rounds to consume so the global document count reaches ``target`` (Fast-LLM's rule).
+
+    Round m is micro-batch m of every rank; its count is summed over ranks; the round that
+    crosses the target is kept. Returns the number of rounds (all of them if never reached).
+    """
+    total = 0
+    rounds = len(micro_batches[0])
+    for m in range(rounds):
+        total += sum(len(rank[m]) for rank in micro_batches)
+        if total >= target:
+            return m + 1
+    return rounds

@@ -1,0 +1,54 @@
+"""Orbax checkpoints: train state + host-side data cursor, newest N kept, atomic.
+
+Orbax writes each step into a temporary directory and renames it on commit, so a crash
+mid-save leaves the previous checkpoint as the newest usable one; unfinished temporaries are
+never listed as steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save/restore ``(TrainState, host JSON)`` pairs under ``<output_dir>/checkpoints``."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 2):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
+        """Save and wait until the checkpoint is committed."""
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)
+            ),
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Restore onto ``template``'s structure, shapes, dtypes and shardings."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()
+            ),
+        )
+        return restored.state, dict(restored.host)
+
+    def close(self) -> None:
+        self._manager.close()

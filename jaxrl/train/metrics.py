@@ -1,0 +1,51 @@
+"""Metrics rows: one JSON object per optimizer step in ``<output_dir>/metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def to_python(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Device/numpy scalars → plain floats/ints/bools (NaN stays NaN)."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        v = np.asarray(value)
+        if v.dtype == np.bool_:
+            out[key] = bool(v)
+        elif np.issubdtype(v.dtype, np.integer):
+            out[key] = int(v)
+        else:
+            out[key] = float(v)
+    return out
+
+
+class MetricsWriter:
+    """Append rows to metrics.jsonl; on resume, rows after the restored step are discarded.
+
+    That makes an interrupted and resumed run's file identical to an uninterrupted one.
+    """
+
+    def __init__(self, output_dir: str | Path, *, resume_step: int | None = None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = read_metrics(self.path) if self.path.exists() else []
+        if resume_step is None:
+            rows = []
+        else:
+            rows = [r for r in rows if r.get("step", 0) <= resume_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

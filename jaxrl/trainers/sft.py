@@ -1,0 +1,172 @@
+"""SFT trainer: built-in task → packed micro-batches → exact engine → metrics, checkpoints."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.config import RunConfig
+from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
+from jaxrl.data.packing import pack_rows, pack_step
+from jaxrl.data.schedule import build_dp_schedule
+from jaxrl.data.tasks import ArithmeticTask, Example
+from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
+from jaxrl.losses.normalize import LossTerms
+from jaxrl.losses.sft import sft_terms
+from jaxrl.models.hf import save_pretrained
+from jaxrl.models.transformer import Transformer
+from jaxrl.train.evaluate import exact_match_counts
+from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.trainers.session import Session, build_model, device_arrays
+
+
+def encode_examples(
+    examples: list[Example], tok: TextTokenizer, *, completion_only: bool
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``[bos] prompt answer [eos]`` token ids and token-aligned loss masks."""
+    sequences, masks = [], []
+    for ex in examples:
+        prompt = tok.encode(ex.prompt, add_bos=True)
+        answer = tok.encode(ex.answer) + [tok.eos_id]
+        sequences.append(np.asarray(prompt + answer, np.int32))
+        mask = np.ones(len(prompt) + len(answer), np.float32)
+        mask[0] = 0.0
+        if completion_only:
+            mask[: len(prompt)] = 0.0
+        masks.append(mask)
+    return sequences, masks
+
+
+class SFTTrainer:
+    """Supervised fine-tuning on a built-in task; ``run()`` trains and returns a summary."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        t = cfg.task
+        self.task = ArithmeticTask(
+            min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops, seed=cfg.seed
+        )
+        self.tokenizer = char_tokenizer(self.task.alphabet)
+        only = cfg.sft.completion_only_loss
+        self.train_seqs, self.train_masks = encode_examples(
+            self.task.examples(t.train_size), self.tokenizer, completion_only=only
+        )
+        self.eval_seqs, self.eval_masks = encode_examples(
+            self.task.examples(t.eval_size, split="eval"), self.tokenizer, completion_only=True
+        )
+        longest = max(len(s) for s in self.train_seqs + self.eval_seqs)
+        if longest > cfg.sft.max_length:
+            raise ValueError(
+                f"a task document has {longest} tokens but sft.max_length={cfg.sft.max_length}; "
+                "raise sft.max_length (and schedule.max_tokens) or lower task.max_digits"
+            )
+        if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % cfg.mesh.data:
+            raise ValueError(
+                f"sft.batch_size={cfg.sft.batch_size} is not a multiple of mesh.data="
+                f"{cfg.mesh.data}: every rank needs a micro-batch; use a multiple"
+            )
+        self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
+        self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
+        mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
+
+        def loss(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+            logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
+            segments = mb["doc_sample_index"].shape[-1]
+            return sft_terms(
+                logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
+            )
+
+        self.session = Session(cfg, build_model(cfg, self.tokenizer.vocab_size), loss)
+        self._eval_fn = jax.jit(self._eval_counts, static_argnames="num_segments")
+
+    # -- planning ---------------------------------------------------------------------------
+    def _schedule(self, ids: list[int]):
+        s = self.cfg.schedule
+        return build_dp_schedule(
+            self.lengths[ids],
+            dp_size=self.cfg.mesh.data,
+            max_tokens=s.max_tokens,
+            packing=s.packing,
+            balance=s.balance,
+        ).steps[0]
+
+    def plan_step(self) -> list[list[list[int]]]:
+        """The next step's micro-batches (dataset ids) per rank; nothing is ever dropped."""
+        target = self.cfg.schedule.docs_per_step
+        want = self.cfg.sft.batch_size if target == 0 else 2 * target
+        ids = self.feed.take(want)
+        if target and len(ids) < target or not ids:
+            raise OutOfDataError(
+                f"step {self.session.step + 1}: the data ran out with {len(ids)} documents "
+                f"available for a step of {target or want}"
+            )
+        step = self._schedule(ids)
+        local = [[[ids[i] for i in mb] for mb in rank] for rank in step.micro_batches]
+        if step.dropped_rollout_ids:
+            raise RuntimeError(f"internal error: the schedule dropped {step.dropped_rollout_ids}")
+        if target == 0:
+            return local
+        rounds = cut_rounds(local, target)
+        used = [rank[:rounds] for rank in local]
+        consumed = {d for rank in used for mb in rank for d in mb}
+        self.feed.give_back([d for d in ids if d not in consumed])
+        return used
+
+    # -- evaluation -------------------------------------------------------------------------
+    def _eval_counts(self, params: Any, batch: dict[str, jax.Array], *, num_segments: int):
+        from flax import nnx
+
+        model = nnx.merge(self.session.graphdef, params)
+        return exact_match_counts(model, batch, num_segments=num_segments)
+
+    def evaluate(self) -> float:
+        """Held-out exact-match accuracy (teacher-forced argmax, equal to greedy decoding)."""
+        packed = pack_rows(self.eval_seqs, self.eval_masks, row_len=self.cfg.schedule.max_tokens)
+        arrays = {k: jnp.asarray(v[0]) for k, v in device_arrays(packed).items()}
+        segments = packed.doc_sample_index.shape[-1]
+        correct, total = self._eval_fn(self.session.state.params, arrays, num_segments=segments)
+        return float(correct) / max(float(total), 1.0)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg, session = self.cfg, self.session
+        host = session.resume({})
+        if host is not None:
+            self.feed.load_state_dict(host["feed"])
+        start = time.perf_counter()
+        last: dict[str, Any] = {}
+        with session.progress("sft") as advance:
+            while session.step < cfg.max_steps:
+                micro_batches = self.plan_step()
+                packed = pack_step(
+                    micro_batches,
+                    self.train_seqs,
+                    loss_masks=self.train_masks,
+                    row_len=cfg.schedule.max_tokens,
+                )
+                docs = sum(len(mb) for rank in micro_batches for mb in rank)
+                row = session.run_step(device_arrays(packed), expected_documents=docs)
+                every = cfg.logging.eval_every
+                if (every and session.step % every == 0) or session.step == cfg.max_steps:
+                    row["eval/accuracy"] = self.evaluate()
+                session.writer.write(row)
+                session.maybe_checkpoint(
+                    {"feed": self.feed.state_dict()}, force=session.step == cfg.max_steps
+                )
+                advance(f"loss {row['loss']:.3f}")
+                last = row
+        export = session.output_dir / "hf"
+        save_pretrained(session.model, export)
+        self.tokenizer.save(export)
+        session.close()
+        return {
+            "steps": session.step,
+            "final_loss": last.get("loss"),
+            "eval/accuracy": last.get("eval/accuracy", self.evaluate() if not last else None),
+            "wall_s": round(time.perf_counter() - start, 1),
+            "hf_export": str(export),
+        }
