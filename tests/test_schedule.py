@@ -5,6 +5,7 @@ Property tests (spec 5.9) live in test_schedule_properties.py.
 
 from __future__ import annotations
 
+import io
 import logging
 
 import numpy as np
@@ -412,3 +413,66 @@ def test_numpy_inputs_and_arbitrary_rollout_ids():
     sched = slime(lengths, dp_size=2, max_tokens=4, rollout_ids=ids)
     assert sched.steps[0].sample_indices == [0, 2, 1, 3]
     assert sched.steps[0].rollout_ids == [10, -3]
+
+
+# ---------------------------------------------------------------- `jaxrl schedule` report
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=120, color_system=None)
+
+
+def test_cli_table_and_png(tmp_path):
+    from jaxrl.data.schedule_report import run_schedule_cli
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(4.0, 1.0, 400), 1, 256).astype(int)
+    path = tmp_path / "lengths.txt"
+    path.write_text("# one length per line\n" + "\n".join(map(str, lengths)) + "\n\n")
+    png = tmp_path / "schedule.png"
+    console = _console()
+    rc = run_schedule_cli(path, 4, 256, "both", png, rollouts_per_step=100, console=console)
+    out = console.file.getvalue()
+    assert rc == 0
+    slime_s = slime(lengths, dp_size=4, max_tokens=256, rollouts_per_step=100)
+    default_s = build_dp_schedule(lengths, dp_size=4, max_tokens=256, rollouts_per_step=100)
+    for s in (slime_s, default_s):
+        total = sum(st.num_micro_batches for st in s.steps) * 4
+        assert f" {total} " in out
+    assert "slime" in out and "default" in out and "fill efficiency" in out
+    assert "kept rollouts (samples)" in out and "400 (400)" in out and "build time" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_cli_parser_npy_single_mode_and_errors(tmp_path, capsys):
+    import argparse
+
+    from jaxrl.data.schedule_report import add_schedule_arguments, main_schedule, run_from_args
+
+    path = tmp_path / "lengths.npy"
+    np.save(path, np.array([30] * 6))
+    parser = add_schedule_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--lengths", str(path), "--dp", "2", "--max-tokens", "64", "--mode", "slime"]
+    )
+    assert run_from_args(args) == 0
+    out = capsys.readouterr().out
+    assert "slime" in out and "default" not in out
+    # unalignable: 6 singletons on dp 4 (target 8 > 6): error row, exit status 1
+    assert main_schedule(["--lengths", str(path), "--dp", "8", "--max-tokens", "32"]) == 1
+    assert "6 samples < dp_size 8" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lengths", str(path), "--dp", "2"])  # a budget is required
+
+
+def test_load_lengths_reports_bad_lines(tmp_path):
+    from jaxrl.data.schedule_report import load_lengths
+
+    path = tmp_path / "bad.txt"
+    path.write_text("12\n7 # ok\nseven\n")
+    with pytest.raises(ValueError, match=r"bad.txt:3: 'seven' is not an integer"):
+        load_lengths(path)
+    path.write_text("12\n7 # ok\n")
+    assert load_lengths(path).tolist() == [12, 7]
