@@ -117,6 +117,7 @@ class TaskConfig:
     min_digits: int = 1  # smallest operand width
     max_digits: int = 2  # largest operand width
     ops: str = "+"  # operators to draw from
+    reverse_answer: bool = True  # answers least-significant digit first (easier to learn)
     train_size: int = 4000  # distinct training problems
     eval_size: int = 200  # distinct held-out problems
 

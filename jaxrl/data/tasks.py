@@ -28,12 +28,18 @@ _ANSWER_RE = re.compile(r"^-?\d+$")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ArithmeticTask:
-    """``a<op>b=`` → ``str(a op b)`` with operands of ``min_digits..max_digits`` digits."""
+    """``a<op>b=`` → ``str(a op b)`` with operands of ``min_digits..max_digits`` digits.
+
+    ``reverse_answer`` writes the result least-significant digit first (``12+39=`` → ``15``),
+    which small models learn far faster because each digit then depends only on digits
+    already seen (the carry flows left to right).
+    """
 
     min_digits: int = 1
     max_digits: int = 3
     ops: str = "+"
     seed: int = 0
+    reverse_answer: bool = False  # write the answer least-significant digit first
     alphabet: str = "0123456789+-*= "
 
     def __post_init__(self):
@@ -71,7 +77,11 @@ class ArithmeticTask:
             if (a, op, b) in seen or (zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0) != want_eval:
                 continue
             seen.add((a, op, b))
-            out.append(Example(prompt=f"{a}{op}{b}=", answer=str(_OPS[op](a, b))))
+            answer = str(_OPS[op](a, b))
+            if self.reverse_answer:  # "-12" -> "-21": the sign stays in front
+                sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
+                answer = sign + digits[::-1]
+            out.append(Example(prompt=f"{a}{op}{b}=", answer=answer))
         if len(out) < n:
             raise ValueError(
                 f"cannot draw {n} distinct {split} problems from about {space}; "

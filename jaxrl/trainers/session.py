@@ -30,7 +30,7 @@ from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.state import TrainState
 from jaxrl.train.step import TrainStep, make_mesh
 
-DEVICE_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+DEVICE_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "doc_sample_index")
 
 
 def build_model(cfg: RunConfig, vocab_size: int) -> Transformer:

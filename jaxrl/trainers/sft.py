@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxrl.config import RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
-from jaxrl.data.packing import pack_rows, pack_step
+from jaxrl.data.packing import pack_micro_batches, pack_sequences
 from jaxrl.data.schedule import build_dp_schedule
 from jaxrl.data.tasks import ArithmeticTask, Example
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
@@ -48,7 +48,11 @@ class SFTTrainer:
         self.cfg = cfg
         t = cfg.task
         self.task = ArithmeticTask(
-            min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops, seed=cfg.seed
+            min_digits=t.min_digits,
+            max_digits=t.max_digits,
+            ops=t.ops,
+            reverse_answer=t.reverse_answer,
+            seed=cfg.seed,
         )
         self.tokenizer = char_tokenizer(self.task.alphabet)
         only = cfg.sft.completion_only_loss
@@ -125,7 +129,9 @@ class SFTTrainer:
 
     def evaluate(self) -> float:
         """Held-out exact-match accuracy (teacher-forced argmax, equal to greedy decoding)."""
-        packed = pack_rows(self.eval_seqs, self.eval_masks, row_len=self.cfg.schedule.max_tokens)
+        packed = pack_sequences(
+            self.eval_seqs, loss_masks=self.eval_masks, row_len=self.cfg.schedule.max_tokens
+        )
         arrays = {k: jnp.asarray(v[0]) for k, v in device_arrays(packed).items()}
         segments = packed.doc_sample_index.shape[-1]
         correct, total = self._eval_fn(self.session.state.params, arrays, num_segments=segments)
@@ -142,7 +148,7 @@ class SFTTrainer:
         with session.progress("sft") as advance:
             while session.step < cfg.max_steps:
                 micro_batches = self.plan_step()
-                packed = pack_step(
+                packed = pack_micro_batches(
                     micro_batches,
                     self.train_seqs,
                     loss_masks=self.train_masks,
