@@ -203,7 +203,14 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x32 * inv_rms * scale).astype(x.dtype)
+
+
+def _project(x_BTD: jax.Array, kernel_DHDh: jax.Array) -> jax.Array:
+    """``x @ kernel`` for a [D, H, Dh] kernel, as one 2-D matmul (simpler HLO than einsum)."""
+    d, h, dh = kernel_DHDh.shape
+    return (x_BTD @ kernel_DHDh.reshape(d, h * dh)).reshape(*x_BTD.shape[:-1], h, dh)
 
 
 class Attention(nnx.Module):
@@ -235,13 +242,13 @@ class Attention(nnx.Module):
         self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array
     ) -> jax.Array:
         cfg, dt = self.config, x_BTD.dtype
-        q_BTHDh = jnp.einsum("btd,dhe->bthe", x_BTD, self.q_kernel[...].astype(dt))
-        k_BTKDh = jnp.einsum("btd,dke->btke", x_BTD, self.k_kernel[...].astype(dt))
-        v_BTKDh = jnp.einsum("btd,dke->btke", x_BTD, self.v_kernel[...].astype(dt))
+        q_BTHDh = _project(x_BTD, self.q_kernel[...].astype(dt))
+        k_BTKDh = _project(x_BTD, self.k_kernel[...].astype(dt))
+        v_BTKDh = _project(x_BTD, self.v_kernel[...].astype(dt))
         if cfg.attention_bias:
-            q_BTHDh = q_BTHDh + self.q_bias[...].astype(dt)
-            k_BTKDh = k_BTKDh + self.k_bias[...].astype(dt)
-            v_BTKDh = v_BTKDh + self.v_bias[...].astype(dt)
+            q_BTHDh = q_BTHDh + self.q_bias[...].astype(dt)[None, None]
+            k_BTKDh = k_BTKDh + self.k_bias[...].astype(dt)[None, None]
+            v_BTKDh = v_BTKDh + self.v_bias[...].astype(dt)[None, None]
         if cfg.qk_norm:
             q_BTHDh, k_BTKDh = self.q_norm(q_BTHDh), self.k_norm(k_BTKDh)
         scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling is not None else None
@@ -251,7 +258,9 @@ class Attention(nnx.Module):
         out_BTHDh = attention(
             q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, segment_ids_BT, positions_BT, positions_BT
         )
-        return jnp.einsum("bthe,hed->btd", out_BTHDh, self.o_kernel[...].astype(dt))
+        b, t, h, dh = out_BTHDh.shape
+        o_kernel_HDhD = self.o_kernel[...].astype(dt)
+        return out_BTHDh.reshape(b, t, h * dh) @ o_kernel_HDhD.reshape(h * dh, -1)
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,180 @@
+"""Transformer: logits parity with transformers (unpacked and packed), masking, modes, sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_fixtures import CASES, hf_logits, write_case
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl.models import ModelConfig, Transformer, from_pretrained
+from jaxrl.models.attention import attention, positions_from_segments
+from jaxrl.models.sharding import LOGICAL_AXIS_RULES, logical_to_spec, state_shardings
+
+TOL = 1e-4
+
+
+def _jit(fn, model: Transformer, *args):
+    """``fn(model, *args)`` under jit, model passed functionally (split/merge)."""
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda s, *a: fn(nnx.merge(graphdef, s), *a))(state, *args)
+
+
+def _forward(model: Transformer, ids, positions=None, segment_ids=None) -> np.ndarray:
+    return np.asarray(_jit(lambda m, *a: m(*a), model, jnp.asarray(ids), positions, segment_ids))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    path, hf_model = write_case(request.param, tmp_path_factory.mktemp("hf"))
+    return request.param, hf_model, from_pretrained(path)
+
+
+def test_unpacked_batch_matches_transformers(case):
+    name, hf_model, model = case
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 24))
+    diff = np.abs(_forward(model, ids) - hf_logits(hf_model, ids)).max()
+    assert diff <= TOL, f"{name}: max |logit diff| {diff:.2e}"
+
+
+def test_packed_row_matches_each_document(case):
+    """Documents packed with segment ids and trailing padding match their unpacked logits."""
+    name, hf_model, model = case
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, model.config.vocab_size, n) for n in (7, 11, 4, 9)]
+    rows = [[0, 1, 2], [3, 0]]  # two rows; doc 0 appears in both, at different offsets
+    t = 28
+    ids, seg = np.zeros((2, t), np.int32), np.zeros((2, t), np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, d in enumerate(row, start=1):
+            ids[r, at : at + len(docs[d])], seg[r, at : at + len(docs[d])] = docs[d], s
+            at += len(docs[d])
+        ids[r, at:] = rng.integers(0, model.config.vocab_size, t - at)  # padding: any token
+    logits = _forward(model, ids, segment_ids=seg)
+    worst = 0.0
+    for r, row in enumerate(rows):
+        for s, d in enumerate(row, start=1):
+            ref = hf_logits(hf_model, docs[d][None])[0]
+            worst = max(worst, float(np.abs(logits[r][seg[r] == s] - ref).max()))
+    assert worst <= TOL, f"{name}: max |logit diff| packed vs unpacked {worst:.2e}"
+    assert np.isfinite(logits).all()
+
+
+def _tiny(**overrides) -> Transformer:
+    fields = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+    return Transformer(ModelConfig.tiny(128, **(fields | overrides)), rngs=nnx.Rngs(0))
+
+
+def test_padding_never_influences_real_tokens_and_stays_finite():
+    model = _tiny(model_type="qwen3")
+    seg = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]])
+    ids_a = jnp.array([[5, 6, 7, 8, 9, 1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
+    ids_b = ids_a.at[0, 5:].set(jnp.array([-7, 1000, 42])).at[1].set(99)  # incl. out-of-range
+
+    def real_sum(m: Transformer, ids: jax.Array) -> jax.Array:
+        return jnp.sum(m(ids, segment_ids=seg) * (seg > 0)[..., None])
+
+    la, lb = _forward(model, ids_a, None, seg), _forward(model, ids_b, None, seg)
+    real = np.asarray(seg > 0)
+    np.testing.assert_array_equal(la[real], lb[real])
+    assert np.isfinite(lb).all()
+    grads = _jit(lambda m, i: nnx.state(nnx.grad(real_sum)(m, i)), model, ids_b)
+    leaves = jax.tree.leaves(grads)
+    assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+
+
+def test_attention_with_no_visible_key_is_zero_with_finite_grads():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 3, 4, 8)), jnp.float32) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    q_seg, kv_seg = jnp.array([[1, 1, 2]]), jnp.array([[2, 2, 2]])  # queries of doc 1 see nothing
+    pos = jnp.array([[0, 1, 2]])
+
+    def f(q, k, v):
+        return attention(q, k, v, q_seg, kv_seg, pos, pos)
+
+    out = jax.jit(f)(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out[0, :2]), 0.0)
+    assert np.abs(np.asarray(out[0, 2])).min() > 0  # the visible query is not zeroed
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))(q, k, v)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_positions_restart_per_segment_and_are_the_default():
+    seg = jnp.array([[1, 1, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3]])
+    expected = [[0, 1, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6]]
+    np.testing.assert_array_equal(np.asarray(positions_from_segments(seg)), expected)
+    model = _tiny()
+    ids = jnp.arange(14).reshape(2, 7)
+    base = _forward(model, ids, None, seg)
+    np.testing.assert_array_equal(base, _forward(model, ids, jnp.asarray(expected), seg))
+    # RoPE is relative: a uniform shift changes nothing, stretched positions do.
+    shifted = _forward(model, ids, jnp.asarray(expected) + 3, seg)
+    np.testing.assert_allclose(shifted, base, atol=1e-5)
+    stretched = _forward(model, ids, jnp.asarray(expected) * 2, seg)
+    assert np.abs(stretched - base).max() > 1e-3
+
+
+def test_tree_mode_jit_matches_eager_graph_mode():
+    model = _tiny(tie_word_embeddings=False)
+    ids = jnp.arange(16).reshape(2, 8) % 128
+    eager = np.asarray(model(ids))  # graph mode, no jit
+    with nnx.set_graph_mode(False):
+        graphdef, state = nnx.split(model)
+        tree = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, ids)
+    np.testing.assert_allclose(np.asarray(tree), eager, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_compute_dtype_and_storage():
+    ids = jnp.zeros((1, 4), jnp.int32)
+    model = _tiny(param_dtype="bfloat16")
+    assert model.embedding[...].dtype == jnp.bfloat16
+    assert nnx.eval_shape(lambda m: m(ids), model).dtype == jnp.bfloat16
+    mixed = _tiny(dtype="bfloat16")  # fp32 storage, bf16 compute
+    assert mixed.embedding[...].dtype == jnp.float32
+    assert nnx.eval_shape(lambda m: m.hidden_states(ids), mixed).dtype == jnp.bfloat16
+    assert nnx.eval_shape(lambda m: m(ids), mixed).dtype == jnp.bfloat16
+
+
+def test_sharding_rules_map_logical_axes_to_the_mesh():
+    assert logical_to_spec(("batch", None, "embed")) == PartitionSpec("data", None, None)
+    with pytest.raises(ValueError, match="'nope'"):
+        logical_to_spec(("nope",))
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("data",))
+    model = _tiny()
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh)
+    specs = {s.spec for s in jax.tree.leaves(shardings)}
+    assert specs == {PartitionSpec(None, None), PartitionSpec(None), PartitionSpec(None, None, None)}
+    vocab_on_data = dict(LOGICAL_AXIS_RULES) | {"vocab": "data"}
+    emb = state_shardings(state, mesh, tuple(vocab_on_data.items()))["embedding"]
+    assert emb.get_value() == NamedSharding(mesh, PartitionSpec("data", None))
+    # Data-parallel forward: params replicated, batch split over "data", same logits.
+    ids = jnp.arange(8 * 6).reshape(8, 6) % 128
+    placed = jax.device_put(state, shardings)
+    batch = jax.device_put(ids, NamedSharding(mesh, logical_to_spec(("batch", None))))
+    out = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(placed, batch)
+    assert out.sharding.spec[0] == "data"
+    np.testing.assert_allclose(np.asarray(out), _forward(model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_config_validation_names_field_value_and_fix():
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*llama"):
+        ModelConfig.tiny(64, model_type="gpt2")
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3.*divide"):
+        ModelConfig.tiny(64, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"attention_bias=False.*set attention_bias=True"):
+        ModelConfig.tiny(64, model_type="qwen2", attention_bias=False)
+    with pytest.raises(ValueError, match=r"dtype='fp8'"):
+        ModelConfig.tiny(64, dtype="fp8")
+    with pytest.raises(ValueError, match=r"rope_type"):
+        ModelConfig.tiny(64, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    config = ModelConfig.tiny(64, rope_scaling=dict(CASES["llama3_rope_tied"][2]["rope_scaling"]))
+    assert config.head_dim == 32 and config.dtype == "float32"
+    assert hash(config) == hash(dataclasses.replace(config))  # static under jit
