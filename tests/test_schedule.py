@@ -247,6 +247,19 @@ def test_default_mode_falls_back_to_first_fit_when_ffd_is_worse():
     assert sched.steps[0].bins == ffd
 
 
+def test_default_mode_keeps_more_rollouts_when_ffd_avoids_a_drop():
+    # dp 4: first-fit needs 9 bins for the 10 samples (target 12 > 10), so slime drops down to 4
+    # samples; FFD needs 8 (target 8 <= 10) and keeps everything. Minimal drop (spec 5.9.9) wins
+    # over the micro-batch count: default mode runs 2 micro-batches per rank instead of 1.
+    lengths = [5, 8, 8, 9, 10, 8, 9, 6, 1, 5]
+    ids = [0, 0, 1, 1, 2, 2, 3, 4, 4, 4]
+    a = slime(lengths, dp_size=4, max_tokens=10, rollout_ids=ids).steps[0]
+    b = build_dp_schedule(lengths, dp_size=4, max_tokens=10, rollout_ids=ids).steps[0]
+    assert (a.stats.num_samples, a.num_micro_batches, a.rollout_ids) == (4, 1, [0, 1])
+    assert (b.stats.num_samples, b.num_micro_batches, b.dropped_rollout_ids) == (10, 2, [])
+    assert b.stats.fill_efficiency > a.stats.fill_efficiency
+
+
 def test_cost_balance_spreads_heavy_bins():
     # first-fit [[0],[1,3],[2]] -> target 4 -> [[0],[1],[2],[3]] with tokens [10, 9, 2, 1].
     kw = {"dp_size": 2, "max_tokens": 10, "packing": "first_fit", "attn_coef": 0.0}

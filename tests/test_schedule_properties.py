@@ -529,6 +529,10 @@ def test_default_mode_never_behind_slime_mode(case, balance):
         if b.stats.num_samples == a.stats.num_samples:
             assert b.num_micro_batches <= a.num_micro_batches
             assert b.stats.fill_efficiency >= a.stats.fill_efficiency - 1e-12
+        if case.cap is not None:  # never more micro-batches than first-fit needs for its samples
+            kept = [case.lengths[i] for i in b.sample_indices]
+            ff_target = ref_target(len(ref_first_fit(kept, case.cap)), case.align_to)
+            assert b.num_micro_batches * case.dp <= ff_target
 
 
 @SETTINGS

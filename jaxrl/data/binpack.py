@@ -56,11 +56,16 @@ def _first_fit_assign(lengths: list[int], cap: int) -> tuple[list[int], int]:
     tree = [cap] * (2 * size)
     bin_of = [0] * n
     opened = 0
+    previous, i = -1, 0
     for k, length in enumerate(lengths):
-        if length > cap:  # oversized: nothing fits with it, it opens its own bin
+        if length == previous and tree[i] >= length:
+            # Same length as the previous item, whose leaf i was the leftmost with room; the
+            # bins left of i still lack room, so i is again the leftmost. (Long equal-length runs
+            # are common once FFD reaches the short samples.)
+            pass
+        elif length > cap:  # oversized: nothing fits with it, it opens its own bin
             i = opened + size
             opened += 1
-            value = cap - length
         else:
             i = 1
             while i < size:
@@ -69,26 +74,28 @@ def _first_fit_assign(lengths: list[int], cap: int) -> tuple[list[int], int]:
                     i += 1
             if i - size == opened:
                 opened += 1
-            value = tree[i] - length
+        previous = length
+        value = tree[i] - length
         bin_of[k] = i - size
         tree[i] = value
-        while i > 1:  # propagate the new maximum upwards; stop once an ancestor is unchanged
-            sibling = tree[i ^ 1]
+        node = i
+        while node > 1:  # propagate the new maximum upwards; stop once an ancestor is unchanged
+            sibling = tree[node ^ 1]
             if sibling > value:
                 value = sibling
-            i >>= 1
-            if tree[i] == value:
+            node >>= 1
+            if tree[node] == value:
                 break
-            tree[i] = value
+            tree[node] = value
     return bin_of, opened
 
 
 def bins_from_assignment(bin_of: np.ndarray, num_bins: int) -> list[list[int]]:
     """Group positions by bin id: bins in id order, positions ascending inside each bin."""
     bin_of = np.asarray(bin_of, dtype=np.int64)
-    order = np.argsort(bin_of, kind="stable")
-    bounds = np.cumsum(np.bincount(bin_of, minlength=num_bins))[:-1]
-    return [chunk.tolist() for chunk in np.split(order, bounds)]
+    order = np.argsort(bin_of, kind="stable").tolist()
+    ends = np.cumsum(np.bincount(bin_of, minlength=num_bins)).tolist()
+    return [order[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def first_fit_assignment(lengths: Sequence[int], cap: int) -> tuple[np.ndarray, int]:
@@ -142,15 +149,22 @@ def split_bin(bin_: Sequence[int], lengths: Sequence[int]) -> tuple[list[int], l
     return halves
 
 
-def expand_bins(bins: list[list[int]], target: int, lengths: Sequence[int]) -> None:
+def expand_bins(
+    bins: list[list[int]],
+    target: int,
+    lengths: Sequence[int],
+    sums: Sequence[int] | None = None,
+) -> None:
     """Split bins in place until ``len(bins) == target`` or every bin is a singleton (3.7).
 
     Each round splits the bin with two or more items and the maximum ``(token_sum, position)``
     (sum ties go to the later bin); half 0 replaces it in place, half 1 is appended. A heap keyed
     on ``(-sum, -position)`` finds it in O(log B); a bin's entry is only invalidated by its own
-    split, so the heap never holds stale entries.
+    split, so the heap never holds stale entries. ``sums``: the bins' token sums, if known.
     """
-    heap = [(-sum(lengths[i] for i in b), -j) for j, b in enumerate(bins) if len(b) > 1]
+    if sums is None:
+        sums = [sum(lengths[i] for i in b) for b in bins]
+    heap = [(-int(sums[j]), -j) for j, b in enumerate(bins) if len(b) > 1]
     heapq.heapify(heap)
     while len(bins) < target and heap:
         _, neg_pos = heapq.heappop(heap)
@@ -397,7 +411,7 @@ def plan_step(
         bins = maybe_bins if maybe_bins is not None else packer.bins(kept)
         target = aligned_target(len(bins), align_to)
         if target != len(bins):
-            expand_bins(bins, target, lengths.tolist())
+            expand_bins(bins, target, lengths.tolist(), _bin_sums(lengths, bins).tolist())
             if len(bins) < target:
                 raise ScheduleError(
                     f"step {step}: cannot align micro-batches to a multiple of align_to="

@@ -26,10 +26,12 @@ Invariants of every schedule (spec 5.9), checked by tests/test_schedule_properti
 Default mode guarantee (versus slime mode on the same input): for every prefix of a step the
 default packing's aligned micro-batch target is never larger than first-fit's, because the FFD
 bins are replaced by the first-fit bins whenever first-fit gives a strictly smaller aligned target
-(FFD is usually, not always, at least as good). Hence default mode keeps at least as many
-rollouts in every step as slime mode, and when it keeps the same rollouts it uses no more
-micro-batches. (When it keeps *more* rollouts it may need more micro-batches for them: minimal
-drop, invariant 9, takes precedence over a smaller micro-batch count.)
+(FFD is usually, not always, at least as good: e.g. ``[6,2,2,2,3,5]``, cap 10). Hence, whenever
+slime mode succeeds, default mode succeeds too, keeps at least as many rollouts in every step,
+never uses more micro-batches than first-fit needs for the samples it keeps, and, when it keeps
+the same rollouts as slime mode, uses no more micro-batches. When FFD avoids a drop that slime
+mode makes, default mode keeps the extra rollouts and may need more micro-batches for them:
+minimal drop (spec 5.9.9) takes precedence over a smaller micro-batch count.
 """
 
 from __future__ import annotations
@@ -312,12 +314,13 @@ def build_dp_schedule(
     steps: list[StepSchedule] = []
     for s in range(num_steps):
         lo, hi = s * rps, (s + 1) * rps
-        units = _drop_units(group_rank[lo:hi], [len(m) for m in members[lo:hi]])
+        sizes = [len(m) for m in members[lo:hi]]
+        units = _drop_units(group_rank[lo:hi], sizes) if gids is not None else None
         samples = list(chain.from_iterable(members[lo:hi]))
         plan = plan_step(
             s,
             arr[samples],
-            [u[1] for u in units],
+            sizes if units is None else [u[1] for u in units],
             dp_size=dp_size,
             micro_batch_group=micro_batch_group,
             max_tokens=max_tokens,
@@ -326,7 +329,9 @@ def build_dp_schedule(
             balance=balance,
             costs=costs[samples],
         )
-        kept_rollouts = sum(u[0] for u in units[: plan.kept_units])
+        kept_rollouts = (
+            plan.kept_units if units is None else sum(u[0] for u in units[: plan.kept_units])
+        )
         step = _emit_step(
             plan,
             samples,
