@@ -611,3 +611,27 @@ def test_reference_catches_a_wrong_schedule(packing):
     ref = ref_slime(case, drop_loop=True)
     ours = build_dp_schedule(case.lengths, **case.kwargs(packing, "strided")).to_slime()
     assert (ours == ref) == (packing == "first_fit")
+
+
+@pytest.mark.parametrize(("seed", "long"), [(0, False), (1, False), (2, True), (3, True)])
+def test_parity_with_slime_on_a_large_input(seed, long):
+    """Thousands of samples, interleaved multi-sample rollouts, many bins per step; the "long"
+    regime (mostly samples over half the cap) makes steps drop trailing rollouts."""
+    rnd = random.Random(seed)
+    sizes = [rnd.choice([1, 1, 1, 2, 3]) for _ in range(1500)]
+    owner = [r for r, k in enumerate(sizes) for _ in range(k)]
+    for i in range(0, len(owner) - 8, 8):  # interleave neighbours
+        chunk = owner[i : i + 8]
+        rnd.shuffle(chunk)
+        owner[i : i + 8] = chunk
+    if long:
+        lengths = [
+            rnd.randint(2049, 4200) if rnd.random() < 0.98 else rnd.randint(1, 400) for _ in owner
+        ]
+    else:
+        lengths = [min(4000, max(1, int(rnd.lognormvariate(5.5, 1.0)))) for _ in owner]
+    case = Case(lengths, [r * 7919 % 100_003 for r in owner], 8, 2, 4096, None, 250)
+    ref = ref_slime(case, drop_loop=True)
+    sched = build_dp_schedule(lengths, **case.kwargs())
+    assert sched.to_slime() == ref
+    assert (len(sched.dropped_rollout_ids) > 0) == long
