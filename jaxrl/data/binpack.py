@@ -34,7 +34,9 @@ class ScheduleError(ValueError):
     """The DP schedule cannot be built; the message names the cause and the fix.
 
     Public as ``jaxrl.data.schedule.ScheduleError`` (defined here, the lowest module, so the step
-    planner can raise it)."""
+    planner can raise it; tracebacks and pickles name the public path)."""
+
+    __module__ = "jaxrl.data.schedule"
 
 
 def _first_fit_assign(lengths: list[int], cap: int) -> tuple[list[int], int]:
@@ -53,11 +55,24 @@ def _first_fit_assign(lengths: list[int], cap: int) -> tuple[list[int], int]:
     size = 1
     while size < bound:
         size <<= 1
-    tree = [cap] * (2 * size)
-    bin_of = [0] * n
-    opened = 0
+    # A leading run of items over half the cap (FFD's large items) opens one bin each: every
+    # earlier bin holds one such item and has less than half the cap left. Set them up at once.
+    head = 0
+    while head < n and 2 * lengths[head] > cap:
+        head += 1
+    leaves = np.full(size, cap, dtype=np.int64)
+    leaves[:head] = cap - np.asarray(lengths[:head], dtype=np.int64)
+    levels = [leaves]
+    while len(levels[-1]) > 1:
+        levels.append(levels[-1].reshape(-1, 2).max(axis=1))
+    tree = [0]  # tree[1] is the root, tree[size + j] is bin j's remaining capacity
+    for level in reversed(levels):
+        tree.extend(level.tolist())
+    bin_of = list(range(head)) + [0] * (n - head)
+    opened = head
     previous, i = -1, 0
-    for k, length in enumerate(lengths):
+    for k in range(head, n):
+        length = lengths[k]
         if length == previous and tree[i] >= length:
             # Same length as the previous item, whose leaf i was the leftmost with room; the
             # bins left of i still lack room, so i is again the leftmost. (Long equal-length runs
