@@ -1,0 +1,139 @@
+"""HF checkpoints: save_pretrained round trips through transformers, sharded loading, errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from hf_fixtures import CASES, LLAMA3_SCALING, hf_config, hf_logits, random_hf_model, write_case
+from safetensors.numpy import load_file, save_file
+
+from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from jaxrl.models.hf import config_from_hf, config_to_hf
+
+IDS = np.random.default_rng(0).integers(0, 256, (2, 16))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def _logits(model: Transformer, ids: np.ndarray = IDS) -> np.ndarray:
+    """Jitted logits; compiled once per architecture, shared by equal models."""
+    return np.asarray(_apply(*nnx.split(model), ids))
+
+
+def _load_hf(path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("case", ["llama3_rope_tied", "qwen2", "qwen3_tied"])
+def test_save_pretrained_round_trips_through_transformers(case, tmp_path):
+    src, hf_model = write_case(case, tmp_path)
+    model = from_pretrained(src)
+    save_pretrained(model, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]  # no temporary files left behind
+    reloaded = _load_hf(tmp_path / "out")
+    diff = np.abs(hf_logits(reloaded, IDS) - hf_logits(hf_model, IDS)).max()
+    assert diff == 0.0, f"{case}: transformers logits changed by the round trip: {diff}"
+    assert type(reloaded).__name__ == type(hf_model).__name__
+    assert reloaded.config.tie_word_embeddings == CASES[case][1]
+    np.testing.assert_array_equal(_logits(from_pretrained(tmp_path / "out")), _logits(model))
+
+
+def test_bf16_model_saves_bf16_tensors_that_transformers_loads(tmp_path):
+    src, _ = write_case("qwen2", tmp_path)
+    save_pretrained(from_pretrained(src, param_dtype="bfloat16"), tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16/config.json").read_text())["torch_dtype"] == "bfloat16"
+    tensors = load_file(tmp_path / "bf16/model.safetensors")
+    assert {str(t.dtype) for t in tensors.values()} == {"bfloat16"}
+    reloaded = _load_hf(tmp_path / "bf16")  # both sides upcast the bf16 tensors exactly
+    diff = np.abs(hf_logits(reloaded, IDS) - _logits(from_pretrained(tmp_path / "bf16"))).max()
+    assert diff <= 1e-4, diff
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path, hf_model = write_case("qwen3", tmp_path, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    diff = np.abs(_logits(from_pretrained(path)) - hf_logits(hf_model, IDS)).max()
+    assert diff <= 1e-4, diff
+
+
+def test_config_round_trip_and_legacy_formats():
+    config = ModelConfig.tiny(
+        300, model_type="llama", head_dim=48, rope_theta=5e5, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+    )  # fmt: skip
+    assert config_from_hf(config_to_hf(config)) == config
+    # transformers v5 writes rope_parameters; older files write rope_theta / rope_scaling.
+    v5 = hf_config("llama", tied=False, rope_scaling=LLAMA3_SCALING)
+    parsed = config_from_hf(v5.to_dict())
+    assert parsed.rope_scaling.factor == 8.0 and parsed.rope_theta == 10000.0
+    qwen25 = {  # Qwen2.5-0.5B's config.json, abridged
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+        "max_position_embeddings": 32768, "model_type": "qwen2", "num_attention_heads": 14,
+        "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "rope_scaling": None, "sliding_window": 32768,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False,
+        "vocab_size": 151936, "hidden_act": "silu",
+    }  # fmt: skip
+    parsed = config_from_hf(qwen25, param_dtype="bfloat16")
+    assert (parsed.head_dim, parsed.rope_theta, parsed.attention_bias) == (64, 1e6, True)
+    shapes = nnx.eval_shape(lambda: Transformer(parsed, rngs=nnx.Rngs(0)))
+    assert shapes.embedding.shape == (151936, 896)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    )
+    with pytest.raises(ValueError, match=r"MistralForCausalLM.*LlamaForCausalLM.*Qwen3"):
+        from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sliding_window"):
+        config_from_hf(hf_config("qwen2", tied=False, use_sliding_window=True).to_dict())
+
+
+def test_missing_directory_config_and_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope.*config.json.*model.safetensors"):
+        from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"config.json not found"):
+        from_pretrained(tmp_path)
+    hf_config("llama", tied=True).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors.*pytorch_model.bin"):
+        from_pretrained(tmp_path)
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path):
+    path, _ = write_case("qwen2", tmp_path)
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    bias = tensors.pop("model.layers.1.self_attn.k_proj.bias")
+    save_file(tensors | {"model.extra.weight": bias}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.k_proj.bias'\]"
+                                         r".*unexpected \['model.extra.weight'\]"):  # fmt: skip
+        from_pretrained(path)
+    tensors["model.layers.1.self_attn.k_proj.bias"] = bias[:-1]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"k_proj.bias has shape \(31,\), expected \(32,\)"):
+        from_pretrained(path)
+
+
+def test_random_hf_model_randomises_norms_and_biases():
+    """Guard for the parity tests: default init (unit norms, zero biases) would hide mix-ups."""
+    model = random_hf_model(hf_config("qwen3", tied=False))
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert np.std(state["model.layers.0.self_attn.q_norm.weight"]) > 0.05
+    assert np.std(state["model.norm.weight"]) > 0.05
