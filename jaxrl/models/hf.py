@@ -7,6 +7,7 @@ Tensor names map one to one onto the :class:`Transformer` state; HF ``nn.Linear`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -65,10 +66,12 @@ def config_from_hf(
     rope = hf.get("rope_parameters") or {}
     if rope and all(isinstance(v, Mapping) for v in rope.values()):
         raise ValueError(f"unsupported per-layer rope_parameters {sorted(rope)}")
-    scaling = hf.get("rope_scaling") or rope
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    scaling = dict(hf.get("rope_scaling") or rope)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope_type={rope_type!r}: jaxrl supports default and llama3")
+    if rope_type == "llama3":  # as transformers' standardize_rope_params
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     heads = hf["num_attention_heads"]
     return ModelConfig(
         model_type=model_type,
@@ -218,11 +221,18 @@ def from_pretrained(
         dtype=dtype,
         fp32_lm_head=fp32_lm_head,
     )
-    tensors: dict[str, np.ndarray] = {}
-    for file in _weight_files(root):
-        with safe_open(str(file), framework="np") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                tensors[name] = f.get_tensor(name)
+    with contextlib.ExitStack() as stack:
+        # name -> open file; tensors are read one at a time, as the state is filled.
+        tensors = {
+            name: handle
+            for file in _weight_files(root)
+            for handle in [stack.enter_context(safe_open(str(file), framework="np"))]
+            for name in handle.keys()  # noqa: SIM118 - safe_open is not a Mapping
+        }
+        return _build(root, config, tensors)
+
+
+def _build(root: Path, config: ModelConfig, tensors: Mapping[str, Any]) -> Transformer:
     expected = _tensor_map(config)
     missing = sorted(set(expected) - set(tensors))
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -241,13 +251,13 @@ def from_pretrained(
 
     def load(key_path: tuple[Any, ...], variable: nnx.Variable) -> nnx.Variable:
         name, spec = by_path[_key(key_path)]
-        array = tensors[name]
+        array = tensors[name].get_tensor(name)
         if array.shape != spec.shape:
             raise ValueError(
                 f"{root}: tensor {name} has shape {array.shape}, expected {spec.shape}"
             )
         array = (array.T if spec.transpose else array).reshape(variable.shape)
-        return variable.replace(jnp.asarray(array, dtype=param_dtype))
+        return variable.replace(jnp.asarray(array, dtype=config.param_dtype))
 
     state = jax.tree_util.tree_map_with_path(
         load, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
