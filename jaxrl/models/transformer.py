@@ -8,6 +8,10 @@ Precision policy (DESIGN.md 2.4): parameters are stored in ``param_dtype`` and c
 compute ``dtype`` where used; RMSNorm statistics, attention scores and softmax are float32;
 ``fp32_lm_head`` computes logits as an fp32 x fp32 matmul at ``Precision.HIGHEST``.
 
+Decoding: :meth:`Transformer.decode` runs new tokens against a preallocated KV cache
+(``kv_cache.py``) under the same attention visibility rule; the training path (``__call__``,
+``hidden_states``) does not touch the cache code.
+
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logical* axis
 names (``embed``, ``vocab``, ``heads``, ...); ``sharding.py`` maps them to mesh axes. No
 Variable is shared between modules (the tied head reads the embedding), so the model also
@@ -26,6 +30,7 @@ from flax import nnx
 
 from jaxrl.models.attention import apply_rope, attention, positions_from_segments, rope_inv_freq
 from jaxrl.models.head import lm_head
+from jaxrl.models.kv_cache import KVCache, LayerKV
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -239,8 +244,17 @@ class Attention(nnx.Module):
         self.config = config
 
     def __call__(
-        self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array
-    ) -> jax.Array:
+        self,
+        x_BTD: jax.Array,
+        segment_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: LayerKV | None = None,
+    ) -> jax.Array | tuple[jax.Array, LayerKV]:
+        """Attention output [B, T, D]; with a ``cache``, also the cache holding these keys.
+
+        With a cache the T new keys/values are written at the cache's index and the queries
+        attend to all L cached slots (this step's included) under the same visibility rule.
+        """
         cfg, dt = self.config, x_BTD.dtype
         q_BTHDh = _project(x_BTD, self.q_kernel[...].astype(dt))
         k_BTKDh = _project(x_BTD, self.k_kernel[...].astype(dt))
@@ -255,12 +269,31 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
         q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
         k_BTKDh = apply_rope(k_BTKDh, positions_BT, inv_freq)
-        out_BTHDh = attention(
-            q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, segment_ids_BT, positions_BT, positions_BT
-        )
+        if cache is None:
+            out_BTHDh = attention(
+                q_BTHDh,
+                k_BTKDh,
+                v_BTKDh,
+                segment_ids_BT,
+                segment_ids_BT,
+                positions_BT,
+                positions_BT,
+            )
+        else:
+            cache = cache.append(k_BTKDh, v_BTKDh)
+            out_BTHDh = attention(
+                q_BTHDh,
+                cache.keys_BLKDh,
+                cache.values_BLKDh,
+                segment_ids_BT,
+                cache.segment_ids_BL,
+                positions_BT,
+                cache.positions_BL,
+            )
         b, t, h, dh = out_BTHDh.shape
         o_kernel_HDhD = self.o_kernel[...].astype(dt)
-        return out_BTHDh.reshape(b, t, h * dh) @ o_kernel_HDhD.reshape(h * dh, -1)
+        out_BTD = out_BTHDh.reshape(b, t, h * dh) @ o_kernel_HDhD.reshape(h * dh, -1)
+        return out_BTD if cache is None else (out_BTD, cache)
 
 
 class MLP(nnx.Module):
@@ -290,10 +323,19 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(
-        self, x_BTD: jax.Array, segment_ids_BT: jax.Array, positions_BT: jax.Array
-    ) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
-        return x_BTD + self.mlp(self.post_attn_norm(x_BTD))
+        self,
+        x_BTD: jax.Array,
+        segment_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: LayerKV | None = None,
+    ) -> jax.Array | tuple[jax.Array, LayerKV]:
+        """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention)."""
+        if cache is None:
+            x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
+            return x_BTD + self.mlp(self.post_attn_norm(x_BTD))
+        attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
+        x_BTD = x_BTD + attn_BTD
+        return x_BTD + self.mlp(self.post_attn_norm(x_BTD)), cache
 
 
 class Transformer(nnx.Module):
@@ -345,12 +387,46 @@ class Transformer(nnx.Module):
                 f"input_ids {input_ids_BT.shape}, positions {positions_BT.shape} and segment_ids "
                 f"{segment_ids_BT.shape} must all be [B, T]"
             )
-        x_BTD = jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
-            self.config.dtype
-        )
+        x_BTD = self._embed(input_ids_BT)
         for layer in self.layers:
             x_BTD = layer(x_BTD, segment_ids_BT, positions_BT)
         return self.final_norm(x_BTD)
+
+    def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
+        """Embeddings in the compute dtype; ids outside ``[0, V)`` are clamped."""
+        return jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
+            self.config.dtype
+        )
+
+    def decode(
+        self,
+        input_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        segment_ids_BT: jax.Array,
+        cache: KVCache,
+    ) -> tuple[jax.Array, KVCache]:
+        """Run T new tokens against a KV cache: ``(hidden_BTD, cache)`` (``kv_cache.py``).
+
+        The tokens' keys and values are written at slots ``[cache.index, cache.index + T)``
+        and the queries attend to every cached slot under the training visibility rule, so a
+        prefill (T = prompt length, empty cache) followed by T = 1 steps gives the hidden states
+        of :meth:`hidden_states` on the whole sequence, up to float reduction order. The caller
+        supplies positions and segment ids (nothing is inferred) and keeps the index within L.
+        Apply :meth:`logits` to the positions it needs.
+        """
+        input_ids_BT = jnp.asarray(input_ids_BT)
+        if input_ids_BT.shape[1] > cache.length:
+            raise ValueError(
+                f"decode: {input_ids_BT.shape[1]} tokens do not fit a cache of {cache.length} slots"
+            )
+        segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
+        cache = cache.write_slots(segment_ids_BT, positions_BT)
+        x_BTD = self._embed(input_ids_BT)
+        layers = []
+        for i, layer in enumerate(self.layers):
+            x_BTD, kv = layer(x_BTD, segment_ids_BT, positions_BT, cache.layer(i))
+            layers.append(kv)
+        return self.final_norm(x_BTD), cache.advance(layers, input_ids_BT.shape[1])
 
     def head_kernel(self) -> jax.Array:
         """LM head kernel [D, V] in param dtype; the transposed embedding when tied."""
@@ -365,7 +441,10 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Logits [B, T, V]: float32 with ``fp32_lm_head``, else the compute dtype."""
-        hidden_BTD = self.hidden_states(input_ids_BT, positions, segment_ids)
+        return self.logits(self.hidden_states(input_ids_BT, positions, segment_ids))
+
+    def logits(self, hidden_BTD: jax.Array) -> jax.Array:
+        """The LM head on final hidden states: fp32 with ``fp32_lm_head``, else compute dtype."""
         kernel_DV = self.head_kernel()
         if not self.config.fp32_lm_head:
             kernel_DV = kernel_DV.astype(hidden_BTD.dtype)
