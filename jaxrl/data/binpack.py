@@ -207,7 +207,8 @@ def cost_balanced_ranks(costs: Sequence[float], num_ranks: int) -> list[list[int
     per_rank = len(costs) // num_ranks
     ranks: list[list[int]] = [[] for _ in range(num_ranks)]
     heap = [(0.0, r) for r in range(num_ranks)]
-    for j in sorted(range(len(costs)), key=lambda b: (-costs[b], b)):
+    order = np.lexsort((np.arange(len(costs)), -np.asarray(costs, dtype=np.float64)))
+    for j in order.tolist():  # cost descending, index ascending
         total, r = heapq.heappop(heap)
         ranks[r].append(j)
         if len(ranks[r]) < per_rank:
