@@ -97,6 +97,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise config_error(where, value, "expected an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "5e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise config_error(where, value, "expected a number") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise config_error(where, value, "expected a number")
         return float(value)

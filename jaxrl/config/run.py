@@ -118,6 +118,7 @@ class TaskConfig:
     max_digits: int = 2  # largest operand width
     ops: str = "+"  # operators to draw from
     reverse_answer: bool = True  # answers least-significant digit first (easier to learn)
+    pad_operands: bool = True  # zero-pad operands to max_digits (fixed digit positions)
     train_size: int = 4000  # distinct training problems
     eval_size: int = 200  # distinct held-out problems
 

@@ -40,6 +40,7 @@ class ArithmeticTask:
     ops: str = "+"
     seed: int = 0
     reverse_answer: bool = False  # write the answer least-significant digit first
+    pad_operands: bool = False  # zero-pad operands to max_digits (fixed positions)
     alphabet: str = "0123456789+-*= "
 
     def __post_init__(self):
@@ -81,7 +82,9 @@ class ArithmeticTask:
             if self.reverse_answer:  # "-12" -> "-21": the sign stays in front
                 sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
                 answer = sign + digits[::-1]
-            out.append(Example(prompt=f"{a}{op}{b}=", answer=answer))
+            w = self.max_digits if self.pad_operands else 0
+            out.append(Example(prompt=f"{a:0{w}d}{op}{b:0{w}d}=" if w else f"{a}{op}{b}=",
+                               answer=answer))
         if len(out) < n:
             raise ValueError(
                 f"cannot draw {n} distinct {split} problems from about {space}; "

@@ -52,6 +52,7 @@ class SFTTrainer:
             max_digits=t.max_digits,
             ops=t.ops,
             reverse_answer=t.reverse_answer,
+            pad_operands=t.pad_operands,
             seed=cfg.seed,
         )
         self.tokenizer = char_tokenizer(self.task.alphabet)
