@@ -149,8 +149,12 @@ def test_row_over_fixed_length_and_other_errors():
         pack_micro_batches([[[0, 1]]], seqs, token_fields={"old_logp": [[0.0], [0.0] * 5]})
     with pytest.raises(PackingError, match="not integers"):
         pack_micro_batches([[[0]]], [[1.5, 2.5]])
-    with pytest.raises(PackingError, match="is empty"):
+    with pytest.raises(PackingError, match="micro-batch 0 is empty"):
         pack_micro_batches([[[]]], seqs)
+    with pytest.raises(PackingError, match="sample 1 is empty"):
+        pack_micro_batches([[[0, 1]]], [[1, 2], []])
+    with pytest.raises(PackingError, match="must be 1-D"):
+        pack_micro_batches([[[0]]], [np.ones((2, 2), dtype=np.int32)])
 
 
 def test_segment_ids_agree_with_document_index_on_real_tokens():

@@ -185,7 +185,9 @@ def pack_micro_batches(
     for rank in mbs:
         for mb in rank:
             for i in mb:
-                length_of[int(i)] = len(sequences[i])
+                length_of[int(i)] = n = len(sequences[i])
+                if n == 0:
+                    raise PackingError(f"sample {int(i)} is empty: every document needs a token")
     limit = _largest(row_len)
     if limit is not None:
         for i, n in length_of.items():
@@ -229,7 +231,10 @@ def pack_micro_batches(
             n, d = sum(lens), len(idx)
             if d == 0:
                 raise PackingError(f"rank {r} micro-batch {m} is empty")
-            toks = np.concatenate([np.asarray(sequences[i]).reshape(-1) for i in idx])
+            docs = [np.asarray(sequences[i]) for i in idx]
+            if any(doc.ndim != 1 for doc in docs):
+                raise PackingError(f"token ids of samples {idx} must be 1-D sequences")
+            toks = np.concatenate(docs)
             if toks.dtype.kind not in "iu":
                 raise PackingError(f"token ids of samples {idx} are not integers ({toks.dtype})")
             seg = np.repeat(np.arange(1, d + 1, dtype=np.int32), lens)
