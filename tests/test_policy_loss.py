@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.losses.normalize import finalize
 from jaxrl.losses.policy import (
     LOSS_TYPES,
     clipped_surrogate,
     entropy_mask,
     entropy_threshold,
-    finalize,
     k3_kl,
     policy_loss_terms,
 )

@@ -20,12 +20,11 @@ rejected non-padding tokens, prompt included. Metrics are plain means over pairs
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses.policy import Metrics, documents_present, segment_sum
+from jaxrl.losses.normalize import LossTerms, segment_sum
+from jaxrl.losses.policy import Metrics, documents_present
 
 LOSS_TYPES = (
     "sigmoid",
@@ -44,12 +43,7 @@ NORMALIZE = ("pair", "token")
 IGNORE_INDEX = -100
 
 
-class DPOLossTerms(NamedTuple):
-    """One micro-batch's share of the step objective; metrics are (sum, count) pairs."""
-
-    numerator: jax.Array
-    denominator: jax.Array
-    metrics: Metrics
+DPOLossTerms = LossTerms  # (numerator, denominator, metrics) of one micro-batch
 
 
 def uses_mean_logps(loss_type: str) -> bool:

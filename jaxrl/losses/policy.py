@@ -27,10 +27,10 @@ at masked positions (even inf/NaN) never reach the loss or its gradient.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
+
+from jaxrl.losses.normalize import LossTerms, segment_sum
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "seq_mean_token_sum")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -38,26 +38,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
 
-class PolicyLossTerms(NamedTuple):
-    """One micro-batch's share of the step objective; metrics are (sum, count) pairs."""
-
-    numerator: jax.Array
-    denominator: jax.Array
-    metrics: Metrics
-
-
-def finalize(num_total: jax.Array, den_total: jax.Array) -> jax.Array:
-    """The step value ``num / max(den, 1)``: the one division, after all sums (empty step → 0)."""
-    return num_total / jnp.maximum(den_total, 1.0)
-
-
-def segment_sum(x_BT: jax.Array, segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
-    """Per-row segment sums ``out[b, s] = Σ_{t: seg[b,t]=s} x[b,t]`` → ``[B, S]``.
-
-    A scatter-add per row: padding tokens land in slot 0 only, so padding never perturbs a
-    document's sum. Ids must lie in ``[0, num_segments)`` (XLA drops out-of-range ids silently).
-    """
-    return jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments))(x_BT, segment_ids_BT)
+PolicyLossTerms = LossTerms  # (numerator, denominator, metrics) of one micro-batch
 
 
 def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
