@@ -13,4 +13,8 @@ Segment ids are 1-based documents within a row; 0 marks padding. Positions resta
 for every document.
 """
 
+from jaxrl.config import ConfigError, DPOConfig, GRPOConfig, SFTConfig
+
 __version__ = "0.1.0"
+
+__all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig", "__version__"]

@@ -3,6 +3,8 @@
 from pathlib import Path
 
 from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from jaxrl.config.dpo import DPOConfig
+from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.run import (
     CheckpointConfig,
     LoggingConfig,
@@ -25,6 +27,8 @@ def load_run_config(path: str | Path | None = None, overrides=()) -> RunConfig:
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "DPOConfig",
+    "GRPOConfig",
     "LoggingConfig",
     "MeshConfig",
     "ModelSection",

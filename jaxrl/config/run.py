@@ -199,10 +199,36 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    sft_warmup_steps: int = 0  # grpo/dpo: first run this many SFT steps (output_dir/sft)
+    grpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # GRPOConfig fields
+    dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
+    grpo_config: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    dpo_config: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
+        from jaxrl.config.base import from_dict
+        from jaxrl.config.dpo import DPOConfig
+        from jaxrl.config.grpo import GRPOConfig
+
         check_algorithm(self.algorithm)
         check_max_steps(self.max_steps)
+        require(
+            self.sft_warmup_steps >= 0,
+            "sft_warmup_steps",
+            self.sft_warmup_steps,
+            "use 0 (start from model.path or scratch) or a positive number of SFT steps",
+        )
+        for name, cls in (("grpo", GRPOConfig), ("dpo", DPOConfig)):
+            section = dict(getattr(self, name))
+            if "world_size" in section:
+                raise config_error(
+                    f"{name}.world_size",
+                    section["world_size"],
+                    "remove it: the data-parallel size comes from mesh.data",
+                )
+            if self.algorithm == name or section:
+                section["world_size"] = self.mesh.data
+                object.__setattr__(self, f"{name}_config", from_dict(cls, section, where=name))
         if self.sft.max_length > self.schedule.max_tokens:
             raise ConfigError(
                 f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
