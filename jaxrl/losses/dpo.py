@@ -24,21 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.losses.normalize import LossTerms, segment_sum
+from jaxrl.config.dpo import LOSS_TYPES, MEAN_LOSS_TYPES, SMOOTHING_LOSS_TYPES
 from jaxrl.losses.policy import Metrics, documents_present
 
-LOSS_TYPES = (
-    "sigmoid",
-    "dpo",
-    "sigmoid_norm",
-    "dpo_norm",
-    "ipo",
-    "hinge",
-    "robust",
-    "simpo",
-    "wpo",
-)
-MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo")
-SMOOTHING_LOSS_TYPES = ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm", "simpo", "wpo", "robust")
 NORMALIZE = ("pair", "token")
 IGNORE_INDEX = -100
 
