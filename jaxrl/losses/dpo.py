@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses.normalize import LossTerms, segment_sum
 from jaxrl.config.dpo import LOSS_TYPES, MEAN_LOSS_TYPES, SMOOTHING_LOSS_TYPES
+from jaxrl.losses.normalize import LossTerms, segment_sum
 from jaxrl.losses.policy import Metrics, documents_present
 
 NORMALIZE = ("pair", "token")
