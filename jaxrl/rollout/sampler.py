@@ -1,0 +1,329 @@
+"""KV-cache sampler: jitted prefill plus a ``lax.while_loop`` decode over a preallocated cache.
+
+Layout. A batch of B prompts of different lengths is left-padded to a bucketed length P (padding
+is segment 0, real tokens segment 1, positions 0.. from each row's first real token), so every
+row's next token lands in the same cache slot ``P + step`` (``jaxrl/models/kv_cache.py``). The
+cache has ``P + N`` slots, N = ``max_new_tokens``. One program is compiled per ``(B, P, N)``;
+the sampling parameters and the PRNG key are traced arguments, so changing them never
+recompiles (``Sampler.compiles`` counts traces).
+
+Numerics match the trainer (spec fastllm.md 5 and 7): logits come from the model's own head
+(``Transformer.logits``, an fp32 HIGHEST matmul when ``fp32_lm_head``), and the reported
+log-prob of a sampled token is ``z[tok] - logsumexp(z)`` with ``z = logits.astype(f32) / T``
+over the FULL vocabulary, the quantity ``token_logprobs`` computes in training. top-k / top-p
+only decide which token is drawn; they do not renormalise the reported log-prob.
+
+Stopping. Row b stops at its first token in ``eos_ids``; later positions hold ``pad_id`` with
+log-prob 0, and the row's cache entries no longer matter (rows never attend to each other). The
+loop exits as soon as every row has stopped, or after N steps.
+
+Weights enter only through :meth:`Sampler.load_params`, which copies (and casts to the
+sampler's ``param_dtype``) a trainer's parameters, so a trainer that donates its buffers
+cannot invalidate the sampler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxrl.data.packing import BucketSpec, pick_bucket
+from jaxrl.models.kv_cache import KVCache
+from jaxrl.models.transformer import ModelConfig, Transformer
+
+__all__ = [
+    "SampleResult",
+    "Sampler",
+    "SamplingParams",
+    "decode_step",
+    "filter_logits",
+    "left_pad",
+    "prefill",
+    "sample_tokens",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is drawn; none of these fields triggers a recompile."""
+
+    temperature: float = 1.0  # logits are divided by it; 0 = greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest top set with mass >= top_p (after top-k); 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be an int >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1] (1 = off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    """Completions of one :meth:`Sampler.generate` call (host numpy)."""
+
+    tokens: np.ndarray  # int32 [B, N]: generated ids, eos included, pad_id after it
+    logprobs: np.ndarray  # float32 [B, N]: log-softmax(logits / T) at the token; 0 after eos
+    lengths: np.ndarray  # int32 [B]: generated tokens including the eos
+    truncated: np.ndarray  # bool [B]: no eos within N tokens
+    prompt_lengths: np.ndarray  # int32 [B]
+    num_steps: int  # decode steps run (< N when every row stopped early)
+
+    def completions(self) -> list[np.ndarray]:
+        """Row b's generated ids, ``tokens[b, :lengths[b]]``."""
+        return [self.tokens[b, :n] for b, n in enumerate(self.lengths)]
+
+    def documents(
+        self, prompts: Sequence[Sequence[int]]
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """Token-aligned ``(sequences, completion_masks, sampler_logprobs)`` per row, for
+        ``jaxrl.data.packing`` (``loss_masks=``, ``token_fields={"old_logp": ...}``):
+        prompt + completion ids, 1 on completion tokens, the sampler's log-prob of each
+        completion token (0 on the prompt)."""
+        seqs, masks, logps = [], [], []
+        for b, prompt in enumerate(prompts):
+            p, n = len(prompt), int(self.lengths[b])
+            seqs.append(np.concatenate([np.asarray(prompt, np.int32), self.tokens[b, :n]]))
+            masks.append(np.concatenate([np.zeros(p, np.float32), np.ones(n, np.float32)]))
+            logps.append(np.concatenate([np.zeros(p, np.float32), self.logprobs[b, :n]]))
+        return seqs, masks, logps
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], *, pad_id: int, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens_BP, prompt_lengths_B)``: prompts right-aligned in int32 rows of ``length``."""
+    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
+    tokens_BP = np.full((len(prompts), length), pad_id, np.int32)
+    for b, prompt in enumerate(prompts):
+        if len(prompt):
+            tokens_BP[b, length - len(prompt) :] = np.asarray(prompt)
+    return tokens_BP, lengths_B
+
+
+def prefill(
+    model: Transformer, tokens_BP: jax.Array, prompt_lengths_B: jax.Array, cache_length: int
+) -> tuple[jax.Array, KVCache]:
+    """Run left-padded prompts into a fresh cache of ``cache_length`` slots.
+
+    Returns the logits of each row's last prompt token ``[B, V]`` (the next-token
+    distribution) and the cache with index P.
+    """
+    b, p = tokens_BP.shape
+    pad_B1 = (p - prompt_lengths_B)[:, None]
+    idx_1P = jnp.arange(p, dtype=jnp.int32)[None, :]
+    segment_ids_BP = (idx_1P >= pad_B1).astype(jnp.int32)
+    positions_BP = jnp.maximum(idx_1P - pad_B1, 0)
+    cache = KVCache.empty(model.config, b, cache_length)
+    hidden_BPD, cache = model.decode(tokens_BP, positions_BP, segment_ids_BP, cache)
+    return model.logits(hidden_BPD[:, -1:])[:, 0], cache
+
+
+def decode_step(
+    model: Transformer, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """One token per row at the cache's index (segment 1): ``(next logits [B, V], cache)``."""
+    ones_B1 = jnp.ones((tokens_B.shape[0], 1), jnp.int32)
+    hidden_B1D, cache = model.decode(tokens_B[:, None], positions_B[:, None], ones_B1, cache)
+    return model.logits(hidden_B1D)[:, 0], cache
+
+
+def filter_logits(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``logits`` with ``-inf`` outside the top-k, then top-p (nucleus), set of each row.
+
+    top-k keeps the k largest logits (``top_k <= 0``: all). top-p then keeps, in decreasing
+    order, every token whose preceding mass under the renormalised top-k distribution is
+    ``< top_p`` (the first token always stays). Tokens tied with the last kept logit are kept
+    too. Works for traced ``top_k`` and ``top_p``.
+    """
+    v = logits_BV.shape[-1]
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_top_k_BV = jnp.arange(v)[None, :] < k
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    num_kept_B = jnp.sum(in_top_k_BV & (mass_before_BV < top_p), axis=-1)
+    cutoff_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(num_kept_B, 1)[:, None] - 1, axis=-1)
+    return jnp.where(logits_BV >= cutoff_B1, logits_BV, -jnp.inf)
+
+
+def sample_tokens(
+    key: jax.Array,
+    logits_BV: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """``(tokens_B, logprobs_B)``: one draw per row and its full-vocabulary log-prob.
+
+    ``z = logits.astype(f32) / temperature``; the token is drawn from ``softmax(z)`` restricted
+    by :func:`filter_logits`, and its log-prob is ``z[tok] - logsumexp(z)`` over the full
+    vocabulary (as the trainer computes it). ``temperature == 0`` is greedy: the argmax of the
+    logits, with the log-prob at temperature 1.
+    """
+    greedy = temperature == 0
+    z_BV = logits_BV.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
+    filtering = (top_k > 0) | (top_p < 1)
+    filtered_BV = lax.cond(
+        filtering & ~greedy, lambda z: filter_logits(z, top_k, top_p), lambda z: z, z_BV
+    )
+    drawn_B = jax.random.categorical(key, filtered_BV, axis=-1)
+    tokens_B = jnp.where(greedy, jnp.argmax(z_BV, axis=-1), drawn_B).astype(jnp.int32)
+    token_logit_B = jnp.take_along_axis(z_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, token_logit_B - jax.nn.logsumexp(z_BV, axis=-1)
+
+
+class Sampler:
+    """Batched sampling from a :class:`Transformer` with a KV cache; weights via ``load_params``.
+
+    ``generate(prompts, key)`` left-pads the prompts to a bucketed length P (``prompt_buckets``
+    as in ``jaxrl.data.packing.pick_bucket``: None = next power of two) and decodes up to
+    ``max_new_tokens`` tokens per row. The key is split once per decode step, so a key fixes
+    the result. Compiles once per (B, P); ``compiles`` counts them.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_new_tokens: int,
+        eos_id: int | Sequence[int],
+        pad_id: int,
+        sampling: SamplingParams | None = None,
+        prompt_buckets: BucketSpec = None,
+    ):
+        eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
+        for name, ids in (("eos_id", eos_ids), ("pad_id", [pad_id])):
+            if not ids or any(not 0 <= int(i) < config.vocab_size for i in ids):
+                raise ValueError(f"Sampler: {name}={ids} must be in [0, {config.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"Sampler: max_new_tokens={max_new_tokens} must be a positive int")
+        self.config = config
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.pad_id = int(pad_id)
+        self.sampling = sampling or SamplingParams()
+        self.prompt_buckets = prompt_buckets
+        self.compiles = 0
+        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        self._graphdef, self._abstract_params = nnx.split(abstract, nnx.Param)
+        self._params: Any = None
+        self._jitted = jax.jit(self._generate)
+
+    def load_params(self, params: Any) -> None:
+        """Copy a trainer's parameters in (the only way weights enter the sampler).
+
+        ``params``: a :class:`Transformer` or its ``nnx.State`` of parameters (e.g.
+        ``TrainState.params``). Each leaf is copied and cast to the sampler's ``param_dtype``;
+        the architecture must match the sampler's config.
+        """
+        if isinstance(params, nnx.Module):
+            params = nnx.split(params, nnx.Param)[1]
+        want = jax.tree.structure(self._abstract_params)
+        if jax.tree.structure(params) != want:
+            raise ValueError(
+                "Sampler.load_params: parameter tree does not match the sampler's architecture; "
+                f"build the sampler from the trainer's ModelConfig.\n got:  "
+                f"{jax.tree.structure(params)}\n want: {want}"
+            )
+
+        wrong = [
+            f"{jax.tree_util.keystr(path)}: {tuple(src.shape)}, expected {tuple(dst.shape)}"
+            for (path, dst), src in zip(
+                jax.tree.leaves_with_path(self._abstract_params),
+                jax.tree.leaves(params),
+                strict=True,
+            )
+            if tuple(src.shape) != tuple(dst.shape)
+        ]
+        if wrong:
+            raise ValueError("Sampler.load_params: parameter shape mismatch: " + "; ".join(wrong))
+        self._params = jax.tree.map(
+            lambda dst, src: jnp.array(src, dtype=dst.dtype, copy=True),
+            self._abstract_params,
+            params,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        key: jax.Array,
+        sampling: SamplingParams | None = None,
+    ) -> SampleResult:
+        """Sample a completion for every prompt (token-id sequences, each non-empty)."""
+        if self._params is None:
+            raise RuntimeError("Sampler has no weights: call sampler.load_params(params) first")
+        if not len(prompts) or any(len(p) == 0 for p in prompts):
+            raise ValueError("Sampler.generate: need at least one prompt, each with >= 1 token")
+        s = sampling or self.sampling
+        length = pick_bucket(max(len(p) for p in prompts), self.prompt_buckets, "prompt length P")
+        tokens_BP, lengths_B = left_pad(prompts, pad_id=self.pad_id, length=length)
+        out = self._jitted(
+            self._params,
+            tokens_BP,
+            lengths_B,
+            key,
+            np.float32(s.temperature),
+            np.int32(s.top_k),
+            np.float32(s.top_p),
+        )
+        tokens, logprobs, lengths, truncated, steps = jax.device_get(out)
+        return SampleResult(
+            tokens=tokens,
+            logprobs=logprobs,
+            lengths=lengths,
+            truncated=truncated,
+            prompt_lengths=lengths_B,
+            num_steps=int(steps),
+        )
+
+    __call__ = generate
+
+    def _generate(self, params, tokens_BP, prompt_lengths_B, key, temperature, top_k, top_p):
+        self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        model = nnx.merge(self._graphdef, params)
+        b, p = tokens_BP.shape
+        n = self.max_new_tokens
+        eos_E = jnp.asarray(self.eos_ids, jnp.int32)
+        logits_BV, cache = prefill(model, tokens_BP, prompt_lengths_B, p + n)
+
+        def cond(carry):
+            i, done_B = carry[0], carry[6]
+            return (i < n) & ~jnp.all(done_B)
+
+        def body(carry):
+            i, cache, logits_BV, key, tokens_BN, logprobs_BN, done_B, lengths_B = carry
+            key, step_key = jax.random.split(key)
+            token_B, logp_B = sample_tokens(step_key, logits_BV, temperature, top_k, top_p)
+            token_B = jnp.where(done_B, self.pad_id, token_B)
+            logp_B = jnp.where(done_B, 0.0, logp_B)
+            tokens_BN = lax.dynamic_update_slice(tokens_BN, token_B[:, None], (0, i))
+            logprobs_BN = lax.dynamic_update_slice(logprobs_BN, logp_B[:, None], (0, i))
+            lengths_B = lengths_B + (~done_B).astype(jnp.int32)
+            done_B = done_B | jnp.any(token_B[:, None] == eos_E[None, :], axis=-1)
+            logits_BV, cache = decode_step(model, token_B, prompt_lengths_B + i, cache)
+            return i + 1, cache, logits_BV, key, tokens_BN, logprobs_BN, done_B, lengths_B
+
+        carry = (
+            jnp.zeros((), jnp.int32),
+            cache,
+            logits_BV,
+            key,
+            jnp.full((b, n), self.pad_id, jnp.int32),
+            jnp.zeros((b, n), jnp.float32),
+            jnp.zeros((b,), bool),
+            jnp.zeros((b,), jnp.int32),
+        )
+        steps, _, _, _, tokens_BN, logprobs_BN, done_B, lengths_B = lax.while_loop(
+            cond, body, carry
+        )
+        return tokens_BN, logprobs_BN, lengths_B, ~done_B, steps

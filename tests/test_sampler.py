@@ -1,0 +1,308 @@
+"""KV-cache sampler: HF greedy parity, cache vs full forward, trainer log-probs, sampling rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_fixtures import write_case
+from jax import lax
+
+from jaxrl.data.packing import pack_sequences
+from jaxrl.models import ModelConfig, Transformer, from_pretrained
+from jaxrl.rollout.sampler import (
+    Sampler,
+    SamplingParams,
+    decode_step,
+    filter_logits,
+    left_pad,
+    prefill,
+    sample_tokens,
+)
+from jaxrl.train.forward import micro_batch_logprobs
+
+N = 12  # max_new_tokens of the HF-checkpoint sampler
+PAD = 0
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [4], [100, 3, 77, 200, 9]]  # P bucket 8
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _hf_greedy(hf_model, prompt: list[int], eos: int) -> np.ndarray:
+    """transformers' greedy completion of one unpadded prompt (stops after eos)."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=N,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+    )
+    return out[0, len(prompt) :].numpy()
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """A random HF Llama, our fp32-head copy of it, an eos that stops one greedy row at step 3,
+    transformers' greedy completions under that eos, and a sampler on that eos."""
+    path, hf_model = write_case("llama", tmp_path_factory.mktemp("hf"))
+    model = from_pretrained(path, fp32_lm_head=True)
+    first = _hf_greedy(hf_model, PROMPTS[0], eos=model.config.vocab_size - 1)
+    eos = int(first[2])
+    assert eos not in first[:2] and eos != PAD
+    expected = [_hf_greedy(hf_model, p, eos) for p in PROMPTS]
+    sampler = Sampler(model.config, max_new_tokens=N, eos_id=eos, pad_id=PAD, prompt_buckets=8)
+    sampler.load_params(model)
+    return model, sampler, eos, expected
+
+
+def _check_stopping(res, eos_ids, pad: int, n: int) -> None:
+    """After a row's first eos every token is pad with log-prob 0; lengths/truncated agree."""
+    for b in range(res.tokens.shape[0]):
+        row, length = res.tokens[b], int(res.lengths[b])
+        hits = np.flatnonzero(np.isin(row, eos_ids))
+        if res.truncated[b]:
+            assert length == n and hits.size == 0, (b, row)
+        else:
+            assert hits.size and hits[0] == length - 1, (b, row, length)
+        assert (row[length:] == pad).all() and (res.logprobs[b, length:] == 0).all()
+        assert (res.logprobs[b, :length] < 0).all()
+
+
+def test_greedy_matches_transformers_generate_for_mixed_prompt_lengths(hf):
+    _, sampler, eos, expected = hf
+    res = sampler.generate(PROMPTS, jax.random.key(0), GREEDY)
+    for b, want in enumerate(expected):
+        np.testing.assert_array_equal(res.completions()[b], want, err_msg=f"row {b}")
+    assert list(res.lengths) == [len(w) for w in expected]
+    assert res.lengths[0] == 3 and not res.truncated[0]  # eos stopped row 0
+    assert res.truncated[1:].all() and (res.lengths[1:] == N).all()
+    _check_stopping(res, [eos], PAD, N)
+
+
+def test_every_row_stopped_exits_the_loop_early(hf):
+    _, sampler, eos, expected = hf
+    res = sampler.generate([PROMPTS[0]] * 4, jax.random.key(0), GREEDY)
+    assert res.num_steps == 3 < N and not res.truncated.any()
+    assert (res.tokens[:, 3:] == PAD).all() and (res.tokens[:, :3] == expected[0]).all()
+
+
+@jax.jit
+def _teacher_forced_logits(params, graphdef, tokens_BP, lengths_B, completion_BN):
+    """Next-token logits [B, N + 1, V] from prefill, then one cached step per forced token."""
+    model = nnx.merge(graphdef, params)
+    n = completion_BN.shape[1]
+    logits_BV, cache = prefill(model, tokens_BP, lengths_B, tokens_BP.shape[1] + n)
+
+    def step(cache, i):
+        out_BV, cache = decode_step(model, completion_BN[:, i], lengths_B + i, cache)
+        return cache, out_BV
+
+    _, rest_NBV = lax.scan(step, cache, jnp.arange(n))
+    return jnp.concatenate([logits_BV[:, None], rest_NBV.swapaxes(0, 1)], axis=1)
+
+
+@jax.jit
+def _full_logits(params, graphdef, ids_BT, segment_ids_BT):
+    return nnx.merge(graphdef, params)(ids_BT, segment_ids=segment_ids_BT)
+
+
+def test_cached_decode_logits_equal_full_forward_at_every_step(hf):
+    model, sampler, _, _ = hf
+    res = sampler.generate(PROMPTS, jax.random.key(3), SamplingParams(temperature=1.0))
+    tokens_BP, lengths_B = left_pad(PROMPTS, pad_id=PAD, length=8)
+    graphdef, params = nnx.split(model)
+    got_BNV = np.asarray(_teacher_forced_logits(params, graphdef, tokens_BP, lengths_B, res.tokens))
+    # the no-cache reference: each prompt + all N forced tokens, right-padded (segment 0)
+    ids_BT = np.zeros((len(PROMPTS), 8 + N), np.int32)
+    segment_ids_BT = np.zeros_like(ids_BT)
+    for b, prompt in enumerate(PROMPTS):
+        ids_BT[b, : len(prompt) + N] = np.concatenate([prompt, res.tokens[b]])
+        segment_ids_BT[b, : len(prompt) + N] = 1
+    full_BTV = np.asarray(_full_logits(params, graphdef, ids_BT, segment_ids_BT))
+    worst = 0.0
+    for b, prompt in enumerate(PROMPTS):
+        want_NV = full_BTV[b, len(prompt) - 1 : len(prompt) + N]
+        worst = max(worst, float(np.abs(got_BNV[b] - want_NV).max()))
+    assert worst <= 1e-5, f"max |cached - full| logit diff {worst:.2e}"
+
+
+def test_sampler_logprobs_equal_trainer_logprobs_on_packed_rows(hf):
+    """Acceptance (fp32 head, fp32 params): sampler log-probs == micro_batch_logprobs."""
+    model, sampler, _, _ = hf
+    temperature = 0.7
+    sampling = SamplingParams(temperature=temperature, top_k=50, top_p=0.95)
+    res = sampler.generate(PROMPTS, jax.random.key(4), sampling)
+    seqs, masks, logps = res.documents(PROMPTS)
+    batch = pack_sequences(seqs, row_len=32, loss_masks=masks, token_fields={"old_logp": logps})
+    mb = {k: jnp.asarray(getattr(batch, k)[0]) for k in ("tokens", "segment_ids", "targets")}
+    graphdef, params = nnx.split(model)
+    logp_KT, _ = jax.jit(
+        lambda p, mb: micro_batch_logprobs(nnx.merge(graphdef, p), mb, temperature=temperature)
+    )(params, mb)
+    on = batch.loss_mask[0] > 0
+    assert on.sum() == res.lengths.sum()
+    diff = np.abs(np.asarray(logp_KT)[on] - batch.token_fields["old_logp"][0][on]).max()
+    assert diff <= 1e-5, f"max |sampler - trainer| log-prob diff {diff:.2e}"
+
+
+def test_same_key_same_samples_other_key_other_samples(hf):
+    _, sampler, _, _ = hf
+    hot = SamplingParams(temperature=1.5)
+    a = sampler.generate(PROMPTS, jax.random.key(7), hot)
+    b = sampler.generate(PROMPTS, jax.random.key(7), hot)
+    c = sampler.generate(PROMPTS, jax.random.key(8), hot)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert (a.tokens != c.tokens).mean() > 0.5
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6)], ids=["top_k_1", "top_p_0"]
+)
+def test_degenerate_filters_equal_greedy(hf, sampling):
+    _, sampler, _, _ = hf
+    greedy = sampler.generate(PROMPTS, jax.random.key(0), GREEDY)
+    res = sampler.generate(PROMPTS, jax.random.key(9), sampling)  # temperature 1
+    np.testing.assert_array_equal(res.tokens, greedy.tokens)
+    np.testing.assert_allclose(res.logprobs, greedy.logprobs, atol=1e-6)
+
+
+_sample_tokens = jax.jit(sample_tokens)
+PROBS = np.array([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.04, 0.01])
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "kept"),
+    [(3, 1.0, 3), (0, 0.6, 3), (4, 0.7, 3), (0, 0.5, 2), (2, 0.99, 2), (0, 1.0, 8)],
+)
+def test_filtered_sampling_frequencies_match_renormalised_probabilities(top_k, top_p, kept):
+    logits_V = np.log(PROBS).astype(np.float32) + 1.0
+    want = np.zeros_like(PROBS)
+    want[:kept] = PROBS[:kept] / PROBS[:kept].sum()
+    filtered = np.asarray(filter_logits(jnp.asarray(logits_V[None]), top_k, top_p))[0]
+    assert np.isfinite(filtered).sum() == kept
+    draws = 40_000
+    logits_BV = jnp.broadcast_to(jnp.asarray(logits_V), (draws, PROBS.size))
+    tokens_B, logp_B = _sample_tokens(
+        jax.random.key(0), logits_BV, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p)
+    )
+    freq = np.bincount(np.asarray(tokens_B), minlength=PROBS.size) / draws
+    assert (freq[kept:] == 0).all()
+    np.testing.assert_allclose(freq, want, atol=0.012)  # ~5 sigma at 40k draws
+    # the reported log-prob is the unfiltered full-vocabulary one
+    np.testing.assert_allclose(np.asarray(logp_B), np.log(PROBS)[np.asarray(tokens_B)], atol=1e-6)
+
+
+def test_temperature_reshapes_the_sampling_distribution():
+    logits_V = np.log(PROBS).astype(np.float32)
+    draws, freqs = 40_000, {}
+    logits_BV = jnp.broadcast_to(jnp.asarray(logits_V), (draws, PROBS.size))
+    for t in (0.5, 2.0):
+        tokens_B, logp_B = _sample_tokens(
+            jax.random.key(1), logits_BV, jnp.float32(t), jnp.int32(0), jnp.float32(1.0)
+        )
+        want = np.exp(logits_V / t) / np.exp(logits_V / t).sum()
+        freqs[t] = np.bincount(np.asarray(tokens_B), minlength=PROBS.size) / draws
+        np.testing.assert_allclose(freqs[t], want, atol=0.012)
+        np.testing.assert_allclose(np.asarray(logp_B), np.log(want)[np.asarray(tokens_B)], 1e-5)
+    assert np.abs(freqs[0.5] - freqs[2.0]).max() > 0.1
+
+
+def _random_model(config: ModelConfig, seed: int) -> Transformer:
+    """Random weights (std 0.02, norm scales 1) filled on the host: no per-op compiles."""
+    rng = np.random.default_rng(seed)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+    def fill(path, x):
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            return jnp.ones(x.shape, x.dtype)
+        return jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map_with_path(fill, abstract))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 1-layer model over 16 tokens whose near-uniform logits hit the eos set often."""
+    config = ModelConfig.tiny(16, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    model = _random_model(config, 0)
+    sampler = Sampler(config, max_new_tokens=16, eos_id=(3, 7), pad_id=1, prompt_buckets=(8, 16))
+    sampler.load_params(model)
+    return model, sampler
+
+
+def test_sampled_rows_stop_at_their_first_eos(tiny):
+    _, sampler = tiny
+    prompts = [[2 + b % 5] * (1 + b % 6) for b in range(8)]
+    res = sampler.generate(prompts, jax.random.key(0))
+    _check_stopping(res, [3, 7], pad=1, n=16)
+    assert (~res.truncated).sum() >= 2 and (res.lengths < 16).any()
+    assert res.num_steps == res.lengths.max()
+
+
+def test_compiles_once_per_batch_and_prompt_bucket(tiny):
+    _, sampler = tiny
+    sampler.generate([[2, 4]] * 3, jax.random.key(0))
+    before = sampler.compiles
+    for n, seed in ((1, 1), (5, 2), (8, 3)):
+        sampler.generate([[2] * n, [4], [5, 6]], jax.random.key(seed))
+        sampler.generate([[2] * n] * 3, jax.random.key(seed), SamplingParams(top_p=0.5))
+        sampler.generate([[2] * n] * 3, jax.random.key(seed), GREEDY)
+    assert sampler.compiles == before
+    sampler.generate([[2] * 9] * 3, jax.random.key(0))  # P bucket 16
+    sampler.generate([[2] * 12] * 3, jax.random.key(1))
+    assert sampler.compiles == before + 1
+
+
+def test_load_params_copies_and_casts_and_is_required(tiny):
+    model, _ = tiny
+    config = model.config
+    fresh = Sampler(config, max_new_tokens=4, eos_id=3, pad_id=1)
+    with pytest.raises(RuntimeError, match="load_params"):
+        fresh.generate([[2]], jax.random.key(0))
+    bf16 = Sampler(
+        dataclasses.replace(config, param_dtype="bfloat16", dtype=None),
+        max_new_tokens=4,
+        eos_id=3,
+        pad_id=1,
+    )
+    bf16.load_params(nnx.state(model, nnx.Param))
+    for got, src in zip(
+        jax.tree.leaves(bf16._params), jax.tree.leaves(nnx.state(model)), strict=True
+    ):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(src.astype(jnp.bfloat16)))
+    # a trainer that donates (deletes) its buffers must not invalidate the sampler's copy
+    donor = _random_model(config, 1)
+    fresh.load_params(donor)
+    for leaf in jax.tree.leaves(nnx.state(donor)):
+        leaf.delete()
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(fresh._params))
+    other = nnx.eval_shape(
+        lambda: Transformer(dataclasses.replace(config, num_hidden_layers=2), rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(ValueError, match="architecture"):
+        fresh.load_params(other)
+    wide = nnx.eval_shape(
+        lambda: Transformer(dataclasses.replace(config, intermediate_size=96), rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(ValueError, match="shape"):
+        fresh.load_params(wide)
+
+
+def test_invalid_settings_are_named():
+    config = ModelConfig.tiny(16, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="eos_id"):
+        Sampler(config, max_new_tokens=4, eos_id=16, pad_id=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Sampler(config, max_new_tokens=0, eos_id=1, pad_id=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
