@@ -41,6 +41,8 @@ class GRPOConfig:
     shuffle_dataset: bool = True  # permute the prompt order each epoch
     max_completion_length: int = 512  # generation cap; also Dr.GRPO's constant
     temperature: float = 1.0  # sampling temperature; training logits are divided by it too
+    top_k: int | None = None  # sample from the k most likely tokens; None or 0 = off
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = off
     epsilon: float = 0.2  # ε_low: lower clip width
     epsilon_high: float | None = None  # ε_high: upper clip width; None → epsilon
     delta: float | None = None  # cap on the unclipped ratio (two-sided clipping), > 1
@@ -166,6 +168,10 @@ class GRPOConfig:
         if self.num_generations_eval is not None:
             _positive_int("num_generations_eval", self.num_generations_eval)
         require(self.temperature > 0, "temperature", self.temperature, "use a value > 0")
+        if self.top_k is not None:
+            ok = isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+            require(ok and self.top_k >= 0, "top_k", self.top_k, "use an integer ≥ 0 (0 = off)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "use a value in (0, 1]; 1 disables it")
         for name in ("epsilon", "epsilon_high", "beta"):
             value = getattr(self, name)
             if value is not None:
