@@ -1,0 +1,285 @@
+"""Prompt order, generation buffer and optimizer windows (shared/specs/grpo.md §3–5, ex. 1, 2,
+9–12), checked against TRL's materialised ``RepeatSampler`` stream and accelerate's sharding."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxrl.config import GRPOConfig
+from jaxrl.rollout.buffer import (
+    GenerationBuffer,
+    PromptSampler,
+    rank_rows,
+    repeat_sampler_indices,
+    shuffle_batch,
+    split_batch,
+)
+
+
+def _config(**kw) -> GRPOConfig:
+    kw.setdefault("num_generations", 2)
+    return GRPOConfig(**kw)
+
+
+def _simulate(cfg: GRPOConfig, num_prompts: int, num_micro_steps: int, *, seed: int = 0):
+    """Run the prompt sampler + buffer for ``num_micro_steps``; every row carries its prompt
+    index, generation id and global row.
+
+    Returns (served, generations): served[k][p] is rank p's chunk at micro-step k;
+    generations[n] = (micro-step of generation n, its B_gen prompt indices).
+    """
+    sampler = PromptSampler(
+        num_prompts,
+        prompts_per_generation=cfg.prompts_per_generation,
+        num_generations=cfg.num_generations,
+        shuffle=cfg.shuffle_dataset,
+        seed=seed,
+    )
+    buffer = GenerationBuffer(cfg, seed=seed)
+    served, generations = [], []
+    for k in range(num_micro_steps):
+        if buffer.needs_generation:
+            prompts = sampler.next_generation()
+            n = len(generations)
+            generations.append((k, prompts))
+            buffer.load(
+                {
+                    "prompt": prompts,
+                    "row": np.arange(len(prompts)),
+                    "generation": np.asarray(n),
+                    "old_logp": None,
+                }
+            )
+        served.append(buffer.serve())
+    return served, generations
+
+
+def _trl_rank_batches(cfg: GRPOConfig, num_prompts: int, epochs: int, *, seed: int = 0):
+    """TRL + accelerate: the sampler's stream in batches of b·S, batch i to rank i % P.
+
+    Returns per rank the list of its per-micro-step dataloader batches.
+    """
+    stream = []
+    for e in range(epochs):
+        stream += repeat_sampler_indices(
+            num_prompts,
+            mini_repeat_count=cfg.num_generations,
+            batch_size=cfg.prompts_per_generation,
+            repeat_count=cfg.num_iterations * cfg.steps_per_generation,
+            shuffle=cfg.shuffle_dataset,
+            seed=seed,
+            epoch=e,
+        )
+    size = cfg.per_device_train_batch_size * cfg.steps_per_generation
+    batches = [stream[i : i + size] for i in range(0, len(stream), size)]
+    return [batches[p :: cfg.world_size] for p in range(cfg.world_size)]
+
+
+# -- example 10: RepeatSampler -------------------------------------------------------------------
+
+
+def test_repeat_sampler_example_10_shuffled_length_and_repeats():
+    x = repeat_sampler_indices(7, mini_repeat_count=2, batch_size=3, repeat_count=2, seed=3)
+    assert len(x) == 24  # one of 7 items dropped
+    assert x[0:6] == x[6:12] and x[12:18] == x[18:24]
+    assert all(x[i] == x[i + 1] for i in range(0, 24, 2))
+    assert len(set(x)) == 6 and x[0:6] != x[12:18]
+
+
+def test_repeat_sampler_example_10_without_shuffle():
+    x = repeat_sampler_indices(7, mini_repeat_count=2, batch_size=1, repeat_count=1, shuffle=False)
+    assert x == [i for i in range(7) for _ in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "num_prompts"),
+    [
+        (dict(per_device_train_batch_size=3, world_size=2, gradient_accumulation_steps=2,
+              steps_per_generation=4), 29),
+        (dict(per_device_train_batch_size=2, world_size=4, num_generations=4,
+              gradient_accumulation_steps=3, num_iterations=2), 11),
+        (dict(per_device_train_batch_size=6, num_generations=4, gradient_accumulation_steps=3,
+              steps_per_generation=4, num_iterations=2, shuffle_dataset=False), 17),
+    ],
+)  # fmt: skip
+def test_prompts_and_ranks_match_trl_stream_under_accelerate_sharding(kw, num_prompts):
+    """Which rank generates which prompts, generation after generation, across epochs."""
+    cfg = _config(**kw)
+    period = cfg.steps_per_generation * cfg.num_iterations
+    epochs = 3
+    per_epoch = (num_prompts // cfg.prompts_per_generation) * period
+    served, gens = _simulate(cfg, num_prompts, epochs * per_epoch, seed=5)
+    trl = _trl_rank_batches(cfg, num_prompts, epochs, seed=5)
+    assert len(gens) == epochs * per_epoch // period
+    for n, (k, prompts) in enumerate(gens):
+        assert k == n * period  # TRL generates at k % (S·μ) == 0
+        for p in range(cfg.world_size):
+            rows = rank_rows(
+                p,
+                per_device_batch=cfg.per_device_train_batch_size,
+                steps_per_generation=cfg.steps_per_generation,
+            )
+            assert list(prompts[rows]) == trl[p][k]
+            # the repeats TRL's dataloader consumes in between are copies of the same batch
+            assert all(trl[p][k + j] == trl[p][k] for j in range(period))
+    # rank p's served rows are exactly its slice of the generation, permuted
+    for k, chunks in enumerate(served):
+        for p, chunk in enumerate(chunks):
+            assert set(chunk["prompt"]) <= set(trl[p][k - k % period])
+
+
+# -- example 11: split and shuffle ---------------------------------------------------------------
+
+
+def test_split_example_11():
+    batch = {"x": np.arange(6), "y": np.arange(12).reshape(6, 2), "s": np.asarray(7.0), "n": None}
+    chunks = split_batch(batch, 3)
+    for i, c in enumerate(chunks):
+        np.testing.assert_array_equal(c["x"], np.arange(6)[2 * i : 2 * i + 2])
+        np.testing.assert_array_equal(c["y"], batch["y"][2 * i : 2 * i + 2])
+        assert c["s"] == 7.0 and np.ndim(c["s"]) == 0
+        assert c["n"] is None
+    with pytest.raises(ValueError, match="equal chunks"):
+        split_batch(batch, 4)
+
+
+def test_shuffle_example_11_one_permutation_for_every_field():
+    batch = {"x": np.arange(10), "y": np.arange(10) * 10.0, "s": np.asarray(3), "n": None}
+    out = shuffle_batch(batch, np.random.default_rng(0))
+    assert not np.array_equal(out["x"], batch["x"])
+    np.testing.assert_array_equal(out["y"], out["x"] * 10.0)
+    assert sorted(out["x"]) == list(range(10))
+    assert out["s"] == 3 and out["n"] is None
+
+
+# -- example 9 and the timelines ------------------------------------------------------------------
+
+
+def test_example_9_buffer_serves_eight_micro_steps_and_epochs_drop_five_prompts():
+    cfg = _config(
+        gradient_accumulation_steps=3,
+        steps_per_generation=4,
+        num_generations=4,
+        per_device_train_batch_size=6,
+        num_iterations=2,
+        shuffle_dataset=False,
+    )
+    assert cfg.generation_batch_size == 24 and cfg.prompts_per_generation == 6
+    served, gens = _simulate(cfg, 17, 48)
+    assert [k for k, _ in gens] == [0, 8, 16, 24, 32, 40]  # one buffer per 8 micro-steps
+    # dataset order, 6 prompts × 4 each; 2 full chunks per epoch (prompts 12..16 dropped)
+    firsts = [list(np.unique(p)) for _, p in gens]
+    assert firsts == [list(range(6)), list(range(6, 12))] * 3
+    assert list(gens[0][1]) == [i for i in range(6) for _ in range(4)]
+    assert 48 // cfg.gradient_accumulation_steps == 16  # optimizer steps in 3 epochs
+    for k, (chunk,) in enumerate(served):  # pass 2 repeats pass 1 chunk for chunk, same order
+        assert len(chunk["row"]) == 6 and int(chunk["generation"]) == k // 8
+        if k % 8 >= 4:
+            np.testing.assert_array_equal(chunk["row"], served[k - 4][0]["row"])
+    rows = np.concatenate([served[k][0]["row"] for k in range(4)])
+    assert sorted(rows) == list(range(24))  # one pass = every row once
+
+
+def test_timeline_p2_b3_g2_s4():
+    """Spec §4 timeline: chunks 0–3 of one buffer, updates after micro-steps 1 and 3, chunks 2–3
+    off-policy, micro-step 4 regenerates (example 1's shape with P = 2)."""
+    cfg = _config(
+        per_device_train_batch_size=3, world_size=2, gradient_accumulation_steps=2,
+        steps_per_generation=4,
+    )  # fmt: skip
+    assert cfg.generation_batch_size == 24 and cfg.prompts_per_generation == 12
+    served, gens = _simulate(cfg, 100, 8)
+    assert [k for k, _ in gens] == [0, 4]
+    g = cfg.gradient_accumulation_steps
+    for k, chunks in enumerate(served):
+        for p, chunk in enumerate(chunks):
+            assert int(chunk["generation"]) == k // 4
+            assert all(p * 12 <= r < (p + 1) * 12 for r in chunk["row"])  # rank p's slice
+        window = k // g  # the optimizer step this micro-step belongs to
+        off_policy = window > (4 * (k // 4)) // g
+        assert off_policy == (k % 4 >= 2)
+    assert cfg.needs_old_logprobs  # example 1
+
+
+def test_example_1_and_2_buffer_periods():
+    cfg = _config(per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                  steps_per_generation=4)  # fmt: skip
+    assert cfg.generation_batch_size == 32
+    assert [k for k, _ in _simulate(cfg, 200, 16)[1]] == [0, 4, 8, 12]  # 2 optimizer steps each
+    cfg2 = cfg.replace(num_iterations=2)
+    assert [k for k, _ in _simulate(cfg2, 200, 16)[1]] == [0, 8]  # 4 optimizer steps each
+    cfg3 = _config(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=4)
+    assert cfg3.steps_per_generation == 4 and cfg3.generation_batch_size == 64
+    assert [k for k, _ in _simulate(cfg3, 200, 8)[1]] == [0, 4]
+    assert not cfg3.needs_old_logprobs
+
+
+# -- example 12: old log-probs iff a buffered row is served after an update -----------------------
+
+
+@pytest.mark.parametrize(
+    ("g", "s", "mu", "computed"),
+    [(2, 2, 1, False), (2, 4, 1, True), (4, 2, 1, False), (2, 2, 2, True), (4, 2, 2, False),
+     (3, 2, 1, True)],
+)  # fmt: skip
+def test_example_12_old_logprob_table_matches_buffer_mechanics(g, s, mu, computed):
+    cfg = _config(
+        per_device_train_batch_size=2, gradient_accumulation_steps=g, steps_per_generation=s,
+        num_iterations=mu,
+    )  # fmt: skip
+    assert cfg.needs_old_logprobs is computed
+    served, gens = _simulate(cfg, 50, 12 * g * s * mu)
+    generated_in = {n: k // g for n, (k, _) in enumerate(gens)}  # window of each generation
+    off_policy = any(
+        k // g != generated_in[int(chunks[0]["generation"])] for k, chunks in enumerate(served)
+    )
+    assert off_policy is computed
+
+
+# -- checkpointed state ----------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_through_json_resumes_exactly():
+    cfg = _config(per_device_train_batch_size=3, world_size=2, gradient_accumulation_steps=2,
+                  steps_per_generation=4, num_iterations=2)  # fmt: skip
+
+    def make():
+        return (
+            PromptSampler(30, prompts_per_generation=12, num_generations=2, seed=1),
+            GenerationBuffer(cfg, seed=1),
+        )
+
+    def run(sampler, buffer, n):
+        out = []
+        for _ in range(n):
+            if buffer.needs_generation:
+                prompts = sampler.next_generation()
+                buffer.load({"prompt": prompts, "adv": np.linspace(-1, 1, 24, dtype=np.float32),
+                             "gen": np.asarray(sampler.generations), "none": None})  # fmt: skip
+            out.append([(c["prompt"].tolist(), c["adv"].tolist(), int(c["gen"])) for c in
+                        buffer.serve()])  # fmt: skip
+        return out
+
+    straight = run(*make(), 40)
+    sampler, buffer = make()
+    first = run(sampler, buffer, 11)  # stop mid-buffer and mid-epoch
+    state = json.loads(json.dumps({"s": sampler.state_dict(), "b": buffer.state_dict()}))
+    sampler2, buffer2 = make()
+    sampler2.load_state_dict(state["s"])
+    buffer2.load_state_dict(state["b"])
+    assert first + run(sampler2, buffer2, 29) == straight
+    assert buffer2.state_dict()["chunks"][0][0]["none"] is None
+
+
+def test_errors_name_the_problem():
+    cfg = _config(per_device_train_batch_size=4)
+    buffer = GenerationBuffer(cfg)
+    with pytest.raises(RuntimeError, match="empty"):
+        buffer.serve()
+    with pytest.raises(ValueError, match="rows"):
+        buffer.load({"x": np.arange(6)})
+    with pytest.raises(ValueError, match="distinct prompts"):
+        PromptSampler(3, prompts_per_generation=4, num_generations=2)
