@@ -47,7 +47,8 @@ def exact_answer_reward(
 
 def format_reward(prompts: Sequence[str], completions: Sequence[str], **_: Any) -> list[float]:
     """1.0 when the completion is a bare integer (shape, not value)."""
-    return [ArithmeticTask.format_reward(Example(p, ""), c) for p, c in zip(prompts, completions)]
+    pairs = zip(prompts, completions, strict=True)
+    return [ArithmeticTask.format_reward(Example(p, ""), c) for p, c in pairs]
 
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {
