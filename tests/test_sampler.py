@@ -58,7 +58,7 @@ def hf(tmp_path_factory):
     expected = [_hf_greedy(hf_model, p, eos) for p in PROMPTS]
     sampler = Sampler(model.config, max_new_tokens=N, eos_id=eos, pad_id=PAD, prompt_buckets=8)
     sampler.load_params(model)
-    return model, sampler, eos, expected
+    return model, sampler, eos, expected, path
 
 
 def _check_stopping(res, eos_ids, pad: int, n: int) -> None:
@@ -75,7 +75,7 @@ def _check_stopping(res, eos_ids, pad: int, n: int) -> None:
 
 
 def test_greedy_matches_transformers_generate_for_mixed_prompt_lengths(hf):
-    _, sampler, eos, expected = hf
+    _, sampler, eos, expected, _ = hf
     res = sampler.generate(PROMPTS, jax.random.key(0), GREEDY)
     for b, want in enumerate(expected):
         np.testing.assert_array_equal(res.completions()[b], want, err_msg=f"row {b}")
@@ -86,7 +86,7 @@ def test_greedy_matches_transformers_generate_for_mixed_prompt_lengths(hf):
 
 
 def test_every_row_stopped_exits_the_loop_early(hf):
-    _, sampler, eos, expected = hf
+    _, sampler, eos, expected, _ = hf
     res = sampler.generate([PROMPTS[0]] * 4, jax.random.key(0), GREEDY)
     assert res.num_steps == 3 < N and not res.truncated.any()
     assert (res.tokens[:, 3:] == PAD).all() and (res.tokens[:, :3] == expected[0]).all()
@@ -113,7 +113,7 @@ def _full_logits(params, graphdef, ids_BT, segment_ids_BT):
 
 
 def test_cached_decode_logits_equal_full_forward_at_every_step(hf):
-    model, sampler, _, _ = hf
+    model, sampler, _, _, _ = hf
     res = sampler.generate(PROMPTS, jax.random.key(3), SamplingParams(temperature=1.0))
     tokens_BP, lengths_B = left_pad(PROMPTS, pad_id=PAD, length=8)
     graphdef, params = nnx.split(model)
@@ -132,9 +132,19 @@ def test_cached_decode_logits_equal_full_forward_at_every_step(hf):
     assert worst <= 1e-5, f"max |cached - full| logit diff {worst:.2e}"
 
 
-def test_sampler_logprobs_equal_trainer_logprobs_on_packed_rows(hf):
-    """Acceptance (fp32 head, fp32 params): sampler log-probs == micro_batch_logprobs."""
-    model, sampler, _, _ = hf
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_sampler_logprobs_equal_trainer_logprobs_on_packed_rows(hf, param_dtype):
+    """Acceptance (fp32 head): sampler log-probs == micro_batch_logprobs at completion tokens.
+
+    bf16: the trainer's model is loaded in bf16, the sampler gets the fp32 weights through
+    load_params, which casts them to its bf16 config.
+    """
+    model, sampler, eos, _, path = hf
+    if param_dtype == "bfloat16":
+        config = dataclasses.replace(model.config, param_dtype=param_dtype, dtype=None)
+        sampler = Sampler(config, max_new_tokens=N, eos_id=eos, pad_id=PAD, prompt_buckets=8)
+        sampler.load_params(model)
+        model = from_pretrained(path, param_dtype=param_dtype, fp32_lm_head=True)
     temperature = 0.7
     sampling = SamplingParams(temperature=temperature, top_k=50, top_p=0.95)
     res = sampler.generate(PROMPTS, jax.random.key(4), sampling)
@@ -152,7 +162,7 @@ def test_sampler_logprobs_equal_trainer_logprobs_on_packed_rows(hf):
 
 
 def test_same_key_same_samples_other_key_other_samples(hf):
-    _, sampler, _, _ = hf
+    _, sampler, _, _, _ = hf
     hot = SamplingParams(temperature=1.5)
     a = sampler.generate(PROMPTS, jax.random.key(7), hot)
     b = sampler.generate(PROMPTS, jax.random.key(7), hot)
@@ -166,7 +176,7 @@ def test_same_key_same_samples_other_key_other_samples(hf):
     "sampling", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6)], ids=["top_k_1", "top_p_0"]
 )
 def test_degenerate_filters_equal_greedy(hf, sampling):
-    _, sampler, _, _ = hf
+    _, sampler, _, _, _ = hf
     greedy = sampler.generate(PROMPTS, jax.random.key(0), GREEDY)
     res = sampler.generate(PROMPTS, jax.random.key(9), sampling)  # temperature 1
     np.testing.assert_array_equal(res.tokens, greedy.tokens)

@@ -15,7 +15,13 @@ only decide which token is drawn; they do not renormalise the reported log-prob.
 
 Stopping. Row b stops at its first token in ``eos_ids``; later positions hold ``pad_id`` with
 log-prob 0, and the row's cache entries no longer matter (rows never attend to each other). The
-loop exits as soon as every row has stopped, or after N steps.
+loop exits as soon as every row has stopped, or after N steps. (Each step samples, then runs the
+model on the sampled token, so the forward of the last step is not used: one wasted step per
+call, in exchange for a loop body without a conditional around the cache.)
+
+Placement: parameters keep the placement of what ``load_params`` was given (a replicated
+trainer state runs the sampler replicated); sharding the sampling batch over devices is the
+caller's (or a later version's) business.
 
 Weights enter only through :meth:`Sampler.load_params`, which copies (and casts to the
 sampler's ``param_dtype``) a trainer's parameters, so a trainer that donates its buffers
