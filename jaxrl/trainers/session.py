@@ -108,10 +108,16 @@ class Session:
         self.console.print(f"resumed from step {self.step} ({self.checkpointer.directory})")
         return host
 
-    def run_step(self, arrays: dict[str, np.ndarray], expected_documents: int) -> dict[str, Any]:
-        """Shard, step, and check the device's document count against the host's plan."""
+    def run_step(
+        self, arrays: dict[str, np.ndarray], expected_documents: int, rounds: int | None = None
+    ) -> dict[str, Any]:
+        """Shard, step, and check the device's document count against the host's plan.
+
+        ``rounds`` (the packed batch's real micro-batches per rank) bounds the device loop, so
+        bucket padding slots cost nothing; ``None`` runs every slot.
+        """
         batch = self.step_fn.shard_batch(arrays)
-        self.state, metrics = self.step_fn(self.state, batch)
+        self.state, metrics = self.step_fn(self.state, batch, 0, rounds)
         row = to_python(metrics)
         if row["num_documents"] != expected_documents:
             raise RuntimeError(

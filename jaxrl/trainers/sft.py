@@ -156,7 +156,9 @@ class SFTTrainer:
                     row_len=cfg.schedule.max_tokens,
                 )
                 docs = sum(len(mb) for rank in micro_batches for mb in rank)
-                row = session.run_step(device_arrays(packed), expected_documents=docs)
+                row = session.run_step(
+                    device_arrays(packed), expected_documents=docs, rounds=packed.num_micro_batches
+                )
                 every = cfg.logging.eval_every
                 if (every and session.step % every == 0) or session.step == cfg.max_steps:
                     row["eval/accuracy"] = self.evaluate()
