@@ -223,3 +223,69 @@ def test_dp8_train_step_equals_dp1_and_skips_non_finite():
     batch = step.shard_batch(build_rows([[[i] for i in range(4)]], docs, ROW))
     new_state, metrics = step(state, batch)
     assert bool(metrics["update_skipped"]) and int(new_state.documents_seen) == 4
+
+
+@pytest.mark.parametrize(
+    "level, loss_type", [("sequence", "seq_mean_token_sum"), ("token", "dapo")]
+)
+def test_policy_loss_docs_per_step_equals_one_pass(level, loss_type):
+    """fastllm.md 6.2: counts [3,1,2,4], target 5 → 3 rounds; GSPO / DAPO gradient equals one
+    pass over the consumed documents with the step-global divisor (D = 6 for GSPO)."""
+    from jaxrl.data.packing import pack_micro_batches
+    from jaxrl.losses.policy import policy_loss_terms
+
+    rng = np.random.default_rng(8)
+    docs = random_docs(rng, 10, lo=3, hi=7)
+    seqs, masks = [d[0] for d in docs], [d[1] for d in docs]
+    old = [rng.normal(size=len(s)).astype(np.float32) - 2.0 for s in seqs]
+    adv = rng.normal(size=10).astype(np.float32)
+    graphdef, params = _model()
+
+    def loss_fn(p, mb):
+        model = nnx.merge(graphdef, p)
+        logp = jax.nn.log_softmax(model(mb["tokens"], mb["segment_ids"]), -1)
+        logp_BT = jnp.take_along_axis(logp, mb["targets"][..., None], -1)[..., 0]
+        return policy_loss_terms(
+            logp_BT,
+            mb["old_logp"],
+            None,
+            mb["advantage"],
+            mb["loss_mask"],
+            mb["segment_ids"],
+            loss_type=loss_type,
+            importance_sampling_level=level,
+        )
+
+    def arrays(packed):
+        out = {k: getattr(packed, k) for k in ("tokens", "targets", "loss_mask", "segment_ids")}
+        return {
+            **out,
+            "old_logp": packed.token_fields["old_logp"],
+            "advantage": packed.doc_fields["advantage"],
+        }
+
+    kw = dict(
+        loss_masks=masks,
+        token_fields={"old_logp": old},
+        doc_fields={"advantage": adv},
+        row_len=ROW,
+        num_segments=SEGMENTS,
+    )
+    layout = [[[0, 1, 2], [3], [4, 5], [6, 7, 8, 9]]]
+    acc = jax.jit(make_accumulate(loss_fn, make_mesh(1), docs_per_step=5))
+    batch = {k: jnp.asarray(v) for k, v in arrays(pack_micro_batches(layout, seqs, **kw)).items()}
+    sums = acc(params, batch, jnp.array([0, 4]))
+    assert int(sums.end) == 3 and int(sums.documents) == 6
+    grads = jax.tree.map(lambda g: g / sums.denominator, sums.grads)
+
+    one = pack_micro_batches([[[i] for i in range(6)]], seqs, **kw)  # unpacked rows
+    rows = {k: jnp.asarray(v[0]) for k, v in arrays(one).items()}
+
+    def objective(p):
+        t = loss_fn(p, rows)
+        return t.numerator / t.denominator
+
+    ref = jax.grad(objective)(params)
+    if level == "sequence":
+        assert float(sums.denominator) == 6.0
+    assert _max_rel(grads, ref) < 1e-5
