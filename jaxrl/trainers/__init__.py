@@ -13,4 +13,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         from jaxrl.trainers.sft import SFTTrainer
 
         return SFTTrainer(cfg).run()
+    if cfg.algorithm == "grpo":
+        from jaxrl.trainers.grpo import GRPOTrainer
+        from jaxrl.trainers.warm_start import warm_start
+
+        return GRPOTrainer(warm_start(cfg)).run()
+    if cfg.algorithm == "dpo":
+        from jaxrl.trainers.dpo import DPOTrainer
+        from jaxrl.trainers.warm_start import warm_start
+
+        return DPOTrainer(warm_start(cfg)).run()
     raise NotImplementedError(f"algorithm={cfg.algorithm!r} has no trainer yet; 'sft' is available")

@@ -1,0 +1,288 @@
+"""DPO trainer: preference pairs → reference cache → packed pairs → exact engine → metrics.
+
+Orchestration only: pairs and their packing live in ``jaxrl.data.preference``, the reference
+cache and the shared forward in ``jaxrl.train.ref_cache``, the loss in ``jaxrl.losses.dpo``.
+A step takes ``dpo.pairs_per_step`` pairs (b · g · P) from a seeded feed of pair ids, schedules
+them as ``len_c + len_r`` samples, lays each pair out as adjacent chosen/rejected documents, and
+hands the cached reference values to the loss as per-document fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.nnx as nnx
+import jax
+
+from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.feed import DocumentFeed, OutOfDataError
+from jaxrl.data.packing import pack_micro_batches
+from jaxrl.data.preference import (
+    PairDocuments,
+    PreferencePair,
+    arithmetic_pairs,
+    encode_pairs,
+    pair_micro_batches,
+    preference_accuracy,
+)
+from jaxrl.data.tasks import ArithmeticTask
+from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
+from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
+from jaxrl.losses.normalize import LossTerms
+from jaxrl.models.hf import save_pretrained
+from jaxrl.models.transformer import Transformer
+from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.metrics import read_metrics
+from jaxrl.train.ref_cache import (
+    CacheIdentity,
+    ReferenceCache,
+    document_logps,
+    fill_pair_logps,
+    load_or_build,
+    tokenizer_fingerprint,
+    weight_fingerprint,
+)
+from jaxrl.trainers.session import Session, build_model, device_arrays
+
+REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, rejected → ref_r
+
+
+class DPOTrainer:
+    """DPO (and variants) on preference pairs; ``run()`` trains and returns a summary.
+
+    Pairs default to the built-in arithmetic preference task (``task`` section); pass
+    ``train_pairs``/``eval_pairs`` (e.g. from ``load_jsonl_pairs``) to train on your own.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        train_pairs: list[PreferencePair] | None = None,
+        eval_pairs: list[PreferencePair] | None = None,
+    ):
+        self.cfg = cfg
+        self.dpo = dpo = cfg.dpo_config
+        if dpo is None:
+            raise ConfigError("DPOTrainer needs algorithm: dpo (or a dpo section)")
+        if cfg.schedule.docs_per_step:
+            raise ConfigError(
+                f"schedule.docs_per_step={cfg.schedule.docs_per_step} is not supported for DPO: "
+                "a step takes dpo.per_device_train_batch_size × gradient_accumulation_steps × "
+                "mesh.data pairs; set schedule.docs_per_step=0"
+            )
+        if not dpo.precompute_ref_log_probs:
+            raise ConfigError(
+                "dpo.precompute_ref_log_probs=false (a frozen reference forward every step) is "
+                "not implemented; set it to true (the reference log-prob cache)"
+            )
+        t = cfg.task
+        task = ArithmeticTask(
+            min_digits=t.min_digits,
+            max_digits=t.max_digits,
+            ops=t.ops,
+            reverse_answer=t.reverse_answer,
+            pad_operands=t.pad_operands,
+            seed=cfg.seed,
+        )
+        self.tokenizer = self._tokenizer(task)
+        builtin = train_pairs is None
+        if builtin:
+            train_pairs = arithmetic_pairs(task, t.train_size, split="train")
+            eval_pairs = arithmetic_pairs(task, t.eval_size, split="eval")
+        source = {"source": "arithmetic", **dataclasses.asdict(task)} if builtin else {}
+        self.datasets = {
+            "train": {**source, "split": "train", "rows": len(train_pairs)},
+            "eval": {**source, "split": "eval", "rows": len(eval_pairs or [])},
+        }
+        encode = dict(max_length=dpo.max_length, max_tokens=cfg.schedule.max_tokens)
+        self.train = encode_pairs(train_pairs, self.tokenizer, **encode)
+        self.held_out = encode_pairs(eval_pairs, self.tokenizer, **encode) if eval_pairs else None
+        self.feed = DocumentFeed(self.train.num_pairs, seed=cfg.seed)
+        self.cache_dir = Path(dpo.reference_cache_dir or Path(cfg.output_dir) / "ref_cache")
+        self.refs: dict[str, ReferenceCache] = {}
+        chunk = cfg.model.logprob_chunk or None
+        kwargs = dict(
+            beta=dpo.beta,
+            loss_type=dpo.loss_type,
+            label_smoothing=dpo.label_smoothing,
+            simpo_gamma=dpo.simpo_gamma,
+            normalize=dpo.normalize,
+        )
+        needs_ref = dpo.needs_reference
+
+        def loss(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+            logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
+            ref_c_BP, ref_r_BP = pair_documents(mb[REF_FIELD]) if needs_ref else (None, None)
+            return dpo_loss_terms(
+                logp_BT,
+                mb["loss_mask"],
+                mb["segment_ids"],
+                ref_c_BP,
+                ref_r_BP,
+                num_segments=mb["doc_sample_index"].shape[-1],
+                **kwargs,
+            )
+
+        self.session = Session(cfg, build_model(cfg, self.tokenizer.vocab_size), loss)
+        graphdef, mean = self.session.graphdef, dpo.uses_mean_logps
+        self._values = jax.jit(
+            lambda params, mb: document_logps(
+                nnx.merge(graphdef, params), mb, mean=mean, chunk_size=chunk
+            )
+        )
+
+    def _tokenizer(self, task: ArithmeticTask) -> TextTokenizer:
+        path = self.cfg.model.path
+        if path is not None and (Path(path) / "tokenizer.json").is_file():
+            return load_tokenizer(path)
+        return char_tokenizer(task.alphabet)
+
+    # -- reference values -------------------------------------------------------------------
+    def _identity(self, split: str, docs: PairDocuments, weights: str) -> CacheIdentity:
+        cfg, tok = self.cfg, self.tokenizer
+        m = cfg.model
+        return CacheIdentity(
+            model=m.path or f"init:{sorted(m.init.items())}",
+            weights=weights,
+            dataset=self.datasets[split],
+            data=docs.fingerprint(),
+            tokenizer=tokenizer_fingerprint(tok),
+            max_length=self.dpo.max_length,
+            packing={"max_tokens": cfg.schedule.max_tokens, "packing": cfg.schedule.packing},
+            loss_type=self.dpo.canonical_loss_type,
+            aggregation="mean" if self.dpo.uses_mean_logps else "sum",
+            param_dtype=m.param_dtype,
+            dtype=m.dtype or m.param_dtype,
+            fp32_lm_head=m.fp32_lm_head,
+            logprob_chunk=m.logprob_chunk,
+        )
+
+    def _pair_values(self, docs: PairDocuments, sink: ReferenceCache) -> None:
+        fill_pair_logps(
+            self._values,
+            self.session.state.params,
+            docs,
+            sink,
+            max_tokens=self.cfg.schedule.max_tokens,
+            packing=self.cfg.schedule.packing,
+            mesh=self.session.mesh,
+        )
+
+    def build_references(self) -> None:
+        """Load or build the train (and held-out) reference caches from the CURRENT params.
+
+        Called before any update (and before a resume restores trained parameters), so the
+        current parameters are the reference. ``simpo`` needs no reference: nothing is built.
+        """
+        if not self.dpo.needs_reference:
+            return
+        weights = weight_fingerprint(self.session.state.params)
+        splits = {"train": self.train, "eval": self.held_out}
+        for split, docs in splits.items():
+            if docs is None:
+                continue
+            self.refs[split] = load_or_build(
+                self.cache_dir,
+                self._identity(split, docs, weights),
+                docs.num_pairs,
+                lambda sink, docs=docs: self._pair_values(docs, sink),
+            )
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan_step(self) -> list[list[list[int]]]:
+        """The next step's micro-batches per rank as document ids (pair p → 2p, 2p + 1)."""
+        want = self.dpo.pairs_per_step
+        ids = self.feed.take(want)
+        if len(ids) < want:
+            raise OutOfDataError(
+                f"step {self.session.step + 1}: the data ran out with {len(ids)} pairs "
+                f"available for a step of {want}"
+            )
+        s = self.cfg.schedule
+        return pair_micro_batches(
+            ids,
+            self.train.pair_lengths,
+            dp_size=self.cfg.mesh.data,
+            max_tokens=s.max_tokens,
+            packing=s.packing,
+            balance=s.balance,
+        )
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out preference accuracy: ``eval/accuracy`` = fraction with margin z > 0 against
+        the reference (0 at the start, strictly); ``eval/policy_accuracy`` = fraction with
+        π_c > π_r (the policy itself prefers the chosen answer)."""
+        if self.held_out is None:
+            return {}
+        sink = ReferenceCache.empty(self.held_out.num_pairs)
+        self._pair_values(self.held_out, sink)
+        sink.check_complete()
+        ref = self.refs.get("eval")
+        refs = (ref.chosen, ref.rejected) if ref is not None else (None, None)
+        return {
+            "eval/accuracy": preference_accuracy(sink.chosen, sink.rejected, *refs),
+            "eval/policy_accuracy": preference_accuracy(sink.chosen, sink.rejected),
+        }
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg, session = self.cfg, self.session
+        start = time.perf_counter()
+        self.build_references()
+        host = session.resume({})
+        if host is not None:
+            self.feed.load_state_dict(host["feed"])
+        else:
+            session.writer.write({"step": 0, **self.evaluate()})
+        initial = self._initial_eval()
+        doc_fields = {}
+        if self.dpo.needs_reference:
+            doc_fields[REF_FIELD] = self.refs["train"].document_values()
+        last: dict[str, Any] = {}
+        with session.progress("dpo") as advance:
+            while session.step < cfg.max_steps:
+                micro_batches = self.plan_step()
+                packed = pack_micro_batches(
+                    micro_batches,
+                    self.train.sequences,
+                    loss_masks=self.train.masks,
+                    doc_fields=doc_fields,
+                    row_len=cfg.schedule.max_tokens,
+                )
+                docs = sum(len(mb) for rank in micro_batches for mb in rank)
+                arrays = device_arrays(packed, tuple(doc_fields))
+                row = session.run_step(arrays, expected_documents=docs)
+                every = cfg.logging.eval_every
+                if (every and session.step % every == 0) or session.step == cfg.max_steps:
+                    row.update(self.evaluate())
+                session.writer.write(row)
+                session.maybe_checkpoint(
+                    {"feed": self.feed.state_dict()}, force=session.step == cfg.max_steps
+                )
+                advance(f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}")
+                last = row
+        export = session.output_dir / "hf"
+        save_pretrained(session.model, export)
+        self.tokenizer.save(export)
+        session.close()
+        final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()
+        return {
+            "steps": session.step,
+            "final_loss": last.get("loss"),
+            **final,
+            "start": initial,
+            "wall_s": round(time.perf_counter() - start, 1),
+            "hf_export": str(export),
+            "reference_cache": [str(r.path) for r in self.refs.values()],
+        }
+
+    def _initial_eval(self) -> dict[str, Any]:
+        """The step-0 evaluation row of metrics.jsonl (the starting model's numbers)."""
+        rows = read_metrics(self.session.writer.path)
+        first = next((r for r in rows if r.get("step") == 0), {})
+        return {k: v for k, v in first.items() if k.startswith("eval/")}
