@@ -40,6 +40,7 @@ class DPOConfig:
     gradient_accumulation_steps: int = 1  # micro-steps per step; pairs/step = b · g · P
     world_size: int = 1  # P: data-parallel size (the loader sets it from mesh.data)
     max_length: int = 1024  # per sequence (prompt + response), applied at tokenisation
+    learning_rate: float | None = None  # DPO-stage peak LR (TRL name); None → optimizer's
     precompute_ref_log_probs: bool = True  # reference cache; False keeps a frozen reference
     reference_cache_dir: str | None = None  # None → <output_dir>/ref_cache
 
@@ -60,6 +61,12 @@ class DPOConfig:
             f"one of {', '.join(map(repr, SMOOTHING_LOSS_TYPES))}",
         )
         require_choice("normalize", self.normalize, NORMALIZE)
+        require(
+            self.learning_rate is None or self.learning_rate > 0,
+            "learning_rate",
+            self.learning_rate,
+            "use a positive learning rate, or leave it unset to use optimizer.learning_rate",
+        )
         for name in (
             "per_device_train_batch_size",
             "gradient_accumulation_steps",
