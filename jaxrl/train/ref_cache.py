@@ -241,24 +241,20 @@ def load_or_build(
     num_rows: int,
     fill: Callable[[ReferenceCache], None],
 ) -> ReferenceCache:
-    """Load the cache for ``identity`` if its file exists; else ``fill`` an empty one and save.
+    """Load the cache for ``identity`` if its file exists; else ``fill`` an empty one, check it
+    is complete, save it atomically and load it back (what training reads is what is on disk).
 
-    With several processes, only process 0 builds and writes; the others wait at a barrier and
-    then load the file.
+    Single process only (as the trainers today): spec §6's multi-process merge, where process 0
+    writes and the others wait at a barrier, is not implemented.
     """
-    target = cache_path(directory, identity)
-    if target.is_file():
-        cache = ReferenceCache.load(target, identity)
-    elif jax.process_index() == 0:
-        cache = ReferenceCache.empty(num_rows, identity)
-        fill(cache)
-        cache.save(directory)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"reference cache {identity.key}")
-        if jax.process_index() != 0:
-            cache = ReferenceCache.load(target, identity)
+        raise NotImplementedError("the reference cache is built by a single process only")
+    target = cache_path(directory, identity)
+    if not target.is_file():
+        built = ReferenceCache.empty(num_rows, identity)
+        fill(built)
+        built.save(directory)
+    cache = ReferenceCache.load(target, identity)
     if cache.num_rows != num_rows:
         raise ReferenceCacheError(
             f"{cache.name}: {cache.num_rows} rows, but the dataset has {num_rows}; delete it"

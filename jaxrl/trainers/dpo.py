@@ -16,10 +16,11 @@ from typing import Any
 
 import flax.nnx as nnx
 import jax
+import jax.numpy as jnp
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.packing import pack_micro_batches
+from jaxrl.data.packing import pack_micro_batches, pack_sequences
 from jaxrl.data.preference import (
     PairDocuments,
     PreferencePair,
@@ -34,6 +35,7 @@ from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.models.hf import save_pretrained
 from jaxrl.models.transformer import Transformer
+from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.ref_cache import (
@@ -64,10 +66,13 @@ class DPOTrainer:
         train_pairs: list[PreferencePair] | None = None,
         eval_pairs: list[PreferencePair] | None = None,
     ):
-        self.cfg = cfg
-        self.dpo = dpo = cfg.dpo_config
+        dpo = cfg.dpo_config
         if dpo is None:
             raise ConfigError("DPOTrainer needs algorithm: dpo (or a dpo section)")
+        if dpo.learning_rate is not None:  # the DPO stage's own peak LR (SFT keeps optimizer's)
+            optimizer = dataclasses.replace(cfg.optimizer, learning_rate=dpo.learning_rate)
+            cfg = dataclasses.replace(cfg, optimizer=optimizer)
+        self.cfg, self.dpo = cfg, dpo
         if cfg.schedule.docs_per_step:
             raise ConfigError(
                 f"schedule.docs_per_step={cfg.schedule.docs_per_step} is not supported for DPO: "
@@ -133,6 +138,12 @@ class DPOTrainer:
             lambda params, mb: document_logps(
                 nnx.merge(graphdef, params), mb, mean=mean, chunk_size=chunk
             )
+        )
+        self._exact_match = jax.jit(
+            lambda params, mb, num_segments: exact_match_counts(
+                nnx.merge(graphdef, params), mb, num_segments=num_segments
+            ),
+            static_argnames="num_segments",
         )
 
     def _tokenizer(self, task: ArithmeticTask) -> TextTokenizer:
@@ -216,9 +227,19 @@ class DPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out preference accuracy: ``eval/accuracy`` = fraction with margin z > 0 against
         the reference (0 at the start, strictly); ``eval/policy_accuracy`` = fraction with
-        π_c > π_r (the policy itself prefers the chosen answer)."""
+        π_c > π_r (the policy itself prefers the chosen answer); ``eval/exact_match`` = greedy
+        exact match of the chosen responses (teacher-forced argmax, as in SFT)."""
         if self.held_out is None:
             return {}
+        chosen = pack_sequences(
+            self.held_out.sequences[0::2],
+            loss_masks=self.held_out.masks[0::2],
+            row_len=self.cfg.schedule.max_tokens,
+        )
+        arrays = {k: jnp.asarray(v[0]) for k, v in device_arrays(chosen).items()}
+        correct, scored = self._exact_match(
+            self.session.state.params, arrays, num_segments=chosen.num_segments
+        )
         sink = ReferenceCache.empty(self.held_out.num_pairs)
         self._pair_values(self.held_out, sink)
         sink.check_complete()
@@ -227,6 +248,7 @@ class DPOTrainer:
         return {
             "eval/accuracy": preference_accuracy(sink.chosen, sink.rejected, *refs),
             "eval/policy_accuracy": preference_accuracy(sink.chosen, sink.rejected),
+            "eval/exact_match": float(correct) / max(float(scored), 1.0),
         }
 
     # -- the loop ---------------------------------------------------------------------------
