@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl.cli import main
+from jaxrl.config import ConfigError, load_run_config
 from jaxrl.data.packing import pack_micro_batches
 from jaxrl.data.preference import PairDocuments, pair_micro_batches
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
@@ -21,6 +22,7 @@ from jaxrl.train.accumulate import make_accumulate
 from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.step import make_mesh
+from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.session import Session
 
 BETA = 0.1
@@ -215,6 +217,9 @@ def test_metric_rows_and_step_zero_values(dp1_run):
             r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6
         )
         assert r["denominator"] == 8  # pair normalisation: the step's pair count
+    assert steps[0]["learning_rate"] == pytest.approx(1e-3)  # dpo.learning_rate, not SFT's
+    sft_rows = read_metrics(out / "sft" / "metrics.jsonl")
+    assert sft_rows[0]["learning_rate"] == pytest.approx(5e-3)
     first = steps[0]  # evaluated at the reference parameters
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-5)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
@@ -273,3 +278,16 @@ def test_interrupted_run_resumes_to_identical_metrics(dp1_run, tmp_path, monkeyp
     drop = {"elapsed_s", "compiles"}
     strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]
     assert strip(resumed) == strip(straight)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("schedule.docs_per_step=16", "docs_per_step=16 is not supported for DPO"),
+        ("dpo.precompute_ref_log_probs=false", "precompute_ref_log_probs=false"),
+    ],
+)
+def test_unsupported_settings_raise(tmp_path, override, message):
+    cfg = load_run_config(CONFIG, [f"output_dir={tmp_path}", override])
+    with pytest.raises(ConfigError, match=message):
+        DPOTrainer(cfg)
