@@ -59,6 +59,7 @@ class GRPOConfig:
     eval_strategy: str = "no"  # no, steps, epoch
     auto_find_batch_size: bool = False  # accepted only as False (would break prompt groups)
     docs_per_step: int = 0  # global documents per optimizer step; 0 = off (fastllm.md §1)
+    learning_rate: float | None = None  # GRPO-stage peak LR; None → optimizer.learning_rate
     fp32_lm_head: bool = False  # fp32 logits from the bf16 body (fastllm.md §5)
 
     _given: tuple[int | None, int | None] = dataclasses.field(
@@ -176,6 +177,8 @@ class GRPOConfig:
             value = getattr(self, name)
             if value is not None:
                 require(value >= 0, name, value, "use a value ≥ 0")
+        if self.learning_rate is not None:
+            require(self.learning_rate > 0, "learning_rate", self.learning_rate, "use a value > 0")
         q = self.top_entropy_quantile
         require(0 < q <= 1, "top_entropy_quantile", q, "use a value in (0, 1]; 1 disables it")
         if self.delta is not None:
