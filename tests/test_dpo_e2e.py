@@ -262,10 +262,10 @@ def test_interrupted_run_resumes_to_identical_metrics(dp1_run, tmp_path, monkeyp
     settings = ["mesh.data=1", "dpo.per_device_train_batch_size=8", "checkpoint.every=1"]
     original = Session.run_step
 
-    def crashing(self, arrays, expected_documents):
+    def crashing(self, arrays, expected_documents, **kwargs):
         if self.step == 2 and self.output_dir.name != "sft":
             raise _Crash
-        return original(self, arrays, expected_documents)
+        return original(self, arrays, expected_documents, **kwargs)
 
     monkeypatch.setattr(Session, "run_step", crashing)
     with pytest.raises(_Crash):

@@ -78,10 +78,10 @@ def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
 
     original = Session.run_step
 
-    def crashing(self, arrays, expected_documents):
+    def crashing(self, arrays, expected_documents, **kwargs):
         if self.step == 3:  # after the step-2 checkpoint, mid-way to step 4
             raise _Crash
-        return original(self, arrays, expected_documents)
+        return original(self, arrays, expected_documents, **kwargs)
 
     monkeypatch.setattr(Session, "run_step", crashing)
     with pytest.raises(_Crash):

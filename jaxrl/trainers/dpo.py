@@ -278,7 +278,9 @@ class DPOTrainer:
                 )
                 docs = sum(len(mb) for rank in micro_batches for mb in rank)
                 arrays = device_arrays(packed, tuple(doc_fields))
-                row = session.run_step(arrays, expected_documents=docs)
+                row = session.run_step(
+                    arrays, expected_documents=docs, rounds=packed.num_micro_batches
+                )
                 every = cfg.logging.eval_every
                 if (every and session.step % every == 0) or session.step == cfg.max_steps:
                     row.update(self.evaluate())
