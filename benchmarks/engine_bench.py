@@ -32,14 +32,18 @@ from jaxrl.train.step import TrainStep, make_mesh  # noqa: E402
 FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "doc_sample_index")
 
 
-def _time(fn, iters: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    times = []
+def _time_interleaved(fns: dict, iters: int) -> dict[str, float]:
+    """Median seconds per call of each function, measured round-robin so load drift on a
+    shared machine hits every variant alike."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile + warm up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -80,7 +84,7 @@ def main() -> None:
 
     tx = optax.adamw(1e-3)
     mesh = make_mesh(1)
-    results = {}
+    fns = {}
     for label, arrays in (("", batch_np), (" (2x bucket)", bucket_np)):
         for name in ("while", "scan"):
             step = TrainStep(loss, tx, mesh, learning_rate=lambda s: 1e-3, loop=name, donate=False)
@@ -91,7 +95,7 @@ def main() -> None:
             def run(step=step, state=state, batch=batch, stop=stop):
                 return step(state, batch, 0, stop)[0]
 
-            results[name + label] = _time(run, args.iters)
+            fns[name + label] = run
 
     big = {f: jnp.asarray(v[0]) for f, v in batch_np.items()}  # all K rows in one forward
 
@@ -107,7 +111,8 @@ def main() -> None:
         return state.replace(params=optax.apply_updates(p32, updates), opt_state=opt)
 
     state = TrainState.create(params, tx, 0)
-    results["one big batch"] = _time(lambda: big_step(state), args.iters)
+    fns["one big batch"] = lambda: big_step(state)
+    results = _time_interleaved(fns, args.iters)
 
     print(
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
