@@ -33,7 +33,6 @@ from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.losses.normalize import LossTerms
-from jaxrl.models.hf import save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
@@ -47,7 +46,7 @@ from jaxrl.train.ref_cache import (
     tokenizer_fingerprint,
     weight_fingerprint,
 )
-from jaxrl.trainers.session import Session, build_model, device_arrays
+from jaxrl.trainers.session import Session, build_model, build_task, device_arrays
 
 REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, rejected → ref_r
 
@@ -85,14 +84,7 @@ class DPOTrainer:
                 "not implemented; set it to true (the reference log-prob cache)"
             )
         t = cfg.task
-        task = ArithmeticTask(
-            min_digits=t.min_digits,
-            max_digits=t.max_digits,
-            ops=t.ops,
-            reverse_answer=t.reverse_answer,
-            pad_operands=t.pad_operands,
-            seed=cfg.seed,
-        )
+        task = build_task(cfg)
         self.tokenizer = self._tokenizer(task)
         builtin = train_pairs is None
         if builtin:
@@ -290,9 +282,7 @@ class DPOTrainer:
                 )
                 advance(f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}")
                 last = row
-        export = session.output_dir / "hf"
-        save_pretrained(session.model, export)
-        self.tokenizer.save(export)
+        export = session.export(self.tokenizer)
         session.close()
         final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()
         return {

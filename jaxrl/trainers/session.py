@@ -20,8 +20,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from jaxrl.config import RunConfig, to_dict
 from jaxrl.data.packing import PackedBatch
+from jaxrl.data.tasks import ArithmeticTask
+from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
-from jaxrl.models.hf import from_pretrained
+from jaxrl.models.hf import from_pretrained, save_pretrained
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer
@@ -46,6 +48,19 @@ def build_model(cfg: RunConfig, vocab_size: int) -> Transformer:
     )
     config = ModelConfig.tiny(vocab_size, **init)
     return Transformer(config, rngs=nnx.Rngs(params=cfg.seed))
+
+
+def build_task(cfg: RunConfig) -> ArithmeticTask:
+    """The built-in task the ``task`` section describes, seeded by the run."""
+    t = cfg.task
+    return ArithmeticTask(
+        min_digits=t.min_digits,
+        max_digits=t.max_digits,
+        ops=t.ops,
+        reverse_answer=t.reverse_answer,
+        pad_operands=t.pad_operands,
+        seed=cfg.seed,
+    )
 
 
 def device_arrays(packed: PackedBatch, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
@@ -154,6 +169,13 @@ class Session:
                 bar.update(task, completed=self.step, info=info)
 
             yield advance
+
+    def export(self, tokenizer: TextTokenizer) -> Path:
+        """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``."""
+        path = self.output_dir / "hf"
+        save_pretrained(self.model, path)
+        tokenizer.save(path)
+        return path
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -13,15 +13,14 @@ from jaxrl.config import RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
 from jaxrl.data.packing import pack_micro_batches, pack_sequences
 from jaxrl.data.schedule import build_dp_schedule
-from jaxrl.data.tasks import ArithmeticTask, Example
+from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.sft import sft_terms
-from jaxrl.models.hf import save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.trainers.session import Session, build_model, device_arrays
+from jaxrl.trainers.session import Session, build_model, build_task, device_arrays
 
 
 def encode_examples(
@@ -47,14 +46,7 @@ class SFTTrainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.task
-        self.task = ArithmeticTask(
-            min_digits=t.min_digits,
-            max_digits=t.max_digits,
-            ops=t.ops,
-            reverse_answer=t.reverse_answer,
-            pad_operands=t.pad_operands,
-            seed=cfg.seed,
-        )
+        self.task = build_task(cfg)
         self.tokenizer = char_tokenizer(self.task.alphabet)
         only = cfg.sft.completion_only_loss
         self.train_seqs, self.train_masks = encode_examples(
@@ -168,9 +160,7 @@ class SFTTrainer:
                 )
                 advance(f"loss {row['loss']:.3f}")
                 last = row
-        export = session.output_dir / "hf"
-        save_pretrained(session.model, export)
-        self.tokenizer.save(export)
+        export = session.export(self.tokenizer)
         session.close()
         return {
             "steps": session.step,
