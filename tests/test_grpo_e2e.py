@@ -167,10 +167,10 @@ def test_train_on_rollouts_moves_toward_rewarded_completions_and_masks_truncated
     prompts, completions, logps, _ = _external_rollouts(1)
     rewards = [1.0 if i % 4 == 0 else 0.0 for i in range(8)]
     doc = [prompts[0] + completions[0]]
-    before = t.scorer.token_logprobs(t._local_params(), doc)[0]
+    before = t.generator.scorer.token_logprobs(t.local_params(), doc)[0]
     for _ in range(3):
         t.train_on_rollouts(prompts, completions, logps, rewards)
-    after = t.scorer.token_logprobs(t._local_params(), doc)[0]
+    after = t.generator.scorer.token_logprobs(t.local_params(), doc)[0]
     n = len(completions[0])
     assert after[-n:].sum() > before[-n:].sum() + 0.1
     with pytest.raises(ValueError, match="not a multiple of num_generations=4"):

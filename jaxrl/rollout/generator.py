@@ -1,0 +1,182 @@
+"""Rollouts from prompts: weight sync → KV-cache sampler → rewards → advantages → old/ref log-probs.
+
+The generator holds the sampler, the no-grad scorer and the reward functions of a GRPO run. Every
+call takes the parameters explicitly and loads them into the sampler with its one sync function
+(``Sampler.load_params``), so generation always uses the trainer's current weights. Rewards and
+advantages are computed on the whole generation batch on the host (shared/specs/grpo.md §6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.config import ConfigError, GRPOConfig
+from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.losses.advantages import compute_advantages, reward_metrics
+from jaxrl.models.transformer import ModelConfig
+from jaxrl.rollout.rewards import (
+    RewardFunc,
+    exact_answer_reward,
+    resolve_reward_funcs,
+    reward_name,
+    score_completions,
+)
+from jaxrl.rollout.rollouts import Rollouts, documents_of
+from jaxrl.rollout.sampler import Sampler, SamplingParams
+from jaxrl.train.score import Scorer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+__all__ = ["GREEDY", "RolloutGenerator"]
+
+
+class RolloutGenerator:
+    """Sampler + scorer + reward functions of one GRPO run (host orchestration, no state)."""
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        model_config: ModelConfig,
+        graphdef: Any,
+        tokenizer: TextTokenizer,
+        *,
+        reward_funcs: Sequence[str | RewardFunc],
+        row_len: int,
+        chunk_size: int = 0,
+        old_logprobs: bool = False,
+        ref_params: Any = None,
+    ):
+        """``old_logprobs``: score every batch under the generating parameters (§5);
+        ``ref_params``: the frozen reference parameters when β > 0."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        weights = config.reward_weights
+        if weights is not None and len(weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"grpo.reward_weights={list(weights)} has {len(weights)} entries for "
+                f"{len(self.reward_funcs)} reward functions {self.reward_names}: give one weight "
+                "per function"
+            )
+        self.old_logprobs = old_logprobs
+        self.ref_params = ref_params
+        self.sampler = Sampler(
+            model_config,
+            max_new_tokens=config.max_completion_length,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            sampling=SamplingParams(
+                temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
+            ),
+        )
+        self.scorer = Scorer(
+            graphdef, row_len=row_len, temperature=config.temperature, chunk_size=chunk_size
+        )
+
+    def reward_columns(self, num_columns: int) -> tuple[Any, list[str]]:
+        """(weights, names) of a reward matrix: the reward functions' when the width matches
+        (internal generations, or external ``[B, F]`` rewards), else one unweighted column."""
+        if num_columns == len(self.reward_funcs):
+            return self.config.reward_weights, self.reward_names
+        if num_columns == 1:
+            return None, ["external"]
+        raise ValueError(
+            f"rewards have {num_columns} columns: give [B] or [B, {len(self.reward_funcs)}] "
+            f"(one column per reward function {self.reward_names})"
+        )
+
+    def build(
+        self,
+        params: Any,
+        prompt_ids: Sequence[np.ndarray],
+        completion_ids: Sequence[np.ndarray],
+        sampler_logp: Sequence[np.ndarray],
+        truncated: np.ndarray,
+        rewards_BF: np.ndarray,
+    ) -> Rollouts:
+        """A generation batch with advantages, and old / reference log-probs when needed.
+
+        ``params`` are the parameters that generated the batch (for old log-probs).
+        """
+        c = self.config
+        advantages_B = compute_advantages(
+            rewards_BF,
+            c.num_generations,
+            weights=self.reward_columns(rewards_BF.shape[1])[0],
+            scale_rewards=c.scale_rewards,
+            mode=c.multi_objective_aggregation,
+        )
+        r = Rollouts(
+            prompt_ids=[np.asarray(p, np.int32) for p in prompt_ids],
+            completion_ids=[np.asarray(x, np.int32) for x in completion_ids],
+            sampler_logp=[np.asarray(x, np.float32) for x in sampler_logp],
+            truncated=np.asarray(truncated, bool),
+            rewards=rewards_BF,
+            advantages=advantages_B,
+        )
+        if self.old_logprobs or self.ref_params is not None:
+            docs = documents_of([(r, i) for i in range(len(r))], mask_truncated=False).sequences
+
+            def completion_part(doc_logps: list[np.ndarray]) -> list[np.ndarray]:
+                return [lp[len(p) :] for lp, p in zip(doc_logps, r.prompt_ids, strict=True)]
+
+            if self.old_logprobs:
+                r.old_logp = completion_part(self.scorer.token_logprobs(params, docs))
+            if self.ref_params is not None:
+                r.ref_logp = completion_part(self.scorer.token_logprobs(self.ref_params, docs))
+        return r
+
+    def generate(
+        self,
+        params: Any,
+        prompt_ids: Sequence[np.ndarray],
+        prompts: Sequence[str],
+        columns: Mapping[str, Sequence[Any]],
+        key: jax.Array,
+    ) -> Rollouts:
+        """Sample one completion per prompt row with ``params``, score and build the batch."""
+        self.sampler.load_params(params)  # the one weight sync, every generation
+        res = self.sampler.generate(list(prompt_ids), key)
+        completions = res.completions()
+        rewards_BF = score_completions(
+            self.reward_funcs, prompts, [self.tokenizer.decode(x) for x in completions], columns
+        )
+        logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
+        return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BF)
+
+    def accuracy(
+        self,
+        params: Any,
+        prompt_ids: Sequence[np.ndarray],
+        prompts: Sequence[str],
+        answers: Sequence[str],
+    ) -> float:
+        """Fraction of greedy completions that are exactly the answer (held-out evaluation)."""
+        self.sampler.load_params(params)
+        res = self.sampler.generate(list(prompt_ids), jax.random.key(0), GREEDY)
+        completions = [self.tokenizer.decode(x) for x in res.completions()]
+        return float(np.mean(exact_answer_reward(prompts, completions, answer=answers)))
+
+    def metrics(self, batches: Sequence[Rollouts]) -> dict[str, float]:
+        """Reward and completion-length metrics over whole generation batches (rows pooled)."""
+        c = self.config
+        weights, names = self.reward_columns(batches[0].rewards.shape[1])
+        out = reward_metrics(
+            [b.rewards for b in batches],
+            c.num_generations,
+            weights=weights,
+            scale_rewards=c.scale_rewards,
+            mode=c.multi_objective_aggregation,
+            reward_names=names,
+        )
+        lengths = np.concatenate([b.completion_lengths for b in batches])
+        truncated = np.concatenate([b.truncated for b in batches])
+        out["completions/mean_length"] = float(lengths.mean())
+        out["completions/max_length"] = float(lengths.max())
+        out["completions/clipped_ratio"] = float(truncated.mean())
+        return out
