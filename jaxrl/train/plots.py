@@ -1,4 +1,4 @@
-"""Training curves as a PNG (matplotlib, Agg backend: no display needed)."""
+"""Training curves as a PNG (matplotlib's object API and Agg canvas: no display needed)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,15 @@ def plot_reward_and_accuracy(
 
     ``start_accuracy`` (the accuracy before the first step) is drawn at step 0.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays untouched
 
     steps = [r["step"] for r in rows if r.get("reward") is not None]
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     if start_accuracy is not None:
         evals = [(0, start_accuracy), *evals]
-    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    ax_r, ax_a = fig.subplots(1, 2)
     ax_r.plot(steps, rewards, lw=1.2)
     ax_r.set(xlabel="optimizer step", ylabel="mean reward", title=f"{title}: reward")
     if evals:
@@ -40,6 +38,5 @@ def plot_reward_and_accuracy(
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    fig.savefig(out, dpi=100)  # Figure uses the Agg canvas for PNG: no display needed
     return out
