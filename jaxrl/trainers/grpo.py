@@ -227,7 +227,7 @@ class GRPOTrainer:
         arrays = device_arrays(packed, extra=(*docs.token_fields, "advantage"))
         if c.top_entropy_quantile < 1.0:  # no-grad pre-pass over the whole step, all ranks
             tau = self.generator.scorer.step_entropy_threshold(
-                self.session.state.params, arrays, c.top_entropy_quantile
+                self.local_params(), arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
         row = self.session.run_step(
