@@ -83,8 +83,9 @@ class ArithmeticTask:
                 sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
                 answer = sign + digits[::-1]
             w = self.max_digits if self.pad_operands else 0
-            out.append(Example(prompt=f"{a:0{w}d}{op}{b:0{w}d}=" if w else f"{a}{op}{b}=",
-                               answer=answer))
+            out.append(
+                Example(prompt=f"{a:0{w}d}{op}{b:0{w}d}=" if w else f"{a}{op}{b}=", answer=answer)
+            )
         if len(out) < n:
             raise ValueError(
                 f"cannot draw {n} distinct {split} problems from about {space}; "
