@@ -117,11 +117,3 @@ def make_mesh(data: int) -> Mesh:
             "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before launch"
         )
     return Mesh(devices[:data], (DATA_AXIS,))
-
-
-def params_of(model) -> tuple[Any, Any]:
-    """``(graphdef, params)`` of an NNX model (the functional split for the hot path)."""
-    import flax.nnx as nnx
-
-    graphdef, params = nnx.split(model, nnx.Param)
-    return graphdef, params

@@ -273,13 +273,9 @@ class DPOTrainer:
                 row = session.run_step(
                     arrays, expected_documents=docs, rounds=packed.num_micro_batches
                 )
-                every = cfg.logging.eval_every
-                if (every and session.step % every == 0) or session.step == cfg.max_steps:
+                if session.eval_due():
                     row.update(self.evaluate())
-                session.writer.write(row)
-                session.maybe_checkpoint(
-                    {"feed": self.feed.state_dict()}, force=session.step == cfg.max_steps
-                )
+                session.record(row, {"feed": self.feed.state_dict()})
                 advance(f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}")
                 last = row
         export = session.export(self.tokenizer)

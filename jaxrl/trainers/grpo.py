@@ -284,11 +284,9 @@ class GRPOTrainer:
         with session.progress("grpo") as advance:
             while session.step < cfg.max_steps:
                 row = self.step()
-                every = cfg.logging.eval_every
-                if (every and session.step % every == 0) or session.step == cfg.max_steps:
+                if session.eval_due():
                     row["eval/accuracy"] = self.evaluate()
-                session.writer.write(row)
-                session.maybe_checkpoint(self.host_state(), force=session.step == cfg.max_steps)
+                session.record(row, self.host_state())
                 advance(f"reward {row['reward']:.3f}")
                 last = row
         plot = plot_reward_and_accuracy(

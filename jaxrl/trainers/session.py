@@ -150,6 +150,16 @@ class Session:
         if force or (every and self.step % every == 0):
             self.checkpointer.save(self.step, self.state, host)
 
+    def eval_due(self) -> bool:
+        """Evaluate after this step: every ``logging.eval_every`` steps and after the last."""
+        every = self.cfg.logging.eval_every
+        return bool(every and self.step % every == 0) or self.step == self.cfg.max_steps
+
+    def record(self, row: dict[str, Any], host: dict[str, Any]) -> None:
+        """Write the step's metrics row, then checkpoint if due (always after the last step)."""
+        self.writer.write(row)
+        self.maybe_checkpoint(host, force=self.step == self.cfg.max_steps)
+
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Any]:
         """A rich progress bar over optimizer steps (disabled by ``logging.progress: false``)."""

@@ -151,13 +151,9 @@ class SFTTrainer:
                 row = session.run_step(
                     device_arrays(packed), expected_documents=docs, rounds=packed.num_micro_batches
                 )
-                every = cfg.logging.eval_every
-                if (every and session.step % every == 0) or session.step == cfg.max_steps:
+                if session.eval_due():
                     row["eval/accuracy"] = self.evaluate()
-                session.writer.write(row)
-                session.maybe_checkpoint(
-                    {"feed": self.feed.state_dict()}, force=session.step == cfg.max_steps
-                )
+                session.record(row, {"feed": self.feed.state_dict()})
                 advance(f"loss {row['loss']:.3f}")
                 last = row
         export = session.export(self.tokenizer)
