@@ -1,4 +1,4 @@
-"""DPOConfig validation (dpo.md §1)."""
+"""DPOConfig validation."""
 
 import pytest
 
@@ -83,14 +83,26 @@ def test_derived_properties():
     )
 
 
-def test_config_and_loss_module_agree():
-    from jaxrl.config import dpo as cfg_mod
-
-    assert cfg_mod.LOSS_TYPES == dpo_losses.LOSS_TYPES
-    assert cfg_mod.SMOOTHING_LOSS_TYPES == dpo_losses.SMOOTHING_LOSS_TYPES
-    assert cfg_mod.MEAN_LOSS_TYPES == dpo_losses.MEAN_LOSS_TYPES
+def test_config_accepts_exactly_the_loss_module_types():
+    """The config validates against the lists the loss code uses: every type it accepts (with
+    or without label smoothing) passes the loss's own check, and both agree on mean log-probs."""
     for t in dpo_losses.LOSS_TYPES:
         assert DPOConfig(loss_type=t).uses_mean_logps == dpo_losses.uses_mean_logps(t)
+        dpo_losses.check_loss_type(t)
+        smooths = t in dpo_losses.SMOOTHING_LOSS_TYPES
+        if smooths:
+            assert DPOConfig(loss_type=t, label_smoothing=0.1).label_smoothing == 0.1
+            dpo_losses.check_loss_type(t, 0.1)
+        else:
+            with pytest.raises(ConfigError, match="label_smoothing=0.1"):
+                DPOConfig(loss_type=t, label_smoothing=0.1)
+            with pytest.raises(ValueError, match="label_smoothing=0.1"):
+                dpo_losses.check_loss_type(t, 0.1)
+    choices = ", ".join(map(repr, dpo_losses.LOSS_TYPES))
+    with pytest.raises(ConfigError, match=rf"loss_type='kto' is invalid: use one of {choices}"):
+        DPOConfig(loss_type="kto")
+    with pytest.raises(ValueError, match="loss_type='kto' is invalid"):
+        dpo_losses.check_loss_type("kto")
 
 
 def test_from_yaml_dict_and_unknown_key():

@@ -3,11 +3,13 @@
 import dataclasses
 import warnings
 
+import jax.numpy as jnp
 import pytest
 
 from jaxrl.config.base import ConfigError, from_dict
-from jaxrl.config.grpo import LOSS_TYPES, GRPOConfig
+from jaxrl.config.grpo import GRPOConfig
 from jaxrl.losses import policy
+from jaxrl.losses.loss_types import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 
 
 def cfg(**kw):
@@ -250,5 +252,19 @@ def test_from_yaml_dict():
     assert c.reward_weights == (1.0, 0.5)
 
 
-def test_loss_types_agree_with_policy_module():
-    assert set(LOSS_TYPES) == set(policy.LOSS_TYPES)
+def test_config_accepts_exactly_the_policy_loss_types():
+    """The config validates against the list the loss code uses, so a type it accepts runs."""
+    zeros_BT, seg_BT, adv_BS = jnp.zeros((1, 3)), jnp.ones((1, 3), jnp.int32), jnp.zeros((1, 2))
+    for loss_type in GRPO_LOSS_TYPES:
+        assert GRPOConfig(loss_type=loss_type).loss_type == loss_type
+        policy.policy_loss_terms(
+            zeros_BT, None, None, adv_BS, zeros_BT, seg_BT, loss_type=loss_type
+        )
+    choices = ", ".join(map(repr, GRPO_LOSS_TYPES))
+    with pytest.raises(ConfigError, match=rf"loss_type='cispo' is invalid: use one of {choices}"):
+        GRPOConfig(loss_type="cispo")
+    with pytest.raises(ValueError, match="loss_type='cispo' is invalid"):
+        policy.policy_loss_terms(zeros_BT, None, None, adv_BS, zeros_BT, seg_BT, loss_type="cispo")
+    for level in IMPORTANCE_SAMPLING_LEVELS:
+        c = GRPOConfig(loss_type="grpo", importance_sampling_level=level)
+        assert c.importance_sampling_level == level

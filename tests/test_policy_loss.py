@@ -1,4 +1,4 @@
-"""GRPO-family policy loss on packed micro-batches (grpo.md §7–10, fastllm.md §3–4, §6).
+"""GRPO-family policy loss on packed micro-batches: GRPO, GSPO, DAPO, Dr.GRPO, Fast-LLM GSPO.
 
 Every numeric check compares against an independent float64 loop over documents.
 """
@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.losses.loss_types import GRPO_LOSS_TYPES as LOSS_TYPES
 from jaxrl.losses.normalize import finalize
 from jaxrl.losses.policy import (
-    LOSS_TYPES,
     clipped_surrogate,
     entropy_mask,
     entropy_threshold,

@@ -1,7 +1,9 @@
-"""``DPOConfig``: DPO variants and their step normalisation (shared/specs/dpo.md §1, §3).
+"""``DPOConfig``: DPO variants and their step normalisation.
 
 TRL names and defaults (β = 0.1, ``sigmoid``). open-instruct's code defaults differ (β = 5.0,
-``dpo_norm``): recipes ported from it must set ``beta`` and ``loss_type`` explicitly.
+``dpo_norm``): recipes ported from it must set ``beta`` and ``loss_type`` explicitly. The loss
+types and normalisations accepted here are the lists ``jaxrl.losses.dpo`` checks, imported from
+``jaxrl.losses.loss_types``.
 """
 
 from __future__ import annotations
@@ -9,22 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl.config.base import require, require_choice
-
-LOSS_TYPES = (
-    "sigmoid",
-    "dpo",
-    "sigmoid_norm",
-    "dpo_norm",
-    "ipo",
-    "hinge",
-    "robust",
-    "simpo",
-    "wpo",
+from jaxrl.losses.loss_types import (
+    DPO_ALIASES,
+    DPO_LOSS_TYPES,
+    DPO_MEAN_LOSS_TYPES,
+    DPO_NORMALIZE,
+    DPO_SMOOTHING_LOSS_TYPES,
 )
-SMOOTHING_LOSS_TYPES = ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm", "simpo", "wpo", "robust")
-MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo")
-ALIASES = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}
-NORMALIZE = ("pair", "token")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +38,7 @@ class DPOConfig:
     reference_cache_dir: str | None = None  # None → <output_dir>/ref_cache
 
     def __post_init__(self) -> None:
-        require_choice("loss_type", self.loss_type, LOSS_TYPES)
+        require_choice("loss_type", self.loss_type, DPO_LOSS_TYPES)
         require(self.beta > 0, "beta", self.beta, "use a value > 0")
         require(
             0.0 <= self.label_smoothing < 0.5,
@@ -54,13 +47,13 @@ class DPOConfig:
             "use a value in [0, 0.5)",
         )
         require(
-            self.label_smoothing == 0.0 or self.loss_type in SMOOTHING_LOSS_TYPES,
+            self.label_smoothing == 0.0 or self.loss_type in DPO_SMOOTHING_LOSS_TYPES,
             "label_smoothing",
             self.label_smoothing,
             f"loss_type={self.loss_type!r} has no label smoothing; set label_smoothing=0 or use "
-            f"one of {', '.join(map(repr, SMOOTHING_LOSS_TYPES))}",
+            f"one of {', '.join(map(repr, DPO_SMOOTHING_LOSS_TYPES))}",
         )
-        require_choice("normalize", self.normalize, NORMALIZE)
+        require_choice("normalize", self.normalize, DPO_NORMALIZE)
         require(
             self.learning_rate is None or self.learning_rate > 0,
             "learning_rate",
@@ -80,12 +73,12 @@ class DPOConfig:
     @property
     def canonical_loss_type(self) -> str:
         """``dpo`` → ``sigmoid``, ``dpo_norm`` → ``sigmoid_norm``; others unchanged."""
-        return ALIASES.get(self.loss_type, self.loss_type)
+        return DPO_ALIASES.get(self.loss_type, self.loss_type)
 
     @property
     def uses_mean_logps(self) -> bool:
-        """Sequence log-probs are per-token means (else sums) for this loss type (§4)."""
-        return self.loss_type in MEAN_LOSS_TYPES
+        """Sequence log-probs are per-token means (else sums) for this loss type."""
+        return self.loss_type in DPO_MEAN_LOSS_TYPES
 
     @property
     def needs_reference(self) -> bool:

@@ -1,8 +1,10 @@
 """``GRPOConfig``: TRL's GRPO fields and defaults, resolved and validated at construction.
 
-Field names, defaults and the resolution order follow huggingface/trl after PR #3388/#3725
-(shared/specs/grpo.md §1–2, §5). ``generation_batch_size`` and ``steps_per_generation`` hold
-their resolved values after construction; ``replace`` rebuilds from the values the user gave.
+Field names, defaults and the resolution order follow huggingface/trl after PR #3388/#3725.
+``generation_batch_size`` and ``steps_per_generation`` hold their resolved values after
+construction; ``replace`` rebuilds from the values the user gave. The accepted loss types,
+importance-sampling levels, reward scalings and aggregations are the lists the loss code itself
+checks (``jaxrl.losses.loss_types``, ``jaxrl.losses.advantages``), imported, not copied.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import warnings
 from typing import Any
 
 from jaxrl.config.base import ConfigError, require, require_choice
+from jaxrl.losses.advantages import AGGREGATIONS, SCALE_REWARDS
+from jaxrl.losses.loss_types import (
+    GRPO_LOSS_TYPES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    TOKEN_SUMMING_LOSS_TYPES,
+)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "seq_mean_token_sum")
-TOKEN_SUMMING_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")
-AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 
@@ -58,9 +61,9 @@ class GRPOConfig:
     do_eval: bool = False  # run evaluation
     eval_strategy: str = "no"  # no, steps, epoch
     auto_find_batch_size: bool = False  # accepted only as False (would break prompt groups)
-    docs_per_step: int = 0  # global documents per optimizer step; 0 = off (fastllm.md §1)
+    docs_per_step: int = 0  # global documents per optimizer step; 0 = off (Fast-LLM's)
     learning_rate: float | None = None  # GRPO-stage peak LR; None → optimizer.learning_rate
-    fp32_lm_head: bool = False  # fp32 logits from the bf16 body (fastllm.md §5)
+    fp32_lm_head: bool = False  # fp32 logits from the bf16 body
 
     _given: tuple[int | None, int | None] = dataclasses.field(
         init=False, repr=False, compare=False, default=(None, None)
@@ -155,7 +158,7 @@ class GRPOConfig:
         )
 
         # 7. Enumerations and ranges.
-        require_choice("loss_type", self.loss_type, LOSS_TYPES)
+        require_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
         require_choice(
             "importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS
         )
@@ -209,7 +212,12 @@ class GRPOConfig:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Old log-probs are computed after generation iff g % (S·μ) != 0 (§5)."""
+        """Old log-probs are computed after generation iff g % (S·μ) != 0 (as TRL).
+
+        Otherwise each generation buffer is used up (all its S·μ micro-steps) within one
+        optimizer step, so the parameters that sampled it are the ones being trained and
+        old = stop_gradient(current).
+        """
         window = self.steps_per_generation * self.num_iterations
         return self.gradient_accumulation_steps % window != 0
 

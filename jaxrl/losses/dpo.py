@@ -1,4 +1,4 @@
-"""DPO and its variants on packed pairs (shared/specs/dpo.md §3–5).
+"""DPO and its variants on packed pairs.
 
 Notation: π_c, π_r policy sequence log-probs of chosen and rejected, ref_c, ref_r the reference
 values, β = ``beta``, ε = ``label_smoothing``, σ the logistic sigmoid, and the DPO margin
@@ -14,8 +14,12 @@ values, β = ``beta``, ε = ``label_smoothing``, σ the logistic sigmoid, and th
 
 Packing: a pair is two adjacent documents of one row, chosen = segment 2p−1 and rejected =
 segment 2p (p = 1..P, P = (S−1)//2 slots per row). The step objective is a ratio of global sums
-(§3): ``pair`` → Σ_p ℓ_p / N_pairs; ``token`` → Σ_p T_p ℓ_p / Σ_p T_p, with T_p the chosen plus
-rejected non-padding tokens, prompt included. Metrics are plain means over pairs.
+(``normalize.pair_terms``): ``pair`` → Σ_p ℓ_p / N_pairs; ``token`` → Σ_p T_p ℓ_p / Σ_p T_p, with
+T_p the chosen plus rejected non-padding tokens, prompt included. Metrics are plain means over
+pairs: reward accuracy, margin, chosen and rejected rewards and log-probs (``dpo_metrics``).
+
+The loss-type names (``LOSS_TYPES``, ``MEAN_LOSS_TYPES``, ``SMOOTHING_LOSS_TYPES``) are defined
+once, in ``jaxrl.losses.loss_types``; ``DPOConfig`` validates against the same lists.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.config.dpo import LOSS_TYPES, MEAN_LOSS_TYPES, SMOOTHING_LOSS_TYPES
-from jaxrl.losses.normalize import LossTerms, segment_sum
-from jaxrl.losses.policy import Metrics, documents_present
+from jaxrl.losses.loss_types import DPO_LOSS_TYPES as LOSS_TYPES
+from jaxrl.losses.loss_types import DPO_MEAN_LOSS_TYPES as MEAN_LOSS_TYPES
+from jaxrl.losses.loss_types import DPO_SMOOTHING_LOSS_TYPES as SMOOTHING_LOSS_TYPES
+from jaxrl.losses.normalize import LossTerms, documents_present, pair_terms, segment_sum
+from jaxrl.losses.policy import Metrics
 
-NORMALIZE = ("pair", "token")
 IGNORE_INDEX = -100
 
 
@@ -132,7 +137,7 @@ def dpo_metrics(
     loss_type: str = "sigmoid",
     valid: jax.Array | None = None,
 ) -> Metrics:
-    """§5 metrics as (sum, count) over the valid pairs; the step reports Σ sum / Σ count.
+    """Metrics as (sum, count) over the valid pairs; the step reports Σ sum / Σ count.
 
     ``rewards/accuracy`` is strict (ties are wrong); ``rewards/margin`` is the mean of r_c − r_r.
     """
@@ -208,17 +213,6 @@ def pair_tokens(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
     return chosen_BP + rejected_BP
 
 
-def pair_normalizer_terms(
-    losses_BP: jax.Array, valid_BP: jax.Array, tokens_BP: jax.Array, normalize: str
-) -> tuple[jax.Array, jax.Array]:
-    """(numerator, denominator): ``pair`` → (Σ ℓ_p, N_pairs); ``token`` → (Σ T_p ℓ_p, Σ T_p)."""
-    if normalize not in NORMALIZE:
-        raise ValueError(f"normalize={normalize!r} is invalid: use one of {NORMALIZE}")
-    on = valid_BP > 0
-    weight_BP = jnp.where(on, 1.0 if normalize == "pair" else tokens_BP.astype(jnp.float32), 0.0)
-    return jnp.sum(jnp.where(on, losses_BP, 0.0) * weight_BP), jnp.sum(weight_BP)
-
-
 def dpo_loss_terms(
     token_logp_BT: jax.Array,
     loss_mask_BT: jax.Array,
@@ -233,7 +227,7 @@ def dpo_loss_terms(
     simpo_gamma: float = 0.3,
     normalize: str = "pair",
 ) -> DPOLossTerms:
-    """Numerator, denominator and §5 metric sums of one packed micro-batch of pairs.
+    """Numerator, denominator and metric sums of one packed micro-batch of pairs.
 
     ``token_logp_BT`` are target-aligned policy log-probs, ``loss_mask_BT`` the target mask
     (``target_mask``), ``ref_*_BP`` the reference sequence values (cache lookups) in the loss's
@@ -267,7 +261,7 @@ def dpo_loss_terms(
         weights=weights_BP,
     )
     tokens_BP = pair_tokens(seg_BT, num_segments)
-    numerator, denominator = pair_normalizer_terms(losses_BP, valid_BP, tokens_BP, normalize)
+    numerator, denominator = pair_terms(losses_BP, valid_BP, tokens_BP, normalize)
     metrics = dpo_metrics(
         pc_BP, pr_BP, rc_BP, rr_BP, beta=beta, loss_type=loss_type, valid=valid_BP
     )

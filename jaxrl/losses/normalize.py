@@ -9,17 +9,29 @@ over micro-batches, psums them over the data axis and divides once, so the step 
 does not depend on how documents were cut into micro-batches, packed or spread over ranks.
 Never average per-micro-batch means (that is Fast-LLM's docs_per_step token bug, and TRL's bnpo).
 
-Modes (``ℓ_t`` per-token loss at target-aligned position t, ``m_t`` loss mask, d documents):
+This module is the only place where a loss type becomes a numerator and a denominator. Modes
+(``ℓ_t`` per-token loss at target-aligned position t, ``m_t`` loss mask, ``N_d = Σ_{t∈d} m_t``,
+N_seq documents; the GRPO column is ``loss_types.GRPO_LOSS_MODES``, the mode each
+``GRPOConfig.loss_type`` uses):
 
-=========  ================================  =====================================
-mode       numerator                          denominator
-=========  ================================  =====================================
-token      Σ_t m_t ℓ_t                        Σ_t m_t
-sequence   Σ_d Σ_{t∈d} m_t ℓ_t / max(N_d,1)   number of documents
-document   Σ_t m_t ℓ_t                        number of documents (Fast-LLM docs_per_step)
-constant   Σ_t m_t ℓ_t                        documents × max_len (Dr.GRPO)
-pair       Σ_p ℓ_p  (per-pair losses)         number of pairs (DPO)
-=========  ================================  =====================================
+=========  ==========================  ================================  ======================
+mode       GRPO loss_type              numerator                         denominator
+=========  ==========================  ================================  ======================
+token      bnpo, dapo                  Σ_t m_t ℓ_t                       Σ_t m_t
+sequence   grpo                        Σ_d Σ_{t∈d} m_t ℓ_t / max(N_d,1)  N_seq
+document   seq_mean_token_sum          Σ_t m_t ℓ_t                       N_seq (Fast-LLM)
+constant   dr_grpo                     Σ_t m_t ℓ_t                       N_seq × max_len
+pair       (DPO, ``normalize=pair``)   Σ_p ℓ_p  (per-pair losses)        N_pairs
+pair       (DPO, ``normalize=token``)  Σ_p T_p ℓ_p                       Σ_p T_p
+=========  ==========================  ================================  ======================
+
+N_seq counts every document present in the micro-batch, fully masked ones included: a document
+with no loss token still counts (it adds 0 to the numerator). For DPO, T_p is the pair's chosen
+plus rejected non-padding tokens, prompt included.
+
+Every per-token sum goes through per-document segment sums and masks with ``jnp.where``, so
+padding a row changes no bit of any result, and values at masked positions (even inf/NaN) never
+reach the numerator or its gradient.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl.losses.loss_types import DPO_NORMALIZE
 
 MODES = ("token", "sequence", "document", "constant", "pair")
 
@@ -62,6 +76,17 @@ def num_documents(segment_ids_BT: jax.Array) -> jax.Array:
     return jnp.max(segment_ids_BT, axis=-1)
 
 
+def documents_present(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
+    """``[B, S]`` bool: slot s ≥ 1 holds a document in this row (slot 0 is always False).
+
+    A document is present when it has at least one token, loss tokens or not. With ids 1..n in
+    row order the count per row equals ``num_documents``.
+    """
+    real_BT = (segment_ids_BT > 0).astype(jnp.float32)
+    present_BS = segment_sum(real_BT, segment_ids_BT, num_segments) > 0
+    return present_BS.at[:, 0].set(False)
+
+
 def token_terms(
     loss_BT: jax.Array,
     mask_BT: jax.Array,
@@ -71,26 +96,47 @@ def token_terms(
     num_segments: int,
     max_len: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(numerator, denominator) of a per-token loss for one micro-batch under ``mode``."""
-    mask_BT = mask_BT.astype(jnp.float32)
-    weighted_BT = loss_BT.astype(jnp.float32) * mask_BT
-    docs = jnp.sum(num_documents(segment_ids_BT)).astype(jnp.float32)
+    """(numerator, denominator) of a per-token loss for one micro-batch under ``mode``.
+
+    ``mask_BT`` weighs each token (0 = no loss); padding (segment 0) never counts. Masked
+    positions are selected out with ``jnp.where``, so their values (even inf/NaN) reach neither
+    the result nor its gradient. Sums run per document first (segment sums), then over documents.
+    """
+    if mode not in MODES or mode == "pair":
+        raise ValueError(
+            f"mode={mode!r}: per-token losses use one of token, sequence, document, "
+            "constant ('pair' takes per-pair losses, see pair_terms)"
+        )
+    if mode == "constant" and max_len is None:
+        raise ValueError("mode='constant' (Dr.GRPO) needs max_len")
+    seg_BT = segment_ids_BT.astype(jnp.int32)
+    w_BT = mask_BT.astype(jnp.float32)
+    on_BT = (w_BT != 0) & (seg_BT > 0)
+    loss_sum_BS = segment_sum(
+        jnp.where(on_BT, loss_BT.astype(jnp.float32) * w_BT, 0.0), seg_BT, num_segments
+    )[:, 1:]
+    ntok_BS = segment_sum(jnp.where(on_BT, w_BT, 0.0), seg_BT, num_segments)[:, 1:]
+    n_seq = jnp.sum(documents_present(seg_BT, num_segments).astype(jnp.float32))
     if mode == "token":
-        return jnp.sum(weighted_BT), jnp.sum(mask_BT)
-    if mode == "document":
-        return jnp.sum(weighted_BT), docs
-    if mode == "constant":
-        if max_len is None:
-            raise ValueError("mode='constant' (Dr.GRPO) needs max_len")
-        return jnp.sum(weighted_BT), docs * max_len
+        return jnp.sum(loss_sum_BS), jnp.sum(ntok_BS)
     if mode == "sequence":
-        sums_BS = segment_sum(weighted_BT, segment_ids_BT, num_segments)[:, 1:]
-        counts_BS = segment_sum(mask_BT, segment_ids_BT, num_segments)[:, 1:]
-        return jnp.sum(sums_BS / jnp.maximum(counts_BS, 1.0)), docs
-    raise ValueError(
-        f"mode={mode!r}: per-token losses use one of token, sequence, document, "
-        "constant ('pair' takes per-pair losses)"
-    )
+        return jnp.sum(loss_sum_BS / jnp.maximum(ntok_BS, 1.0)), n_seq
+    if mode == "document":
+        return jnp.sum(loss_sum_BS), n_seq
+    return jnp.sum(loss_sum_BS), n_seq * float(max_len)  # constant
+
+
+def pair_terms(
+    losses_BP: jax.Array, valid_BP: jax.Array, tokens_BP: jax.Array, normalize: str
+) -> tuple[jax.Array, jax.Array]:
+    """(numerator, denominator) of per-pair losses (DPO): ``normalize='pair'`` → (Σ ℓ_p,
+    N_pairs); ``'token'`` → (Σ T_p ℓ_p, Σ T_p). Invalid pair slots (``valid_BP`` 0) are
+    selected out, so their values never reach the result."""
+    if normalize not in DPO_NORMALIZE:
+        raise ValueError(f"normalize={normalize!r} is invalid: use one of {DPO_NORMALIZE}")
+    on = valid_BP > 0
+    weight_BP = jnp.where(on, 1.0 if normalize == "pair" else tokens_BP.astype(jnp.float32), 0.0)
+    return jnp.sum(jnp.where(on, losses_BP, 0.0) * weight_BP), jnp.sum(weight_BP)
 
 
 def finalize(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

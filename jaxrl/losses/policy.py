@@ -3,22 +3,28 @@
 Inputs are per-token arrays ``[B, T]`` of one packed micro-batch, target-aligned (the value at t
 belongs to the prediction of token t+1). ``segment_ids`` are 1-based documents (one completion with
 its prompt each), 0 = padding; per-document arrays are ``[B, S]`` with slot 0 for padding, and
-``S = num_segments`` is static. ``m_t`` is the loss mask (completion tokens only).
+``S = num_segments`` is static. ``m_t`` is the loss mask (completion tokens only), ``lp_t`` the
+policy's log-prob of the target, ``old_t`` the log-prob under the policy that generated the
+completion, ``ref_t`` the reference model's, ``A_d`` the advantage of document d, ``H_t`` the
+token entropy and ``N_d = Σ_{t∈d} m_t``.
 
-Per token (shared/specs/grpo.md §7)::
+Per token::
 
     ρ_t = exp(lp_t − old_t)                                 (token level)
     ρ_t = exp(S_d),  S_d = Σ_{t∈d} m_t (lp_t − old_t) / max(N_d, 1)   (sequence level, GSPO)
     ρ̂ = clip(ρ, 1 − ε_low, 1 + ε_high);  ρ ← min(ρ, δ) if δ is set
     ℓ_t = −min(ρ A_d, ρ̂ A_d) · [H_t ≥ τ_H]  +  β k3_t,   k3_t = e^(ref−lp) − (ref−lp) − 1
 
-The function returns this micro-batch's numerator and denominator contribution (§8); the engine
-sums both over micro-batches and ranks and divides once (``finalize``):
+The ratio, the clipped surrogate and the KL term form ℓ_t; the entropy gate ``[H_t ≥ τ_H]``
+(τ_H the step-wide quantile, only when ``entropy_threshold`` is given) keeps the policy term of
+high-entropy tokens only. ``loss_type`` then picks how ℓ_t becomes this micro-batch's numerator
+and denominator contribution: it names a mode of ``jaxrl.losses.normalize`` (the engine sums
+both over micro-batches and ranks and divides once, ``finalize``):
 
-    grpo                Σ_d Σ_{t∈d} m ℓ / max(N_d, 1)   /  N_seq
-    bnpo, dapo          Σ m ℓ                            /  Σ m
-    dr_grpo             Σ m ℓ                            /  N_seq · max_completion_length
-    seq_mean_token_sum  Σ m ℓ                            /  N_seq      (Fast-LLM GSPO, PR #544)
+    grpo                sequence   Σ_d Σ_{t∈d} m ℓ / max(N_d, 1)   /  N_seq
+    bnpo, dapo          token      Σ m ℓ                            /  Σ m
+    dr_grpo             constant   Σ m ℓ                            /  N_seq · max_completion_length
+    seq_mean_token_sum  document   Σ m ℓ                            /  N_seq   (Fast-LLM GSPO, #544)
 
 N_seq counts every document present in the micro-batch, fully masked ones included. Every sum
 goes through per-document segment sums, so padding a row changes no bit of any result, and values
@@ -30,10 +36,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses.normalize import LossTerms, segment_sum
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "seq_mean_token_sum")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+from jaxrl.losses.loss_types import GRPO_LOSS_MODES, GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
+from jaxrl.losses.normalize import LossTerms, documents_present, segment_sum, token_terms
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
@@ -44,13 +48,6 @@ PolicyLossTerms = LossTerms  # (numerator, denominator, metrics) of one micro-ba
 def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
     """Broadcast per-document values back to tokens: ``out[b, t] = x[b, seg[b, t]]``."""
     return jnp.take_along_axis(x_BS, segment_ids_BT, axis=1)
-
-
-def documents_present(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
-    """``[B, S]`` bool: slot s ≥ 1 holds a document in this row (slot 0 is always False)."""
-    real_BT = (segment_ids_BT > 0).astype(jnp.float32)
-    present_BS = segment_sum(real_BT, segment_ids_BT, num_segments) > 0
-    return present_BS.at[:, 0].set(False)
 
 
 def k3_kl(ref_logp: jax.Array, logp: jax.Array) -> jax.Array:
@@ -97,7 +94,7 @@ def clipped_surrogate(
     """PPO objective ``min(min(ρ, δ)·A, clip(ρ, 1−ε_low, 1+ε_high)·A)`` (to maximise).
 
     Value as TRL. The gradient is ``A·∂ρ`` exactly where the selected term depends on ρ, built
-    from explicit masks with inclusive boundaries (fastllm.md §3.7): for A > 0 it flows iff
+    from explicit masks with inclusive boundaries (as Fast-LLM): for A > 0 it flows iff
     ρ ≤ 1+ε_high (and ρ ≤ δ), for A < 0 iff ρ ≥ 1−ε_low (and ρ ≤ δ). Autodiff of min/clip
     would split ties 0.5/0.5 at the boundaries instead.
     """
@@ -171,8 +168,8 @@ def policy_loss_terms(
     loss tokens at token level, over documents at sequence level), ``entropy`` and, when
     β ≠ 0, ``kl`` (over loss tokens).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {LOSS_TYPES}")
+    if loss_type not in GRPO_LOSS_MODES:
+        raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {GRPO_LOSS_TYPES}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             f"importance_sampling_level={importance_sampling_level!r} is invalid: "
@@ -197,7 +194,6 @@ def policy_loss_terms(
     adv_BT = jnp.where(m_BT, gather_segments(adv_BS, seg_BT), 0.0)
     present_BS = documents_present(seg_BT, num_segments)
     ntok_BS = segsum(mf_BT)
-    n_seq = jnp.sum(present_BS.astype(jnp.float32))
 
     if importance_sampling_level == "token":
         ratio_BT = jnp.exp(log_ratio_BT)
@@ -226,14 +222,12 @@ def policy_loss_terms(
         h_BT = jnp.where(m_BT, jax.lax.stop_gradient(entropy_BT).astype(jnp.float32), 0.0)
         metrics["entropy"] = (jnp.sum(segsum(h_BT)[:, 1:]), jnp.sum(ntok_BS[:, 1:]))
 
-    loss_sum_BS = segsum(jnp.where(m_BT, loss_BT, 0.0))[:, 1:]
-    ntok_BS = ntok_BS[:, 1:]
-    if loss_type == "grpo":
-        numerator, denominator = jnp.sum(loss_sum_BS / jnp.maximum(ntok_BS, 1.0)), n_seq
-    elif loss_type in ("bnpo", "dapo"):
-        numerator, denominator = jnp.sum(loss_sum_BS), jnp.sum(ntok_BS)
-    elif loss_type == "dr_grpo":
-        numerator, denominator = jnp.sum(loss_sum_BS), n_seq * float(max_completion_length)
-    else:  # seq_mean_token_sum
-        numerator, denominator = jnp.sum(loss_sum_BS), n_seq
+    numerator, denominator = token_terms(
+        loss_BT,
+        m_BT,
+        seg_BT,
+        mode=GRPO_LOSS_MODES[loss_type],
+        num_segments=num_segments,
+        max_len=max_completion_length,
+    )
     return PolicyLossTerms(numerator, denominator, metrics)

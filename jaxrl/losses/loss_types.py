@@ -1,0 +1,42 @@
+"""Loss-type names: the one list the loss functions and the configs both check against.
+
+No jax here on purpose: ``jaxrl.config`` validates against these names, and the CLI reads the
+config before jax is imported, so that ``mesh.data`` can still size the CPU host-device count.
+
+GRPO family (``GRPOConfig.loss_type``): each type is a normalisation mode of
+``jaxrl.losses.normalize``, which turns the per-token losses into the step's numerator and
+denominator (see the table there).
+"""
+
+from __future__ import annotations
+
+# loss_type → normalize mode. Order is the order error messages list the choices in.
+GRPO_LOSS_MODES: dict[str, str] = {
+    "grpo": "sequence",  # per-document token mean, averaged over documents (TRL grpo)
+    "bnpo": "token",  # token mean over the whole step (TRL bnpo)
+    "dr_grpo": "constant",  # token sum over documents × max_completion_length (Dr.GRPO)
+    "dapo": "token",  # token mean over the whole step (TRL dapo)
+    "seq_mean_token_sum": "document",  # token sum over documents (Fast-LLM GSPO)
+}
+GRPO_LOSS_TYPES = tuple(GRPO_LOSS_MODES)
+# Types whose numerator sums tokens with a step-wide denominator, so sequence-level importance
+# sampling weights each sequence by its length (TRL #3823, #6042): the config warns.
+TOKEN_SUMMING_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+# DPO family (``DPOConfig.loss_type``, see ``jaxrl.losses.dpo``).
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "dpo",
+    "sigmoid_norm",
+    "dpo_norm",
+    "ipo",
+    "hinge",
+    "robust",
+    "simpo",
+    "wpo",
+)
+DPO_SMOOTHING_LOSS_TYPES = ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm", "simpo", "wpo", "robust")
+DPO_MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo")  # per-token mean log-probs
+DPO_ALIASES = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}
+DPO_NORMALIZE = ("pair", "token")  # DPOConfig.normalize: pair → Σℓ/N_pairs, token → Σ T_p ℓ_p/Σ T_p
