@@ -22,6 +22,7 @@ from jaxrl.losses.loss_types import (
 )
 
 EVAL_STRATEGIES = ("no", "steps", "epoch")
+LR_SCHEDULER_TYPES = ("constant", "cosine", "linear")  # the GRPO stage's decay after warmup
 
 
 def _positive_int(field: str, value: Any) -> None:
@@ -63,6 +64,8 @@ class GRPOConfig:
     auto_find_batch_size: bool = False  # accepted only as False (would break prompt groups)
     docs_per_step: int = 0  # global documents per optimizer step; 0 = off (Fast-LLM's)
     learning_rate: float | None = None  # GRPO-stage peak LR; None → optimizer.learning_rate
+    warmup_steps: int | None = None  # GRPO-stage LR warmup steps; None → optimizer.warmup_steps
+    lr_scheduler_type: str | None = None  # constant, cosine, linear; None → optimizer.decay
     fp32_lm_head: bool = False  # fp32 logits from the bf16 body
 
     _given: tuple[int | None, int | None] = dataclasses.field(
@@ -182,6 +185,10 @@ class GRPOConfig:
                 require(value >= 0, name, value, "use a value ≥ 0")
         if self.learning_rate is not None:
             require(self.learning_rate > 0, "learning_rate", self.learning_rate, "use a value > 0")
+        if self.warmup_steps is not None:
+            require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "use a value >= 0")
+        if self.lr_scheduler_type is not None:
+            require_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
         q = self.top_entropy_quantile
         require(0 < q <= 1, "top_entropy_quantile", q, "use a value in (0, 1]; 1 disables it")
         if self.delta is not None:

@@ -121,6 +121,7 @@ class TaskConfig:
     pad_operands: bool = True  # zero-pad operands to max_digits (fixed digit positions)
     train_size: int = 4000  # distinct training problems
     eval_size: int = 200  # distinct held-out problems
+    sft_label_noise: float = 0.0  # SFT only: fraction of training answers with one digit wrong
 
     def __post_init__(self):
         require(
@@ -131,6 +132,12 @@ class TaskConfig:
         )
         require(self.train_size >= 1, "task.train_size", self.train_size, "use >= 1")
         require(self.eval_size >= 1, "task.eval_size", self.eval_size, "use >= 1")
+        require(
+            0.0 <= self.sft_label_noise <= 1.0,
+            "task.sft_label_noise",
+            self.sft_label_noise,
+            "use a fraction in [0, 1] (0 = clean SFT answers)",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,9 +159,16 @@ class LoggingConfig:
 
     progress: bool = True  # show a rich progress bar
     eval_every: int = 0  # evaluate every N steps; 0 = only at the end
+    eval_samples: int = 8  # GRPO: samples per held-out prompt for eval/accuracy_sampled; 0 = off
 
     def __post_init__(self):
         require(self.eval_every >= 0, "logging.eval_every", self.eval_every, "use >= 0")
+        require(
+            self.eval_samples >= 0,
+            "logging.eval_samples",
+            self.eval_samples,
+            "use 0 (greedy eval/accuracy only) or k > 0 samples per held-out prompt",
+        )
 
 
 def check_max_steps(value: int) -> None:
@@ -200,6 +214,7 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     sft_warmup_steps: int = 0  # grpo/dpo: first run this many SFT steps (output_dir/sft)
+    sft_warmup_target: float = 0.0  # stop the warm start once held-out accuracy >= this; 0 = off
     grpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # GRPOConfig fields
     dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
     grpo_config: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
@@ -218,6 +233,18 @@ class RunConfig:
             self.sft_warmup_steps,
             "use 0 (start from model.path or scratch) or a positive number of SFT steps",
         )
+        require(
+            0.0 <= self.sft_warmup_target <= 1.0,
+            "sft_warmup_target",
+            self.sft_warmup_target,
+            "use a held-out exact-match accuracy in [0, 1] (0 = run all sft_warmup_steps)",
+        )
+        if self.sft_warmup_steps and self.sft_warmup_target and self.logging.eval_every == 0:
+            raise config_error(
+                "sft_warmup_target",
+                self.sft_warmup_target,
+                "it is checked at evaluations: set logging.eval_every > 0, or the target to 0",
+            )
         for name, cls in (("grpo", GRPOConfig), ("dpo", DPOConfig)):
             section = dict(getattr(self, name))
             if "world_size" in section:

@@ -20,7 +20,6 @@ from jaxrl.losses.advantages import compute_advantages, reward_metrics
 from jaxrl.models.transformer import ModelConfig
 from jaxrl.rollout.rewards import (
     RewardFunc,
-    exact_answer_reward,
     resolve_reward_funcs,
     reward_name,
     score_completions,
@@ -29,9 +28,7 @@ from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.rollout.sampler import Sampler, SamplingParams
 from jaxrl.train.score import Scorer
 
-GREEDY = SamplingParams(temperature=0.0)
-
-__all__ = ["GREEDY", "RolloutGenerator"]
+__all__ = ["RolloutGenerator"]
 
 
 class RolloutGenerator:
@@ -148,19 +145,6 @@ class RolloutGenerator:
         )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
         return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BF)
-
-    def accuracy(
-        self,
-        params: Any,
-        prompt_ids: Sequence[np.ndarray],
-        prompts: Sequence[str],
-        answers: Sequence[str],
-    ) -> float:
-        """Fraction of greedy completions that are exactly the answer (held-out evaluation)."""
-        self.sampler.load_params(params)
-        res = self.sampler.generate(list(prompt_ids), jax.random.key(0), GREEDY)
-        completions = [self.tokenizer.decode(x) for x in res.completions()]
-        return float(np.mean(exact_answer_reward(prompts, completions, answer=answers)))
 
     def metrics(self, batches: Sequence[Rollouts]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""

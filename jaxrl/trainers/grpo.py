@@ -27,6 +27,7 @@ from jaxrl.data.schedule import build_dp_schedule
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.generator import RolloutGenerator
+from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.rewards import RewardFunc
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
@@ -79,6 +80,16 @@ class GRPOTrainer:
             # β > 0: the frozen initial parameters (a copy: the train step donates its buffers)
             ref_params=self.local_params(copy=True) if config.beta != 0.0 else None,
         )
+        self.evaluator = HeldoutEvaluator(
+            model.config,
+            tok,
+            [e.prompt for e in self.eval_examples],
+            [e.answer for e in self.eval_examples],
+            max_new_tokens=config.max_completion_length,
+            sampling=self.generator.sampler.sampling,
+            samples_per_prompt=cfg.logging.eval_samples,
+            seed=cfg.seed,
+        )
         self.prompt_sampler = PromptSampler(
             len(self.train_prompts),
             prompts_per_generation=config.prompts_per_generation,
@@ -91,7 +102,7 @@ class GRPOTrainer:
         self.pending: deque[tuple[int, int]] = deque()  # (generation, row) not yet trained on
         self.next_id = 0  # generation ids (internal and external batches)
         self.current_id: int | None = None  # the generation in the buffer
-        self.start_accuracy: float | None = None
+        self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self._started = False
 
     # -- generation ---------------------------------------------------------------------------
@@ -240,12 +251,10 @@ class GRPOTrainer:
         return row
 
     # -- evaluation, state, the loop ----------------------------------------------------------
-    def evaluate(self) -> float:
-        """Held-out accuracy: greedy completions scored by the exact-answer reward."""
-        exs = self.eval_examples
-        return self.generator.accuracy(
-            self.local_params(), self.eval_prompts, [e.prompt for e in exs], [e.answer for e in exs]
-        )
+    def evaluate(self) -> dict[str, float]:
+        """Held-out ``eval/accuracy`` (greedy) and ``eval/accuracy_sampled`` (k samples per prompt
+        at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
+        return self.evaluator(self.local_params()).metrics()
 
     def host_state(self) -> dict[str, Any]:
         """Everything outside the TrainState that a resumed run needs, as JSON."""
@@ -256,7 +265,7 @@ class GRPOTrainer:
             "pending": [list(x) for x in self.pending],
             "next_id": self.next_id,
             "current_id": self.current_id,
-            "start_accuracy": self.start_accuracy,
+            "start_eval": self.start_eval,
         }
 
     def _start(self) -> None:
@@ -266,14 +275,14 @@ class GRPOTrainer:
         self._started = True
         host = self.session.resume({})
         if host is None:
-            self.start_accuracy = self.evaluate()
+            self.start_eval = self.evaluate()
             return
         self.prompt_sampler.load_state_dict(host["prompt_sampler"])
         self.buffer.load_state_dict(host["buffer"])
         self.rollouts = {int(g): Rollouts.from_json(r) for g, r in host["rollouts"].items()}
         self.pending = deque((int(g), int(r)) for g, r in host["pending"])
         self.next_id, self.current_id = int(host["next_id"]), host["current_id"]
-        self.start_accuracy = host["start_accuracy"]
+        self.start_eval = host["start_eval"]
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
@@ -285,23 +294,23 @@ class GRPOTrainer:
             while session.step < cfg.max_steps:
                 row = self.step()
                 if session.eval_due():
-                    row["eval/accuracy"] = self.evaluate()
+                    row.update(self.evaluate())
                 session.record(row, self.host_state())
                 advance(f"reward {row['reward']:.3f}")
                 last = row
         plot = plot_reward_and_accuracy(
             read_metrics(session.writer.path),
             session.output_dir / PLOT_NAME,
-            start_accuracy=self.start_accuracy,
+            start=self.start_eval,
         )
         export = session.export(self.tokenizer)
         session.close()
-        final = last.get("eval/accuracy")
+        final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()
         return {
             "steps": session.step,
             "final_loss": last.get("loss"),
-            "eval/accuracy_start": self.start_accuracy,
-            "eval/accuracy": final if final is not None else self.evaluate(),
+            **{f"{k}_start": v for k, v in self.start_eval.items()},
+            **final,
             "wall_s": round(time.perf_counter() - start, 1),
             "plot": str(plot),
             "hf_export": str(export),
@@ -309,9 +318,10 @@ class GRPOTrainer:
 
 
 def _resolve_run_config(cfg: RunConfig, config: GRPOConfig) -> RunConfig:
-    """Apply the GRPO section's run-level settings: ``learning_rate`` (the GRPO stage's peak; the
-    SFT warm start keeps ``optimizer.learning_rate``), ``fp32_lm_head`` (the model's head), and
-    ``docs_per_step`` (one setting with ``schedule.docs_per_step``, which the engine reads)."""
+    """Apply the GRPO section's run-level settings: ``learning_rate``, ``warmup_steps`` and
+    ``lr_scheduler_type`` (the GRPO stage's schedule; the SFT warm start keeps ``optimizer``'s),
+    ``fp32_lm_head`` (the model's head), and ``docs_per_step`` (one setting with
+    ``schedule.docs_per_step``, which the engine reads)."""
     mine, theirs = config.docs_per_step, cfg.schedule.docs_per_step
     if mine and theirs and mine != theirs:
         raise ConfigError(
@@ -320,10 +330,14 @@ def _resolve_run_config(cfg: RunConfig, config: GRPOConfig) -> RunConfig:
     changes: dict[str, Any] = {}
     if mine and not theirs:
         changes["schedule"] = dataclasses.replace(cfg.schedule, docs_per_step=mine)
-    if config.learning_rate is not None:
-        changes["optimizer"] = dataclasses.replace(
-            cfg.optimizer, learning_rate=config.learning_rate
-        )
+    stage = {
+        "learning_rate": config.learning_rate,
+        "warmup_steps": config.warmup_steps,
+        "decay": config.lr_scheduler_type,
+    }
+    stage = {k: v for k, v in stage.items() if v is not None}
+    if stage:
+        changes["optimizer"] = dataclasses.replace(cfg.optimizer, **stage)
     if config.fp32_lm_head and not cfg.model.fp32_lm_head:
         changes["model"] = dataclasses.replace(cfg.model, fp32_lm_head=True)
     return dataclasses.replace(cfg, **changes) if changes else cfg

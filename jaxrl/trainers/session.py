@@ -155,10 +155,11 @@ class Session:
         every = self.cfg.logging.eval_every
         return bool(every and self.step % every == 0) or self.step == self.cfg.max_steps
 
-    def record(self, row: dict[str, Any], host: dict[str, Any]) -> None:
-        """Write the step's metrics row, then checkpoint if due (always after the last step)."""
+    def record(self, row: dict[str, Any], host: dict[str, Any], *, final: bool = False) -> None:
+        """Write the step's metrics row, then checkpoint if due (always after the last step, or
+        when ``final`` says the run ends here)."""
         self.writer.write(row)
-        self.maybe_checkpoint(host, force=self.step == self.cfg.max_steps)
+        self.maybe_checkpoint(host, force=final or self.step == self.cfg.max_steps)
 
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Any]:

@@ -13,7 +13,7 @@ from jaxrl.config import RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
 from jaxrl.data.packing import pack_micro_batches, pack_sequences
 from jaxrl.data.schedule import build_dp_schedule
-from jaxrl.data.tasks import Example
+from jaxrl.data.tasks import Example, corrupt_answers
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.sft import sft_terms
@@ -41,16 +41,25 @@ def encode_examples(
 
 
 class SFTTrainer:
-    """Supervised fine-tuning on a built-in task; ``run()`` trains and returns a summary."""
+    """Supervised fine-tuning on a built-in task; ``run()`` trains and returns a summary.
 
-    def __init__(self, cfg: RunConfig):
+    ``stop_at_accuracy``: end the run at the first evaluation (every ``logging.eval_every``
+    steps) whose held-out exact match reaches it; ``max_steps`` is then a cap, and the learning
+    rate follows the schedule of the full ``max_steps`` up to the stop.
+    """
+
+    def __init__(self, cfg: RunConfig, *, stop_at_accuracy: float | None = None):
         self.cfg = cfg
+        self.stop_at_accuracy = stop_at_accuracy
         t = cfg.task
         self.task = build_task(cfg)
         self.tokenizer = char_tokenizer(self.task.alphabet)
         only = cfg.sft.completion_only_loss
+        train = self.task.examples(t.train_size)
+        if t.sft_label_noise:  # a noisy SFT set; held-out answers stay exact
+            train = corrupt_answers(train, t.sft_label_noise, seed=cfg.seed)
         self.train_seqs, self.train_masks = encode_examples(
-            self.task.examples(t.train_size), self.tokenizer, completion_only=only
+            train, self.tokenizer, completion_only=only
         )
         self.eval_seqs, self.eval_masks = encode_examples(
             self.task.examples(t.eval_size, split="eval"), self.tokenizer, completion_only=True
@@ -130,6 +139,10 @@ class SFTTrainer:
         correct, total = self._eval_fn(self.session.state.params, arrays, num_segments=segments)
         return float(correct) / max(float(total), 1.0)
 
+    def _reached(self, accuracy: float | None) -> bool:
+        target = self.stop_at_accuracy
+        return target is not None and accuracy is not None and accuracy >= target
+
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg, session = self.cfg, self.session
@@ -153,13 +166,17 @@ class SFTTrainer:
                 )
                 if session.eval_due():
                     row["eval/accuracy"] = self.evaluate()
-                session.record(row, {"feed": self.feed.state_dict()})
+                reached = self._reached(row.get("eval/accuracy"))
+                session.record(row, {"feed": self.feed.state_dict()}, final=reached)
                 advance(f"loss {row['loss']:.3f}")
                 last = row
+                if reached:
+                    break
         export = session.export(self.tokenizer)
         session.close()
         return {
             "steps": session.step,
+            "stopped_at_target": self._reached(last.get("eval/accuracy")),
             "final_loss": last.get("loss"),
             "eval/accuracy": last.get("eval/accuracy", self.evaluate() if not last else None),
             "wall_s": round(time.perf_counter() - start, 1),

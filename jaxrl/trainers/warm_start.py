@@ -1,19 +1,27 @@
-"""SFT warm start inside a GRPO/DPO run: train ``sft_warmup_steps`` of SFT, then start there."""
+"""SFT warm start inside a GRPO/DPO run: SFT into ``<output_dir>/sft``, then start there."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from jaxrl.config import RunConfig
+
+SUMMARY = "warm_start.json"
 
 
 def warm_start(cfg: RunConfig) -> RunConfig:
     """Run the SFT stage into ``<output_dir>/sft`` (resumable) and point ``model.path`` at it.
 
     With ``sft_warmup_steps == 0`` the config is returned unchanged (``model.path`` or a fresh
-    model). The SFT stage uses the run's ``sft``, ``task``, ``model``, ``schedule`` and
-    ``mesh`` sections; its export ``<output_dir>/sft/hf`` is the RL stage's starting point.
+    model). The SFT stage uses the run's ``sft``, ``task``, ``model``, ``schedule``, ``mesh``,
+    ``optimizer`` and ``logging`` sections with ``max_steps = sft_warmup_steps``. With
+    ``sft_warmup_target > 0`` it stops at the first evaluation whose held-out exact match
+    reaches the target (``sft_warmup_steps`` is then the cap), so the RL stage starts from a
+    model of known quality rather than from wherever a fixed step count happened to land.
+    Its export ``<output_dir>/sft/hf`` is the RL stage's starting point; ``sft/warm_start.json``
+    records where the warm start stopped.
     """
     if cfg.sft_warmup_steps == 0:
         return cfg
@@ -28,9 +36,19 @@ def warm_start(cfg: RunConfig) -> RunConfig:
             output_dir=str(sft_dir),
             max_steps=cfg.sft_warmup_steps,
             sft_warmup_steps=0,
+            sft_warmup_target=0.0,
             grpo={},
             dpo={},
         )
-        SFTTrainer(sft_cfg).run()
+        target = cfg.sft_warmup_target or None
+        summary = SFTTrainer(sft_cfg, stop_at_accuracy=target).run()
+        summary["target"] = cfg.sft_warmup_target
+        (sft_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+        if target is not None and not summary["stopped_at_target"]:
+            print(
+                f"warning: the SFT warm start reached held-out accuracy "
+                f"{summary['eval/accuracy']:.3f} < sft_warmup_target={target} within "
+                f"sft_warmup_steps={cfg.sft_warmup_steps}; the RL stage starts from there"
+            )
     model = dataclasses.replace(cfg.model, path=str(export), init={})
-    return dataclasses.replace(cfg, model=model, sft_warmup_steps=0)
+    return dataclasses.replace(cfg, model=model, sft_warmup_steps=0, sft_warmup_target=0.0)
