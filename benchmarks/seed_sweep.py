@@ -4,7 +4,8 @@
     python benchmarks/seed_sweep.py configs/sft_tiny.yaml configs/dpo_tiny.yaml
 
 Each run is the plain CLI (``jaxrl train CONFIG --set seed=S --set output_dir=...``) in its own
-process, one after another, so every figure is what a user running the shipped config gets.
+process (one after another unless ``--jobs``), so every figure is what a user running the
+shipped config gets.
 Per run it prints the held-out metrics at the start and the end (and the lowest value seen at
 any evaluation, for the RL stages); per config, the minimum and median over runs. ``--json``
 writes every run's numbers to a file.
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # per algorithm: (label, metric key in metrics.jsonl, key of its start value in the summary)
@@ -77,6 +79,9 @@ def main() -> None:
     parser.add_argument("--dp8", action="store_true", help="also run seed 0 with mesh.data=8")
     parser.add_argument("--set", action="append", default=[], help="extra --set for every run")
     parser.add_argument("--json", type=Path, help="write every run's numbers here")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once (wall times then include contention)"
+    )
     args = parser.parse_args()
     everything = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,13 +89,19 @@ def main() -> None:
             variants = [(seed, "dp=1", []) for seed in args.seeds]
             if args.dp8:
                 variants.append((args.seeds[0], "dp=8", ["mesh.data=8"]))
-            runs = []
             print(f"\n## {config}\n")
-            for seed, mesh, extra in variants:
+
+            def one(variant, config=config):
+                seed, mesh, extra = variant
                 out = Path(tmp) / f"{Path(config).stem}_{seed}_{mesh}"
                 run = run_one(config, seed, [*extra, *args.set], out)
                 run["values"], run["seed"], run["mesh"] = values(run), seed, mesh
-                runs.append(run)
+                return run
+
+            with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own process
+                runs = list(pool.map(one, variants))
+            for run in runs:
+                seed, mesh = run["seed"], run["mesh"]
                 cells = "  ".join(
                     f"{label} {pct(a)} → {pct(b)} (min {pct(c)})"
                     for label, (a, b, c) in run["values"].items()

@@ -34,6 +34,7 @@ TINY = [
     "task.eval_size=8",  # = the generation batch: eval and generation share one sampler program
     "schedule.max_tokens=64",
     "optimizer.warmup_steps=0",
+    "grpo.warmup_steps=0",
     "grpo.learning_rate=3.0e-2",
     "grpo.max_completion_length=4",
     "grpo.num_generations=4",

@@ -29,7 +29,7 @@ def test_grpo_quickstart_notebook_executes(tmp_path):
     out = tmp_path / "runs" / "grpo_quickstart"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # 3 GRPO steps + 1 on external rollouts
-    assert rows[2]["eval/accuracy"] is not None
+    assert rows[2]["eval/accuracy"] is not None and rows[2]["eval/accuracy_sampled"] is not None
     assert (out / "grpo_progress.png").stat().st_size > 1000
     images = [
         o
@@ -46,4 +46,4 @@ def test_grpo_quickstart_notebook_executes(tmp_path):
         for o in c.outputs
         if "text/plain" in o.get("data", {})
     )
-    assert "eval/accuracy_start" in summary
+    assert "eval/accuracy_start" in summary and "eval/accuracy_sampled_start" in summary

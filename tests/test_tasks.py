@@ -27,7 +27,10 @@ def test_noise_is_seeded_and_spread_over_digits():
     assert a == corrupt_answers(clean, 0.3, seed=0)
     assert a != corrupt_answers(clean, 0.3, seed=1)
     new_digits = {
-        y for c, n in zip(clean, a, strict=True) for x, y in zip(c.answer, n.answer) if x != y
+        y
+        for c, n in zip(clean, a, strict=True)
+        for x, y in zip(c.answer, n.answer, strict=True)
+        if x != y
     }
     assert new_digits == set("0123456789")
 

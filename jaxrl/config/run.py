@@ -215,6 +215,7 @@ class RunConfig:
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     sft_warmup_steps: int = 0  # grpo/dpo: first run this many SFT steps (output_dir/sft)
     sft_warmup_target: float = 0.0  # stop the warm start once held-out accuracy >= this; 0 = off
+    sft_warmup_eval_every: int = 10  # with a target: SFT steps between held-out checks
     grpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # GRPOConfig fields
     dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
     grpo_config: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
@@ -239,12 +240,12 @@ class RunConfig:
             self.sft_warmup_target,
             "use a held-out exact-match accuracy in [0, 1] (0 = run all sft_warmup_steps)",
         )
-        if self.sft_warmup_steps and self.sft_warmup_target and self.logging.eval_every == 0:
-            raise config_error(
-                "sft_warmup_target",
-                self.sft_warmup_target,
-                "it is checked at evaluations: set logging.eval_every > 0, or the target to 0",
-            )
+        require(
+            self.sft_warmup_eval_every >= 1,
+            "sft_warmup_eval_every",
+            self.sft_warmup_eval_every,
+            "use a positive number of SFT steps between held-out checks",
+        )
         for name, cls in (("grpo", GRPOConfig), ("dpo", DPOConfig)):
             section = dict(getattr(self, name))
             if "world_size" in section:

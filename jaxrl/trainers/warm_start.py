@@ -17,8 +17,9 @@ def warm_start(cfg: RunConfig) -> RunConfig:
     With ``sft_warmup_steps == 0`` the config is returned unchanged (``model.path`` or a fresh
     model). The SFT stage uses the run's ``sft``, ``task``, ``model``, ``schedule``, ``mesh``,
     ``optimizer`` and ``logging`` sections with ``max_steps = sft_warmup_steps``. With
-    ``sft_warmup_target > 0`` it stops at the first evaluation whose held-out exact match
-    reaches the target (``sft_warmup_steps`` is then the cap), so the RL stage starts from a
+    ``sft_warmup_target > 0`` it checks the held-out exact match every
+    ``sft_warmup_eval_every`` steps and stops at the first check that reaches the target
+    (``sft_warmup_steps`` is then the cap), so the RL stage starts from a
     model of known quality rather than from wherever a fixed step count happened to land.
     Its export ``<output_dir>/sft/hf`` is the RL stage's starting point; ``sft/warm_start.json``
     records where the warm start stopped.
@@ -41,6 +42,9 @@ def warm_start(cfg: RunConfig) -> RunConfig:
             dpo={},
         )
         target = cfg.sft_warmup_target or None
+        if target is not None:  # check the target every sft_warmup_eval_every steps
+            logging = dataclasses.replace(cfg.logging, eval_every=cfg.sft_warmup_eval_every)
+            sft_cfg = dataclasses.replace(sft_cfg, logging=logging)
         summary = SFTTrainer(sft_cfg, stop_at_accuracy=target).run()
         summary["target"] = cfg.sft_warmup_target
         (sft_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
