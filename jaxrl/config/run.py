@@ -121,7 +121,6 @@ class TaskConfig:
     pad_operands: bool = True  # zero-pad operands to max_digits (fixed digit positions)
     train_size: int = 4000  # distinct training problems
     eval_size: int = 200  # distinct held-out problems
-    sft_label_noise: float = 0.0  # SFT only: fraction of training answers with one digit wrong
 
     def __post_init__(self):
         require(
@@ -132,12 +131,6 @@ class TaskConfig:
         )
         require(self.train_size >= 1, "task.train_size", self.train_size, "use >= 1")
         require(self.eval_size >= 1, "task.eval_size", self.eval_size, "use >= 1")
-        require(
-            0.0 <= self.sft_label_noise <= 1.0,
-            "task.sft_label_noise",
-            self.sft_label_noise,
-            "use a fraction in [0, 1] (0 = clean SFT answers)",
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

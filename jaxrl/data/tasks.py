@@ -102,25 +102,3 @@ class ArithmeticTask:
     def format_reward(example: Example, completion: str) -> float:
         """1.0 when the completion is a bare integer, else 0 (shape, not value)."""
         return float(bool(_ANSWER_RE.match(completion.strip())))
-
-
-def corrupt_answers(examples: list[Example], fraction: float, *, seed: int) -> list[Example]:
-    """A noisy copy of a training set: ``round(fraction · n)`` answers, chosen by ``seed``, get
-    one digit replaced by a different digit (uniformly at random); the rest are unchanged.
-
-    This is how a built-in task stands in for an imperfect SFT set (mislabelled or distilled
-    from a weaker model): a model trained on it learns the right answer as the most likely one
-    but also spreads probability over wrong ones, which a verifier reward can then remove.
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction={fraction}: use a value in [0, 1]")
-    rng = np.random.default_rng([seed, 2])
-    chosen = rng.permutation(len(examples))[: round(fraction * len(examples))]
-    out = list(examples)
-    for i in sorted(chosen):
-        ex = examples[i]
-        positions = [j for j, ch in enumerate(ex.answer) if ch.isdigit()]
-        j = positions[int(rng.integers(len(positions)))]
-        digit = str((int(ex.answer[j]) + int(rng.integers(1, 10))) % 10)
-        out[i] = Example(ex.prompt, ex.answer[:j] + digit + ex.answer[j + 1 :])
-    return out

@@ -13,7 +13,7 @@ from jaxrl.config import RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
 from jaxrl.data.packing import pack_micro_batches, pack_sequences
 from jaxrl.data.schedule import build_dp_schedule
-from jaxrl.data.tasks import Example, corrupt_answers
+from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.sft import sft_terms
@@ -55,11 +55,8 @@ class SFTTrainer:
         self.task = build_task(cfg)
         self.tokenizer = char_tokenizer(self.task.alphabet)
         only = cfg.sft.completion_only_loss
-        train = self.task.examples(t.train_size)
-        if t.sft_label_noise:  # a noisy SFT set; held-out answers stay exact
-            train = corrupt_answers(train, t.sft_label_noise, seed=cfg.seed)
         self.train_seqs, self.train_masks = encode_examples(
-            train, self.tokenizer, completion_only=only
+            self.task.examples(t.train_size), self.tokenizer, completion_only=only
         )
         self.eval_seqs, self.eval_masks = encode_examples(
             self.task.examples(t.eval_size, split="eval"), self.tokenizer, completion_only=True
