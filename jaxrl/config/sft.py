@@ -6,8 +6,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.config.base import require, require_choice
-
-NORMALIZATIONS = ("token", "sequence", "document")
+from jaxrl.losses.loss_types import SFT_NORMALIZATIONS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,5 +29,5 @@ class SFTConfig:
             self.batch_size,
             "use a positive number of documents per step",
         )
-        require_choice("sft.loss_normalization", self.loss_normalization, NORMALIZATIONS)
+        require_choice("sft.loss_normalization", self.loss_normalization, SFT_NORMALIZATIONS)
         require(self.max_length >= 2, "sft.max_length", self.max_length, "use >= 2 tokens")

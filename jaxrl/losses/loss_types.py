@@ -24,6 +24,9 @@ GRPO_LOSS_TYPES = tuple(GRPO_LOSS_MODES)
 TOKEN_SUMMING_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
+# SFT (``SFTConfig.loss_normalization``): normalize modes a cross-entropy step may divide by.
+SFT_NORMALIZATIONS = ("token", "sequence", "document")
+
 # DPO family (``DPOConfig.loss_type``, see ``jaxrl.losses.dpo``).
 DPO_LOSS_TYPES = (
     "sigmoid",
