@@ -282,7 +282,8 @@ class GRPOTrainer:
         self.rollouts = {int(g): Rollouts.from_json(r) for g, r in host["rollouts"].items()}
         self.pending = deque((int(g), int(r)) for g, r in host["pending"])
         self.next_id, self.current_id = int(host["next_id"]), host["current_id"]
-        self.start_eval = host["start_eval"]
+        legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
+        self.start_eval = host.get("start_eval", legacy)
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
