@@ -1,5 +1,5 @@
-"""Prompt order, generation buffer and optimizer windows (shared/specs/grpo.md §3–5, ex. 1, 2,
-9–12), checked against TRL's materialised ``RepeatSampler`` stream and accelerate's sharding."""
+"""Prompt order, generation buffer and optimizer windows with TRL GRPOTrainer's semantics,
+checked against TRL's materialised ``RepeatSampler`` stream and accelerate's sharding."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worked examples and error messages of jaxrl.data.schedule (shared/specs/dp_schedule.md).
+"""Worked examples and error messages of jaxrl.data.schedule (slime PR #2065's build_dp_schedule).
 
 Property tests (spec 5.9) live in test_schedule_properties.py.
 """

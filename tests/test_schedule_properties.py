@@ -1,4 +1,4 @@
-"""Property tests of jaxrl.data.schedule: every invariant of shared/specs/dp_schedule.md 5.9.
+"""Property tests of jaxrl.data.schedule: every invariant of slime's schedule (PR #2065) and ours.
 
 Each ``test_invariant_NN_*`` checks invariant NN on random configurations drawn as 5.9 says:
 dp in {1,2,4,8}, micro_batch_group in {1,2,4}, 1-60 rollouts of 1-3 samples (sometimes

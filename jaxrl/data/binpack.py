@@ -1,6 +1,6 @@
 """Bin packing and bin balancing primitives of the DP schedule (pure Python / numpy, no jax).
 
-These are the exact building blocks of shared/specs/dp_schedule.md; ``jaxrl.data.schedule``
+These are the exact building blocks of slime's build_dp_schedule (PR #2065); ``jaxrl.data.schedule``
 composes them. Indices are positions into the ``lengths`` list a function is given.
 
 - ``first_fit``: online first-fit (3.5). A segment tree over the bins' remaining capacities

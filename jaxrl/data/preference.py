@@ -3,7 +3,7 @@
 A pair is ``(prompt, chosen, rejected)``. Pair ``p`` becomes two documents, ids ``2p`` (chosen)
 and ``2p + 1`` (rejected), each ``[bos] prompt response [eos]`` with a token-aligned loss mask
 that is 1 on the response tokens (eos included) and 0 on bos and the prompt. Pairs are atomic
-(shared/specs/dpo.md §3, §7): the schedule sees a pair as one sample of ``len_c + len_r`` tokens,
+(as open-instruct PR #1447): the schedule sees a pair as one sample of ``len_c + len_r`` tokens,
 and ``pair_micro_batches`` lays a scheduled pair out as its chosen then its rejected document,
 adjacent in one row, so the pair occupies segments ``2q − 1`` and ``2q`` of that row.
 """

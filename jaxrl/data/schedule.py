@@ -1,4 +1,4 @@
-"""Host-side data-parallel micro-batch schedule (shared/specs/dp_schedule.md). Pure numpy.
+"""Host-side data-parallel micro-batch schedule (slime PR #2065). Pure numpy.
 
 ``build_dp_schedule`` decides, per optimizer step, which samples go into which micro-batch on
 which data-parallel rank. Two faces:
@@ -244,7 +244,7 @@ def build_dp_schedule(
     group_ids: Sequence[Hashable] | np.ndarray | None = None,
     attn_coef: float = 1 / 12288,
 ) -> DPSchedule:
-    """Schedule samples into per-rank micro-batches, step by step (shared/specs/dp_schedule.md).
+    """Schedule samples into per-rank micro-batches, step by step (slime PR #2065).
 
     Args:
       lengths: token count of sample i (prompt + response), all > 0.

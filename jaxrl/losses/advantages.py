@@ -1,4 +1,4 @@
-"""GRPO rewards and advantages on the host (numpy), TRL semantics (shared/specs/grpo.md §6, §9).
+"""GRPO rewards and advantages on the host (numpy), TRL semantics (GRPOTrainer).
 
 A generation batch holds ``B`` completions (B = B_gen, over all ranks) in global order, so rows
 ``kG … kG+G−1`` are prompt k's group. ``F`` reward functions score every completion; None

@@ -1,4 +1,4 @@
-"""TRL's prompt order and generation buffer, on the host (shared/specs/grpo.md §3–5).
+"""TRL's prompt order and generation buffer, on the host (TRL GRPOTrainer's RepeatSampler).
 
 Notation: P ranks, b completions per rank per micro-step, G completions per prompt, S micro-steps
 per generation buffer, μ passes over each buffer, g micro-steps per optimizer step,

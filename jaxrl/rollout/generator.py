@@ -3,7 +3,7 @@
 The generator holds the sampler, the no-grad scorer and the reward functions of a GRPO run. Every
 call takes the parameters explicitly and loads them into the sampler with its one sync function
 (``Sampler.load_params``), so generation always uses the trainer's current weights. Rewards and
-advantages are computed on the whole generation batch on the host (shared/specs/grpo.md §6).
+advantages are computed on the whole generation batch on the host (as TRL's GRPOTrainer).
 """
 
 from __future__ import annotations

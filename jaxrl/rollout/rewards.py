@@ -1,4 +1,4 @@
-"""Reward functions: plain Python callables scored on the host (shared/specs/grpo.md §6).
+"""Reward functions: plain Python callables scored on the host (TRL's signature).
 
 A reward function has TRL's signature::
 

@@ -1,4 +1,4 @@
-"""Reference log-prob cache for DPO (shared/specs/dpo.md §6).
+"""Reference log-prob cache for DPO (open-instruct PR #1447).
 
 The reference sequence values ``ref_c[p], ref_r[p]`` of every training pair p are computed ONCE
 from the initial (reference) parameters, with the training forward (``micro_batch_logprobs``),

@@ -1,6 +1,6 @@
 """GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → buffer → exact engine.
 
-Per generation (shared/specs/grpo.md §3–6): the next prompts in TRL ``RepeatSampler`` order →
+Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order →
 ``RolloutGenerator`` (weights synced from the trainer, KV-cache sampling, rewards, advantages on
 the whole batch, old / reference log-probs when needed) → the generation buffer. Per optimizer
 step: the window's completions (g micro-steps of every rank, or ``docs_per_step`` documents) →
