@@ -7,6 +7,7 @@ from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.run import (
     CheckpointConfig,
+    DistributedConfig,
     LoggingConfig,
     MeshConfig,
     ModelSection,
@@ -27,6 +28,7 @@ def load_run_config(path: str | Path | None = None, overrides=()) -> RunConfig:
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "DistributedConfig",
     "DPOConfig",
     "GRPOConfig",
     "LoggingConfig",

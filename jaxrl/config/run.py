@@ -11,12 +11,101 @@ from jaxrl.config.sft import SFTConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh. Only data parallelism is used today."""
+    """Device mesh ``data × fsdp × tensor``; the product must equal the device count (one axis
+    may be -1 = the rest). Batches are split over data × fsdp (the data-parallel ranks);
+    parameters and optimizer moments are sharded over fsdp and tensor (docs/scale_out.md)."""
 
-    data: int = 1  # data-parallel ranks (devices along the "data" axis)
+    data: int = -1  # data-parallel ranks (parameters replicated); -1 = the remaining devices
+    fsdp: int = 1  # fully sharded data parallel: parameters split, batch split too
+    tensor: int = 1  # tensor parallel: heads / MLP / vocabulary split, batch replicated
 
     def __post_init__(self):
-        require(self.data >= 1, "mesh.data", self.data, "use a positive number of ranks")
+        for name in ("data", "fsdp", "tensor"):
+            size = getattr(self, name)
+            require(
+                isinstance(size, int) and (size >= 1 or size == -1),
+                f"mesh.{name}",
+                size,
+                "use a positive size, or -1 for the remaining devices",
+            )
+        rest = [name for name in ("data", "fsdp", "tensor") if getattr(self, name) == -1]
+        require(
+            len(rest) <= 1,
+            f"mesh.{rest[-1] if rest else 'data'}",
+            -1,
+            f"only one axis may be -1 (the rest); {', '.join('mesh.' + n for n in rest)} all are",
+        )
+
+    @property
+    def fixed_devices(self) -> int:
+        """Devices the axes other than a -1 axis use (the whole count when none is -1)."""
+        return self.data * self.fsdp * self.tensor * (-1 if -1 in self.sizes else 1)
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return self.data, self.fsdp, self.tensor
+
+    def batch_ranks(self) -> int:
+        """Data-parallel ranks ``data × fsdp``; a -1 axis is resolved against the devices the
+        run uses (``jaxrl.train.mesh.run_devices``), which imports jax."""
+        if -1 not in self.sizes:
+            return self.data * self.fsdp
+        from jaxrl.train.mesh import resolve_shape, run_devices
+
+        data, fsdp, _ = resolve_shape(*self.sizes, len(run_devices()))
+        return data * fsdp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Multi-process launch (TPU pods, GPU clusters): the arguments of
+    ``jax.distributed.initialize``. Every host runs the same ``jaxrl train CONFIG``."""
+
+    coordinator_address: str | None = None  # "host:port" of process 0, reachable by every host
+    num_processes: int | None = None  # processes in the job (hosts × processes per host)
+    process_id: int | None = None  # this process: 0 .. num_processes - 1
+    auto: bool = False  # let JAX detect the cluster (TPU pod, SLURM, Kubernetes, ...)
+
+    def __post_init__(self):
+        explicit = {
+            "coordinator_address": self.coordinator_address,
+            "num_processes": self.num_processes,
+            "process_id": self.process_id,
+        }
+        given = [k for k, v in explicit.items() if v is not None]
+        if given and not self.auto and len(given) < 3:
+            missing = [k for k in explicit if k not in given]
+            raise ConfigError(
+                f"distributed.{missing[0]} is missing: with distributed.{given[0]} set, give "
+                "coordinator_address, num_processes and process_id (or distributed.auto: true "
+                "to let JAX detect them)"
+            )
+        if self.num_processes is not None:
+            require(
+                self.num_processes >= 1,
+                "distributed.num_processes",
+                self.num_processes,
+                "use the number of processes in the job (>= 1)",
+            )
+        if self.process_id is not None:
+            bound = self.num_processes
+            require(
+                self.process_id >= 0 and (bound is None or self.process_id < bound),
+                "distributed.process_id",
+                self.process_id,
+                f"use 0 .. num_processes - 1 ({bound})" if bound else "use an id >= 0",
+            )
+        if self.coordinator_address is not None:
+            require(
+                ":" in self.coordinator_address,
+                "distributed.coordinator_address",
+                self.coordinator_address,
+                'use "host:port" of process 0, e.g. "10.0.0.1:1234"',
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.auto or self.coordinator_address is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,6 +266,7 @@ def check_algorithm(value: str) -> None:
 
 __all__ = [
     "CheckpointConfig",
+    "DistributedConfig",
     "RunConfig",
     "ConfigError",
     "LoggingConfig",
@@ -199,6 +289,7 @@ class RunConfig:
     seed: int = 0  # seeds data order, initialisation and sampling
     max_steps: int = 100  # optimizer steps
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
@@ -248,7 +339,7 @@ class RunConfig:
                     "remove it: the data-parallel size comes from mesh.data",
                 )
             if self.algorithm == name or section:
-                section["world_size"] = self.mesh.data
+                section["world_size"] = self.mesh.batch_ranks()
                 object.__setattr__(self, f"{name}_config", from_dict(cls, section, where=name))
         if self.sft.max_length > self.schedule.max_tokens:
             raise ConfigError(

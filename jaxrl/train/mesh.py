@@ -1,0 +1,159 @@
+"""The device mesh ``(data, fsdp, tensor)`` and moving host batches onto it.
+
+Axes:
+- ``data``: data parallelism. The train step's accumulation loop is manual (``shard_map``) over
+  this axis; parameters are replicated along it.
+- ``fsdp``: parameters and optimizer moments are sharded along it (``embed`` dimension) and
+  batches are split over it too, so it is also a data-parallel axis ("batch axes" = data ×
+  fsdp); XLA gathers the weights per layer (automatic partitioning).
+- ``tensor``: attention heads, MLP hidden units and the vocabulary are split along it; batches
+  are replicated along it.
+
+The product of the three sizes must equal the number of devices the run uses: every visible
+device, or those set by :func:`use_devices` (e.g. a notebook leaving a GPU to an inference
+server). One axis may be ``-1`` (the rest). A host batch ``[R, ...]`` has one leading entry per
+batch rank ``r = d · fsdp + f``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.config.base import ConfigError
+
+AXES = ("data", "fsdp", "tensor")
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = AXES
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+
+_devices: list[list[Any]] = []  # stack of use_devices() selections
+
+
+@contextlib.contextmanager
+def use_devices(devices: Sequence[Any]) -> Iterator[None]:
+    """Run meshes built inside this block on ``devices`` instead of every visible device."""
+    _devices.append(list(devices))
+    try:
+        yield
+    finally:
+        _devices.pop()
+
+
+def run_devices() -> list[Any]:
+    """The devices a mesh is built from: the innermost :func:`use_devices`, else all."""
+    return list(_devices[-1]) if _devices else list(jax.devices())
+
+
+def resolve_shape(
+    data: int, fsdp: int, tensor: int, num_devices: int
+) -> tuple[int, int, int]:
+    """Mesh sizes with a ``-1`` replaced by the rest; ConfigError unless the product is
+    ``num_devices``."""
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{name}={size} is invalid: use a positive size, or -1 = the rest")
+    rest = [name for name, size in sizes.items() if size == -1]
+    if len(rest) > 1:
+        raise ConfigError(
+            f"mesh.{rest[0]} and mesh.{rest[1]} are both -1: at most one axis may take the rest"
+        )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh.{rest[0]}=-1 cannot fill the mesh: the other axes use {known} devices, "
+                f"which does not divide the {num_devices} devices; change the mesh sizes"
+            )
+        sizes[rest[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shape = " × ".join(f"{n}={s}" for n, s in sizes.items())
+        raise ConfigError(
+            f"mesh {shape} uses {product} devices but {num_devices} devices are visible: make "
+            f"the product of mesh.data, mesh.fsdp and mesh.tensor equal {num_devices} (one of them "
+            "may be -1 = the rest); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            "sets the device count"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[Any] | None = None
+) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default :func:`run_devices`)."""
+    devices = run_devices() if devices is None else list(devices)
+    shape = resolve_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, AXES, devices=devices)
+
+
+def mesh_from_config(mesh_cfg: Any, *, devices: Sequence[Any] | None = None) -> Mesh:
+    """The mesh a ``MeshConfig`` (``mesh`` section) describes."""
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices)
+
+
+def batch_ranks(mesh: Mesh) -> int:
+    """Data-parallel ranks: ``data × fsdp`` (each gets its own rows)."""
+    return mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading axis split over the batch axes, the rest replicated (tensor ranks share rows)."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def put_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array of the GLOBAL shape, of which each process reads only
+    the blocks its own devices hold (so the other blocks may be left unfilled)."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def put_batch(arrays: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Host ``[R, ...]`` arrays onto the mesh, split over the batch axes."""
+    sharding = batch_sharding(mesh)
+    return {name: put_global(value, sharding) for name, value in arrays.items()}
+
+
+def local_ranks(mesh: Mesh) -> list[int]:
+    """Batch ranks ``d · fsdp + f`` that have a device in this process (all, single-process)."""
+    fsdp = mesh.shape[FSDP_AXIS]
+    mine = set()
+    for (d, f, _), device in np.ndenumerate(mesh.devices):
+        if device.process_index == jax.process_index():
+            mine.add(d * fsdp + f)
+    return sorted(mine)
+
+
+def to_host(tree: Any) -> Any:
+    """Every leaf as a numpy array on every process (gathers arrays spread over processes)."""
+
+    def one(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes metrics, configs, plots and exports."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches ``name`` (no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
