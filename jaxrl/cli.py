@@ -1,43 +1,50 @@
 """``jaxrl train CONFIG.yaml [--set key=value ...]`` and ``jaxrl schedule ...``.
 
 Thin: parse, load the config, call the trainer. jax is imported only after the config is read,
-so ``mesh.data`` can size the CPU host-device count before jax initialises.
+so the ``mesh`` section can size the CPU host-device count, and the ``distributed`` section start
+a multi-process job, before jax initialises.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 
 
-def _ensure_host_devices(count: int) -> None:
-    """Ask XLA for ``count`` CPU devices (no effect on accelerators) unless already set."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
-        m = re.search(r"xla_force_host_platform_device_count=(\d+)", flags)
-        if m and int(m.group(1)) >= count:
-            return
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-
-
 def _train(args: argparse.Namespace) -> int:
-    from jaxrl.config import ConfigError, load_run_config
+    from jaxrl.config import (
+        ConfigError,
+        DistributedConfig,
+        MeshConfig,
+        RunConfig,
+        apply_overrides,
+        from_dict,
+        load_yaml,
+    )
+    from jaxrl.train import launch
 
     try:
-        cfg = load_run_config(args.config, args.set)
+        raw = apply_overrides(load_yaml(args.config), args.set)
+        mesh = from_dict(MeshConfig, raw.get("mesh") or {}, where="mesh")
+        dist = from_dict(DistributedConfig, raw.get("distributed") or {}, where="distributed")
+        if "jax" not in sys.modules:  # before jax initialises: CPU device count, processes
+            launch.ensure_host_devices(launch.host_device_count(mesh, dist))
+        launch.initialize(dist)
+        cfg = from_dict(RunConfig, raw)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if "jax" not in sys.modules:
-        _ensure_host_devices(cfg.mesh.data)
+    from jaxrl.train.mesh import is_primary
     from jaxrl.trainers import run
 
-    summary = run(cfg)
-    print(json.dumps(summary, indent=2))
+    try:
+        summary = run(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if is_primary():
+        print(json.dumps(summary, indent=2))
     return 0
 
 

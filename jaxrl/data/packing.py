@@ -155,6 +155,7 @@ def pack_micro_batches(
     row_len: BucketSpec = None,
     num_slots: BucketSpec = None,
     num_segments: BucketSpec = None,
+    local_ranks: Sequence[int] | None = None,
 ) -> PackedBatch:
     """Pack ``micro_batches[r][m]`` (global sample indices) into a ``PackedBatch``.
 
@@ -168,6 +169,8 @@ def pack_micro_batches(
       doc_fields: optional name -> one float per sample (e.g. ``advantage``).
       row_len, num_slots, num_segments: bucket specs (see ``pick_bucket``) for T, K and S.
         Trainers pass ``row_len=max_tokens`` so every step has the same T.
+      local_ranks: fill only these ranks' rows (one process's share of a multi-process step);
+        the shapes still follow every rank, so all processes agree on them. None = all.
 
     Raises:
       PackingError: a sample longer than T (naming it), a row over T, unequal micro-batch counts,
@@ -224,8 +227,9 @@ def pack_micro_batches(
     doc_sample_index = np.full(dshape, -1, np.int32)
     num_docs = np.zeros((num_ranks, K), np.int32)
     num_tokens = np.zeros((num_ranks, K), np.int32)
-    for r, rank in enumerate(mbs):
-        for m, mb in enumerate(rank):
+    fill = range(num_ranks) if local_ranks is None else sorted(set(local_ranks))
+    for r in fill:
+        for m, mb in enumerate(mbs[r]):
             idx = [int(i) for i in mb]
             lens = [length_of[i] for i in idx]
             n, d = sum(lens), len(idx)

@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import ModelConfig, RopeScaling, Transformer
+from jaxrl.train.mesh import is_primary, to_host
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -204,8 +207,13 @@ def from_pretrained(
     param_dtype: str = "float32",
     dtype: str | None = None,
     fp32_lm_head: bool = False,
+    mesh: Mesh | None = None,
 ) -> Transformer:
-    """Load a local HF directory (config.json + safetensors, single or sharded)."""
+    """Load a local HF directory (config.json + safetensors, single or sharded).
+
+    With ``mesh``, each tensor goes straight onto its shards (``jaxrl.models.sharding`` rules):
+    the host holds one tensor at a time and every device receives only its own block.
+    """
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(
@@ -229,10 +237,12 @@ def from_pretrained(
             for handle in [stack.enter_context(safe_open(str(file), framework="np"))]
             for name in handle.keys()  # noqa: SIM118 - safe_open is not a Mapping
         }
-        return _build(root, config, tensors)
+        return _build(root, config, tensors, mesh)
 
 
-def _build(root: Path, config: ModelConfig, tensors: Mapping[str, Any]) -> Transformer:
+def _build(
+    root: Path, config: ModelConfig, tensors: Mapping[str, Any], mesh: Mesh | None
+) -> Transformer:
     expected = _tensor_map(config)
     missing = sorted(set(expected) - set(tensors))
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -248,8 +258,16 @@ def _build(root: Path, config: ModelConfig, tensors: Mapping[str, Any]) -> Trans
         )
     by_path = {spec.path: (name, spec) for name, spec in expected.items()}
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    shardings = abstract if mesh is None else state_shardings(abstract, mesh)
 
-    def load(key_path: tuple[Any, ...], variable: nnx.Variable) -> nnx.Variable:
+    def place(array: np.ndarray, sharding: Any) -> jax.Array:
+        if mesh is None:
+            return jnp.asarray(array)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def load(
+        key_path: tuple[Any, ...], variable: nnx.Variable, sharding: nnx.Variable
+    ) -> nnx.Variable:
         name, spec = by_path[_key(key_path)]
         array = tensors[name].get_tensor(name)
         if array.shape != spec.shape:
@@ -257,10 +275,11 @@ def _build(root: Path, config: ModelConfig, tensors: Mapping[str, Any]) -> Trans
                 f"{root}: tensor {name} has shape {array.shape}, expected {spec.shape}"
             )
         array = (array.T if spec.transpose else array).reshape(variable.shape)
-        return variable.replace(jnp.asarray(array, dtype=config.param_dtype))
+        array = np.ascontiguousarray(array.astype(jnp.dtype(config.param_dtype)))
+        return variable.replace(place(array, sharding.get_value()))
 
     state = jax.tree_util.tree_map_with_path(
-        load, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        load, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
     return nnx.merge(graphdef, state)
 
@@ -275,17 +294,23 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
-    """Write config.json and model.safetensors (atomically) that transformers can load."""
+    """Write config.json and model.safetensors (atomically) that transformers can load.
+
+    Sharded parameters are gathered; with several processes every process must call this
+    (the gather is collective) and only process 0 writes.
+    """
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
     config = model.config
     state = nnx.state(model)
     values = {
-        _key(p): np.asarray(jax.device_get(v[...]))
+        _key(p): to_host(v[...])
         for p, v in jax.tree_util.tree_leaves_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
     }
+    if not is_primary():
+        return
+    root.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, spec in _tensor_map(config).items():
         value = values[spec.path]

@@ -1,14 +1,25 @@
 """Variable-length gradient accumulation: ``lax.while_loop`` over rounds inside ``shard_map``.
 
 A device batch holds, per data-parallel rank, K micro-batch slots (one packed row each):
-arrays ``[R, K, ...]`` sharded over the ``data`` mesh axis. Round i is slot i on every rank.
+arrays ``[R, K, ...]`` with R = data × fsdp ranks, split over the batch axes
+(``jaxrl.train.mesh``). Round i is slot i on every rank.
+
+The ``shard_map`` is manual over the batch axes (``data``, ``fsdp``) only; ``tensor`` stays
+automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary. The
+parameters enter replicated over the batch axes (the fsdp shards are all-gathered once per
+step, at entry); each round's fp32 gradient is reduce-scattered over ``fsdp`` into the
+parameter's own sharding (``psum_scatter``, never an all-reduce followed by a slice), so the
+accumulator holds 1/fsdp of the gradients; a ``psum`` over ``data`` after the loop finishes
+the sum. Axes of size 1 are left out of the manual set (and with none left there is no
+``shard_map``).
+
 Starting at the cursor ``start``, the loop consumes rounds while ``i < stop`` and, when
 ``docs_per_step > 0``, while the psum'd document total is below the target. The round that
 crosses the target is kept (Fast-LLM), so every rank runs the same number of rounds.
 
 Per round, the loss function returns the micro-batch's numerator, denominator and metric
-(sum, count) pairs; gradients of the numerator accumulate in fp32. Everything is psum'd over
-``data`` once after the loop; the caller divides once. Nothing here divides by the number of
+(sum, count) pairs; gradients of the numerator accumulate in fp32. Everything is summed over
+the ranks once after the loop; the caller divides once. Nothing here divides by the number of
 micro-batches, which is what makes the result independent of the layout.
 """
 
@@ -23,15 +34,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.losses.normalize import LossTerms, num_documents
+from jaxrl.train.mesh import BATCH_AXES, DATA_AXIS, FSDP_AXIS
 
-DATA_AXIS = "data"
 LossFn = Callable[[Any, dict[str, jax.Array]], LossTerms]
 
 
 class StepSums(NamedTuple):
     """Global (psum'd) sums of one optimizer step's consumed rounds."""
 
-    grads: Any  # fp32 gradient of the summed numerator
+    grads: Any  # fp32 gradient of the summed numerator (in the parameters' fsdp sharding)
     numerator: jax.Array
     denominator: jax.Array
     metrics: dict[str, tuple[jax.Array, jax.Array]]
@@ -39,6 +50,44 @@ class StepSums(NamedTuple):
     tokens: jax.Array  # int32: real (non-padding) tokens consumed
     micro_batches: jax.Array  # int32: non-empty micro-batches consumed, over all ranks
     end: jax.Array  # int32: cursor after the last consumed round
+
+
+def fsdp_dim(spec: P) -> int | None:
+    """The dimension a parameter's PartitionSpec shards over ``fsdp`` (None: not sharded)."""
+    for dim, entry in enumerate(spec):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if FSDP_AXIS in names:
+            return dim
+    return None
+
+
+class _Collectives:
+    """Sums over the manual batch axes (identity for axes left out of the manual set)."""
+
+    def __init__(self, manual: tuple[str, ...], grad_specs: Any | None):
+        self.manual = manual
+        self.grad_specs = grad_specs
+        self.scatter = FSDP_AXIS in manual and grad_specs is not None
+
+    def psum(self, tree: Any, axes: tuple[str, ...] | None = None) -> Any:
+        axes = tuple(a for a in (axes or self.manual) if a in self.manual)
+        return jax.lax.psum(tree, axes) if axes else tree
+
+    def grads_over_fsdp(self, grads: Any) -> Any:
+        """A round's gradients summed over fsdp: reduce-scattered into each parameter's fsdp
+        shard (psum for parameters that are not split over fsdp)."""
+        if FSDP_AXIS not in self.manual:
+            return grads
+        if not self.scatter:
+            return jax.lax.psum(grads, FSDP_AXIS)
+
+        def one(g: jax.Array, spec: P) -> jax.Array:
+            dim = fsdp_dim(spec)
+            if dim is None:
+                return jax.lax.psum(g, FSDP_AXIS)
+            return jax.lax.psum_scatter(g, FSDP_AXIS, scatter_dimension=dim, tiled=True)
+
+        return jax.tree.map(one, grads, self.grad_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _zeros_like_terms(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]) -> LossTerms:
@@ -54,10 +103,11 @@ def _rank_sums(
     *,
     docs_per_step: int,
     loop: Literal["while", "scan"],
+    comm: _Collectives,
 ) -> StepSums:
-    """One rank's accumulation (inside shard_map); returns psum'd sums."""
+    """One rank's accumulation (inside shard_map); returns sums over every rank."""
     docs_K = num_documents(batch_KT["segment_ids"]).astype(jnp.int32)
-    global_docs_K = jax.lax.psum(docs_K, DATA_AXIS)
+    global_docs_K = comm.psum(docs_K)
     tokens_K = jnp.sum(batch_KT["segment_ids"] > 0, axis=-1).astype(jnp.int32)
     num_slots = docs_K.shape[0]
     start, stop = bounds[0], jnp.minimum(bounds[1], num_slots)
@@ -69,13 +119,15 @@ def _rank_sums(
 
     grad_fn = jax.value_and_grad(lambda p, mb: _numerator(loss_fn, p, mb), has_aux=True)
     zero_terms = _zeros_like_terms(loss_fn, params, micro_batch(0))
-    zero_grads = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    shard_shapes = jax.eval_shape(comm.grads_over_fsdp, params)
+    zero_grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shard_shapes)
 
     def add(carry, i, active):
         grads, terms, total, mbs, toks = carry
         (_, t), g = grad_fn(params, micro_batch(i))
         w = active.astype(jnp.float32)
-        grads = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), grads, g)
+        g = comm.grads_over_fsdp(jax.tree.map(lambda b: w * b.astype(jnp.float32), g))
+        grads = jax.tree.map(jnp.add, grads, g)
         terms = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), terms, t)
         total = total + jnp.where(active, global_docs_K[i], 0)
         mbs = mbs + jnp.where(active & (docs_K[i] > 0), 1, 0)
@@ -103,7 +155,8 @@ def _rank_sums(
         carry, _ = jax.lax.scan(scan_body, init, jnp.arange(num_slots))
         end = stop
     grads, terms, total, mbs, toks = carry
-    grads, terms, mbs, toks = jax.lax.psum((grads, terms, mbs, toks), DATA_AXIS)
+    grads = comm.psum(grads, (DATA_AXIS,))  # already summed over fsdp, round by round
+    terms, mbs, toks = comm.psum((terms, mbs, toks))
     return StepSums(grads, terms.numerator, terms.denominator, terms.metrics, total, toks, mbs, end)
 
 
@@ -118,22 +171,40 @@ def make_accumulate(
     *,
     docs_per_step: int = 0,
     loop: Literal["while", "scan"] = "while",
+    grad_specs: Any | None = None,
 ) -> Callable[[Any, dict[str, jax.Array], jax.Array], StepSums]:
-    """``(params, batch[R,K,...], bounds[2]) -> StepSums`` sharded over the data axis.
+    """``(params, batch[R,K,...], bounds[2]) -> StepSums``, manual over the batch axes.
 
     ``bounds = [start, stop]`` selects the slots this step may consume (data, not static), so
     one compiled program serves every step of a bucket and a cursor can carry over between
-    steps that share one device buffer.
+    steps that share one device buffer. ``grad_specs``: the parameters' PartitionSpecs
+    (``state_partition_specs(params, mesh=mesh)``); gradients come back split over fsdp as the
+    parameters are (without it they come back whole).
     """
+    manual = tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
+    comm = _Collectives(manual, grad_specs)
 
     def per_rank(params, batch, bounds):
         local = jax.tree.map(lambda x: x[0], batch)  # [1, K, ...] → [K, ...]
-        return _rank_sums(loss_fn, params, local, bounds, docs_per_step=docs_per_step, loop=loop)
+        return _rank_sums(
+            loss_fn, params, local, bounds, docs_per_step=docs_per_step, loop=loop, comm=comm
+        )
 
+    if not manual:  # one rank: nothing to make manual (XLA partitions over tensor, if any)
+        return per_rank
+    grads_spec = P()
+    if comm.scatter:
+        grads_spec = jax.tree.map(
+            lambda s: P(*(FSDP_AXIS if d == fsdp_dim(s) else None for d in range(len(s)))),
+            grad_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+    out_specs = StepSums(grads_spec, P(), P(), P(), P(), P(), P(), P())
     return jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(DATA_AXIS), P()),
-        out_specs=P(),
+        in_specs=(P(), P(manual), P()),
+        out_specs=out_specs,
+        axis_names=set(manual),
         check_vma=False,
     )

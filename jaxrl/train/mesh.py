@@ -52,15 +52,15 @@ def run_devices() -> list[Any]:
     return list(_devices[-1]) if _devices else list(jax.devices())
 
 
-def resolve_shape(
-    data: int, fsdp: int, tensor: int, num_devices: int
-) -> tuple[int, int, int]:
+def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
     """Mesh sizes with a ``-1`` replaced by the rest; ConfigError unless the product is
     ``num_devices``."""
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     for name, size in sizes.items():
         if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{name}={size} is invalid: use a positive size, or -1 = the rest")
+            raise ConfigError(
+                f"mesh.{name}={size} is invalid: use a positive size, or -1 = the rest"
+            )
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
         raise ConfigError(
@@ -92,7 +92,8 @@ def make_mesh(
     """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default :func:`run_devices`)."""
     devices = run_devices() if devices is None else list(devices)
     shape = resolve_shape(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(shape, AXES, devices=devices)
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # XLA partitions; no sharding in types
+    return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
 
 
 def mesh_from_config(mesh_cfg: Any, *, devices: Sequence[Any] | None = None) -> Mesh:

@@ -25,13 +25,19 @@ def to_python(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetricsWriter:
-    """Append rows to metrics.jsonl; on resume, rows after the restored step are discarded.
+    """Append rows to metrics.jsonl (process 0 only); on resume, rows after the restored step
+    are discarded.
 
     That makes an interrupted and resumed run's file identical to an uninterrupted one.
     """
 
-    def __init__(self, output_dir: str | Path, *, resume_step: int | None = None):
+    def __init__(
+        self, output_dir: str | Path, *, resume_step: int | None = None, enabled: bool = True
+    ):
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled = enabled  # False on every process but 0: nothing is written
+        if not enabled:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows = read_metrics(self.path) if self.path.exists() else []
         if resume_step is None:
@@ -41,6 +47,8 @@ class MetricsWriter:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")

@@ -1,13 +1,17 @@
-"""``TrainState``: everything a step reads and writes, as one pytree."""
+"""``TrainState``: everything a step reads and writes, as one pytree, created on its shards."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
+
+from jaxrl.models.sharding import state_shardings
 
 
 @flax.struct.dataclass
@@ -31,3 +35,23 @@ class TrainState:
             documents_seen=jnp.zeros((), jnp.int32),
             rng=jax.random.key_data(jax.random.key(seed)),
         )
+
+
+def create_state(
+    params_fn: Callable[[], Any] | Any, tx: optax.GradientTransformation, seed: int, mesh: Mesh
+) -> tuple[TrainState, Any]:
+    """``(state, shardings)``: a fresh state built under ``jit`` straight into its shardings
+    (``jaxrl.models.sharding`` rules on ``mesh``), never whole on one device.
+
+    ``params_fn``: a function that creates the parameters (e.g. initialises a model: it runs
+    under ``jit`` with sharded outputs), or already-placed parameters (e.g. from
+    ``from_pretrained(..., mesh=mesh)``), which are not copied to one device either.
+    """
+    if callable(params_fn):
+        init = lambda: TrainState.create(params_fn(), tx, seed)  # noqa: E731
+        args: tuple[Any, ...] = ()
+    else:
+        init = lambda params: TrainState.create(params, tx, seed)  # noqa: E731
+        args = (params_fn,)
+    shardings = state_shardings(jax.eval_shape(init, *args), mesh)
+    return jax.jit(init, out_shardings=shardings)(*args), shardings

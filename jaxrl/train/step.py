@@ -3,6 +3,10 @@
 accumulate (shard_map + while_loop, psum'd sums) → one division by the step's global
 denominator → global-norm clip → AdamW on fp32 views of the parameters → cast back to each
 parameter's dtype. A non-finite gradient skips the update but still counts the documents.
+
+With ``state_shardings`` the state stays in them (parameters and fp32 moments sharded by the
+logical rules over fsdp/tensor; the optimizer update runs on the shards) and the gradients are
+accumulated in the parameters' sharding. One compiled program per batch bucket.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.losses.normalize import finalize
-from jaxrl.train.accumulate import DATA_AXIS, LossFn, make_accumulate
+from jaxrl.train.accumulate import LossFn, make_accumulate
+from jaxrl.train.mesh import make_mesh, put_batch, replicated
 from jaxrl.train.state import TrainState
+
+__all__ = ["TrainStep", "make_mesh"]
 
 
 class TrainStep:
@@ -36,27 +43,42 @@ class TrainStep:
         docs_per_step: int = 0,
         loop: Literal["while", "scan"] = "while",
         donate: bool = True,
+        state_shardings: Any | None = None,
     ):
         self.mesh = mesh
         self.compiles = 0
-        self._accumulate = make_accumulate(loss_fn, mesh, docs_per_step=docs_per_step, loop=loop)
+        self.state_shardings = state_shardings
+        grad_specs = None
+        if state_shardings is not None:
+            grad_specs = jax.tree.map(
+                lambda s: s.spec,
+                state_shardings.params,
+                is_leaf=lambda x: isinstance(x, NamedSharding),
+            )
+        self._accumulate = make_accumulate(
+            loss_fn, mesh, docs_per_step=docs_per_step, loop=loop, grad_specs=grad_specs
+        )
         self._tx = tx
         self._lr = learning_rate
         self._max_grad_norm = float(max_grad_norm)
-        self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+        out = None if state_shardings is None else (state_shardings, replicated(mesh))
+        self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        """Put a host batch ``[R, K, ...]`` on the mesh, split over the data axis."""
-        sharding = NamedSharding(self.mesh, P(DATA_AXIS))
-        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+        """Put a host batch ``[R, K, ...]`` on the mesh, split over the batch axes (each process
+        reads only its own ranks' rows)."""
+        return put_batch(batch, self.mesh)
 
-    def replicate(self, tree: Any) -> Any:
-        """Place a state (or any pytree) replicated on the mesh, as the step returns it.
+    def place(self, tree: Any) -> Any:
+        """Place a state in the step's state shardings (replicated without them), as the step
+        returns it. Call once on a fresh or restored state: a state on another placement would
+        compile a second program on the next step."""
+        target = self.state_shardings
+        if target is None:
+            target = NamedSharding(self.mesh, PartitionSpec())
+        return jax.device_put(tree, target)
 
-        Call once on a fresh or restored state: a state on another placement would compile a
-        second program on the next step.
-        """
-        return jax.device_put(tree, NamedSharding(self.mesh, P()))
+    replicate = place
 
     def __call__(
         self,
@@ -66,7 +88,7 @@ class TrainStep:
         stop: int | None = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         num_slots = next(iter(batch.values())).shape[1]
-        bounds = jnp.asarray([start, num_slots if stop is None else stop], jnp.int32)
+        bounds = np.asarray([start, num_slots if stop is None else stop], np.int32)
         return self._jitted(state, batch, bounds)
 
     def _step(self, state: TrainState, batch, bounds):
@@ -106,14 +128,3 @@ class TrainStep:
         for name, (total, count) in sums.metrics.items():
             metrics[name] = total / jnp.maximum(count, 1.0)
         return new_state, metrics
-
-
-def make_mesh(data: int) -> Mesh:
-    """A 1-D ``data`` mesh over the first ``data`` devices, with a clear error if too few."""
-    devices = jax.devices()
-    if data > len(devices):
-        raise ValueError(
-            f"mesh.data={data} but only {len(devices)} devices are visible; lower mesh.data, or "
-            "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before launch"
-        )
-    return Mesh(devices[:data], (DATA_AXIS,))

@@ -20,15 +20,15 @@ import jax.numpy as jnp
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.packing import pack_micro_batches, pack_sequences
+from jaxrl.data.packing import pack_sequences
 from jaxrl.data.preference import (
     PairDocuments,
     PreferencePair,
     arithmetic_pairs,
     encode_pairs,
-    pair_micro_batches,
     preference_accuracy,
 )
+from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
@@ -36,7 +36,6 @@ from jaxrl.losses.normalize import LossTerms
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.train.metrics import read_metrics
 from jaxrl.train.ref_cache import (
     CacheIdentity,
     ReferenceCache,
@@ -46,7 +45,7 @@ from jaxrl.train.ref_cache import (
     tokenizer_fingerprint,
     weight_fingerprint,
 )
-from jaxrl.trainers.session import Session, build_model, build_task, device_arrays
+from jaxrl.trainers.session import Session, build_task, device_arrays
 
 REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, rejected → ref_r
 
@@ -101,6 +100,8 @@ class DPOTrainer:
         self.feed = DocumentFeed(self.train.num_pairs, seed=cfg.seed)
         self.cache_dir = Path(dpo.reference_cache_dir or Path(cfg.output_dir) / "ref_cache")
         self.refs: dict[str, ReferenceCache] = {}
+        self.doc_fields: dict[str, Any] = {}  # per-document fields of the training pairs
+        self.initial: dict[str, Any] = {}  # the starting model's held-out numbers
         chunk = cfg.model.logprob_chunk or None
         kwargs = dict(
             beta=dpo.beta,
@@ -124,7 +125,7 @@ class DPOTrainer:
                 **kwargs,
             )
 
-        self.session = Session(cfg, build_model(cfg, self.tokenizer.vocab_size), loss)
+        self.session = Session(cfg, self.tokenizer.vocab_size, loss)
         graphdef, mean = self.session.graphdef, dpo.uses_mean_logps
         self._values = jax.jit(
             lambda params, mb: document_logps(
@@ -196,8 +197,9 @@ class DPOTrainer:
             )
 
     # -- planning ---------------------------------------------------------------------------
-    def plan_step(self) -> list[list[list[int]]]:
-        """The next step's micro-batches per rank as document ids (pair p → 2p, 2p + 1)."""
+    def plan_step(self) -> StepBatch:
+        """The next step's ``dpo.pairs_per_step`` pairs, planned and packed (pair p → documents
+        2p, 2p + 1, adjacent in one row), with their cached reference values."""
         want = self.dpo.pairs_per_step
         ids = self.feed.take(want)
         if len(ids) < want:
@@ -205,14 +207,13 @@ class DPOTrainer:
                 f"step {self.session.step + 1}: the data ran out with {len(ids)} pairs "
                 f"available for a step of {want}"
             )
-        s = self.cfg.schedule
-        return pair_micro_batches(
+        return self.session.plan(
             ids,
-            self.train.pair_lengths,
-            dp_size=self.cfg.mesh.data,
-            max_tokens=s.max_tokens,
-            packing=s.packing,
-            balance=s.balance,
+            pairs=True,
+            lengths=self.train.pair_lengths,
+            sequences=self.train.sequences,
+            loss_masks=self.train.masks,
+            doc_fields=self.doc_fields,
         )
 
     # -- evaluation -------------------------------------------------------------------------
@@ -245,39 +246,26 @@ class DPOTrainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        cfg, session = self.cfg, self.session
+        session = self.session
         start = time.perf_counter()
         self.build_references()
         host = session.resume({})
         if host is not None:
             self.feed.load_state_dict(host["feed"])
+            self.initial = host.get("start", {})
         else:
-            session.writer.write({"step": 0, **self.evaluate()})
-        initial = self._initial_eval()
-        doc_fields = {}
+            self.initial = self.evaluate()
+            session.writer.write({"step": 0, **self.initial})
+        self.doc_fields = {}
         if self.dpo.needs_reference:
-            doc_fields[REF_FIELD] = self.refs["train"].document_values()
-        last: dict[str, Any] = {}
-        with session.progress("dpo") as advance:
-            while session.step < cfg.max_steps:
-                micro_batches = self.plan_step()
-                packed = pack_micro_batches(
-                    micro_batches,
-                    self.train.sequences,
-                    loss_masks=self.train.masks,
-                    doc_fields=doc_fields,
-                    row_len=cfg.schedule.max_tokens,
-                )
-                docs = sum(len(mb) for rank in micro_batches for mb in rank)
-                arrays = device_arrays(packed, tuple(doc_fields))
-                row = session.run_step(
-                    arrays, expected_documents=docs, rounds=packed.num_micro_batches
-                )
-                if session.eval_due():
-                    row.update(self.evaluate())
-                session.record(row, {"feed": self.feed.state_dict()})
-                advance(f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}")
-                last = row
+            self.doc_fields[REF_FIELD] = self.refs["train"].document_values()
+        last = session.loop(
+            "dpo",
+            lambda: session.train_on(self.plan_step()),
+            host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
+            evaluate=self.evaluate,
+            info=lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",
+        )
         export = session.export(self.tokenizer)
         session.close()
         final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()
@@ -285,14 +273,8 @@ class DPOTrainer:
             "steps": session.step,
             "final_loss": last.get("loss"),
             **final,
-            "start": initial,
+            "start": self.initial,
             "wall_s": round(time.perf_counter() - start, 1),
             "hf_export": str(export),
             "reference_cache": [str(r.path) for r in self.refs.values()],
         }
-
-    def _initial_eval(self) -> dict[str, Any]:
-        """The step-0 evaluation row of metrics.jsonl (the starting model's numbers)."""
-        rows = read_metrics(self.session.writer.path)
-        first = next((r for r in rows if r.get("step") == 0), {})
-        return {k: v for k, v in first.items() if k.startswith("eval/")}

@@ -21,9 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError, GRPOConfig, RunConfig
-from jaxrl.data.feed import cut_rounds
-from jaxrl.data.packing import pack_micro_batches
-from jaxrl.data.schedule import build_dp_schedule
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.generator import RolloutGenerator
@@ -33,7 +30,7 @@ from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.plots import plot_reward_and_accuracy
-from jaxrl.trainers.session import Session, build_model, build_task, device_arrays
+from jaxrl.trainers.session import Session, build_task
 
 DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
 PLOT_NAME = "grpo_progress.png"
@@ -48,7 +45,7 @@ class GRPOTrainer:
     """
 
     def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
-        config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.data)
+        config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.batch_ranks())
         cfg = _resolve_run_config(cfg, config)
         self.cfg, self.config = cfg, config
         task = build_task(cfg)
@@ -65,12 +62,11 @@ class GRPOTrainer:
                 f"tokens plus grpo.max_completion_length={config.max_completion_length} must "
                 "fit one row; raise schedule.max_tokens or lower max_completion_length"
             )
-        model = build_model(cfg, tok.vocab_size)
         chunk = cfg.model.logprob_chunk
-        self.session = Session(cfg, model, grpo_loss(config, chunk_size=chunk))
+        self.session = Session(cfg, tok.vocab_size, grpo_loss(config, chunk_size=chunk))
         self.generator = RolloutGenerator(
             config,
-            model.config,
+            self.session.model_config,
             self.session.graphdef,
             tok,
             reward_funcs=reward_funcs or DEFAULT_REWARD_FUNCS,
@@ -81,7 +77,7 @@ class GRPOTrainer:
             ref_params=self.local_params(copy=True) if config.beta != 0.0 else None,
         )
         self.evaluator = HeldoutEvaluator(
-            model.config,
+            self.session.model_config,
             tok,
             [e.prompt for e in self.eval_examples],
             [e.answer for e in self.eval_examples],
@@ -205,45 +201,29 @@ class GRPOTrainer:
 
     def _train_pending(self) -> dict[str, Any]:
         """Schedule, pack and train on the pending rows (the docs_per_step cut keeps the rest)."""
-        cfg, c = self.cfg, self.config
+        c = self.config
         rows = list(self.pending)
         docs = documents_of(
             [(self.rollouts[g], r) for g, r in rows], mask_truncated=c.mask_truncated_completions
         )
-        s = cfg.schedule
-        micro = build_dp_schedule(
-            [len(x) for x in docs.sequences],
-            dp_size=cfg.mesh.data,
-            max_tokens=s.max_tokens,
-            packing=s.packing,
-            balance=s.balance,
-        ).steps[0]
-        if micro.dropped_rollout_ids:
-            raise RuntimeError(f"internal error: the schedule dropped {micro.dropped_rollout_ids}")
-        micro_batches = micro.micro_batches
-        if s.docs_per_step:
-            rounds = cut_rounds(micro_batches, s.docs_per_step)
-            micro_batches = [rank[:rounds] for rank in micro_batches]
-        used = sorted(i for rank in micro_batches for mb in rank for i in mb)
-        used_set = set(used)
-        self.pending = deque(row for i, row in enumerate(rows) if i not in used_set)
-        packed = pack_micro_batches(
-            micro_batches,
-            docs.sequences,
+        entropy_prepass = c.top_entropy_quantile < 1.0  # reads every rank's rows
+        batch = self.session.plan(
+            range(len(rows)),
+            lengths=[len(x) for x in docs.sequences],
+            sequences=docs.sequences,
             loss_masks=docs.loss_masks,
             token_fields=docs.token_fields,
             doc_fields={"advantage": docs.advantages},
-            row_len=s.max_tokens,
+            all_ranks=entropy_prepass,
         )
-        arrays = device_arrays(packed, extra=(*docs.token_fields, "advantage"))
-        if c.top_entropy_quantile < 1.0:  # no-grad pre-pass over the whole step, all ranks
+        used, arrays, packed = batch.used, batch.arrays, batch.packed
+        self.pending = deque(rows[i] for i in batch.returned)
+        if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.generator.scorer.step_entropy_threshold(
                 self.local_params(), arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
-        row = self.session.run_step(
-            arrays, expected_documents=len(used), rounds=packed.num_micro_batches
-        )
+        row = self.session.train_on(batch)
         gens = sorted({rows[i][0] for i in used})  # the batches this step's rows came from
         row.update(self.generator.metrics([self.rollouts[g] for g in gens]))
         keep = {g for g, _ in self.pending} | {self.current_id}
@@ -287,23 +267,19 @@ class GRPOTrainer:
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
-        cfg, session = self.cfg, self.session
+        session = self.session
         self._start()
         start = time.perf_counter()
-        last: dict[str, Any] = {}
-        with session.progress("grpo") as advance:
-            while session.step < cfg.max_steps:
-                row = self.step()
-                if session.eval_due():
-                    row.update(self.evaluate())
-                session.record(row, self.host_state())
-                advance(f"reward {row['reward']:.3f}")
-                last = row
-        plot = plot_reward_and_accuracy(
-            read_metrics(session.writer.path),
-            session.output_dir / PLOT_NAME,
-            start=self.start_eval,
+        last = session.loop(
+            "grpo",
+            self.step,
+            host_state=self.host_state,
+            evaluate=self.evaluate,
+            info=lambda row: f"reward {row['reward']:.3f}",
         )
+        plot = session.output_dir / PLOT_NAME
+        if session.primary:
+            plot_reward_and_accuracy(read_metrics(session.writer.path), plot, start=self.start_eval)
         export = session.export(self.tokenizer)
         session.close()
         final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()

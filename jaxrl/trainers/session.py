@@ -1,6 +1,9 @@
-"""What every trainer shares: model, mesh, compiled step, state, checkpoints, metrics, progress.
+"""What every trainer shares: mesh, model, compiled step, state, checkpoints, metrics, progress,
+the step planner and the loop.
 
-Orchestration only; the numerics live in losses/ and train/.
+Orchestration only; the numerics live in losses/ and train/. With several processes every
+process runs the same session; only process 0 writes config.json, metrics.jsonl and exports
+(orbax checkpoints are written by all, as orbax intends).
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import RunConfig, to_dict
-from jaxrl.data.packing import PackedBatch
+from jaxrl.data.step_plan import DEVICE_FIELDS, StepBatch, device_arrays, plan_device_batch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
@@ -27,27 +30,47 @@ from jaxrl.models.hf import from_pretrained, save_pretrained
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.train.mesh import batch_ranks, is_primary, local_ranks, mesh_from_config
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl.train.state import TrainState
-from jaxrl.train.step import TrainStep, make_mesh
+from jaxrl.train.state import create_state
+from jaxrl.train.step import TrainStep
 
-DEVICE_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "doc_sample_index")
+__all__ = ["DEVICE_FIELDS", "Session", "build_model", "build_task", "device_arrays"]
 
 
-def build_model(cfg: RunConfig, vocab_size: int) -> Transformer:
-    """A local HF checkpoint (``model.path``) or a fresh ``ModelConfig.tiny`` model."""
+def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
+    """The ``ModelConfig.tiny`` shape that ``model.init`` describes (no ``model.path``)."""
     m = cfg.model
-    if m.path is not None:
-        return from_pretrained(
-            m.path, param_dtype=m.param_dtype, dtype=m.dtype, fp32_lm_head=m.fp32_lm_head
-        )
     init = dict(m.init)
     init.update(
         param_dtype=m.param_dtype, dtype=m.dtype or m.param_dtype, fp32_lm_head=m.fp32_lm_head
     )
-    config = ModelConfig.tiny(vocab_size, **init)
-    return Transformer(config, rngs=nnx.Rngs(params=cfg.seed))
+    return ModelConfig.tiny(vocab_size, **init)
+
+
+def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any, Any, ModelConfig]:
+    """``(graphdef, params, config)``: a local HF checkpoint (``model.path``), each tensor placed
+    on its shards, or a fresh model whose ``params`` is a function that initialises it (run under
+    ``jit`` into its shardings by ``create_state``)."""
+    m = cfg.model
+    if m.path is not None:
+        model = from_pretrained(
+            m.path,
+            param_dtype=m.param_dtype,
+            dtype=m.dtype,
+            fp32_lm_head=m.fp32_lm_head,
+            mesh=mesh,
+        )
+        graphdef, params = nnx.split(model)
+        return graphdef, params, model.config
+    config = model_config(cfg, vocab_size)
+
+    def init() -> Any:
+        return nnx.split(Transformer(config, rngs=nnx.Rngs(params=cfg.seed)))[1]
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    return graphdef, init, config
 
 
 def build_task(cfg: RunConfig) -> ArithmeticTask:
@@ -63,25 +86,22 @@ def build_task(cfg: RunConfig) -> ArithmeticTask:
     )
 
 
-def device_arrays(packed: PackedBatch, extra: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """The ``[R, K, ...]`` arrays the train step reads from a packed batch."""
-    arrays = {name: getattr(packed, name) for name in DEVICE_FIELDS}
-    for name in extra:
-        arrays[name] = packed.token_fields.get(name, packed.doc_fields.get(name))
-    return arrays
-
-
 class Session:
     """One run's model, compiled step, state, checkpointer and metrics file."""
 
-    def __init__(self, cfg: RunConfig, model: Transformer, loss: Any):
+    def __init__(self, cfg: RunConfig, vocab_size: int, loss: Any):
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.graphdef, params = nnx.split(model)
-        self.mesh = make_mesh(cfg.mesh.data)
+        self.primary = is_primary()
+        if self.primary:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        self.mesh = mesh_from_config(cfg.mesh)
+        self.ranks = batch_ranks(self.mesh)  # data-parallel ranks: data × fsdp
+        self.local_ranks = local_ranks(self.mesh)  # the ranks whose rows this process packs
+        self.graphdef, params, self.model_config = build_model(cfg, vocab_size, self.mesh)
         tx = make_optimizer(cfg.optimizer, cfg.max_steps)
+        self.state, shardings = create_state(params, tx, cfg.seed, self.mesh)
         self.step_fn = TrainStep(
             self._bind(loss),
             tx,
@@ -89,8 +109,8 @@ class Session:
             learning_rate=learning_rate_schedule(cfg.optimizer, cfg.max_steps),
             max_grad_norm=cfg.optimizer.max_grad_norm,
             docs_per_step=cfg.schedule.docs_per_step,
+            state_shardings=shardings,
         )
-        self.state = self.step_fn.replicate(TrainState.create(params, tx, cfg.seed))
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.console = Console(stderr=True)
         self.started = time.perf_counter()
@@ -115,13 +135,25 @@ class Session:
     def resume(self, host_template: dict[str, Any]) -> dict[str, Any] | None:
         """Restore the newest checkpoint if resuming is on; returns its host state or None."""
         if not self.cfg.checkpoint.resume or self.checkpointer.latest_step() is None:
-            self.writer = MetricsWriter(self.output_dir, resume_step=None)
+            self.writer = MetricsWriter(self.output_dir, resume_step=None, enabled=self.primary)
             return None
-        state, host = self.checkpointer.restore(self.state)
-        self.state = self.step_fn.replicate(state)
-        self.writer = MetricsWriter(self.output_dir, resume_step=self.step)
+        state, host = self.checkpointer.restore(self.state)  # onto this mesh's shardings
+        self.state = self.step_fn.place(state)
+        self.writer = MetricsWriter(self.output_dir, resume_step=self.step, enabled=self.primary)
         self.console.print(f"resumed from step {self.step} ({self.checkpointer.directory})")
         return host
+
+    def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
+        """The step planner on this session's ranks: ``plan_device_batch(ids, **documents)``
+        packing this process's ranks (every rank with ``all_ranks``)."""
+        local = None if all_ranks else self.local_ranks
+        return plan_device_batch(
+            ids, ranks=self.ranks, schedule=self.cfg.schedule, local_ranks=local, **documents
+        )
+
+    def train_on(self, batch: StepBatch) -> dict[str, Any]:
+        """One optimizer step on a planned batch; its metrics row."""
+        return self.run_step(batch.arrays, batch.num_documents, rounds=batch.rounds)
 
     def run_step(
         self, arrays: dict[str, np.ndarray], expected_documents: int, rounds: int | None = None
@@ -161,6 +193,32 @@ class Session:
         self.writer.write(row)
         self.maybe_checkpoint(host, force=final or self.step == self.cfg.max_steps)
 
+    def loop(
+        self,
+        description: str,
+        step: Callable[[], dict[str, Any]],
+        *,
+        host_state: Callable[[], dict[str, Any]],
+        evaluate: Callable[[], dict[str, Any]] | None = None,
+        info: Callable[[dict[str, Any]], str] = lambda row: f"loss {row['loss']:.3f}",
+        stop: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> dict[str, Any]:
+        """The trainers' loop: step, evaluate when due, record (and checkpoint), until
+        ``max_steps`` or ``stop(row)``; returns the last row ({} when nothing was left)."""
+        last: dict[str, Any] = {}
+        with self.progress(description) as advance:
+            while self.step < self.cfg.max_steps:
+                row = step()
+                if evaluate is not None and self.eval_due():
+                    row.update(evaluate())
+                done = stop is not None and stop(row)
+                self.record(row, host_state(), final=done)
+                advance(info(row))
+                last = row
+                if done:
+                    break
+        return last
+
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Any]:
         """A rich progress bar over optimizer steps (disabled by ``logging.progress: false``)."""
@@ -171,7 +229,7 @@ class Session:
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             console=self.console,
-            disable=not self.cfg.logging.progress,
+            disable=not (self.cfg.logging.progress and self.primary),
         )
         with bar:
             task = bar.add_task(description, total=self.cfg.max_steps, completed=self.step, info="")
@@ -182,10 +240,12 @@ class Session:
             yield advance
 
     def export(self, tokenizer: TextTokenizer) -> Path:
-        """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``."""
+        """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``
+        (parameters gathered by every process, written by process 0)."""
         path = self.output_dir / "hf"
         save_pretrained(self.model, path)
-        tokenizer.save(path)
+        if self.primary:
+            tokenizer.save(path)
         return path
 
     def close(self) -> None:

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import RunConfig
-from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
-from jaxrl.data.packing import pack_micro_batches, pack_sequences
-from jaxrl.data.schedule import build_dp_schedule
+from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.feed import DocumentFeed, OutOfDataError
+from jaxrl.data.packing import pack_sequences
+from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
 from jaxrl.losses.normalize import LossTerms
@@ -20,7 +20,7 @@ from jaxrl.losses.sft import sft_terms
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.trainers.session import Session, build_model, build_task, device_arrays
+from jaxrl.trainers.session import Session, build_task, device_arrays
 
 
 def encode_examples(
@@ -67,11 +67,6 @@ class SFTTrainer:
                 f"a task document has {longest} tokens but sft.max_length={cfg.sft.max_length}; "
                 "raise sft.max_length (and schedule.max_tokens) or lower task.max_digits"
             )
-        if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % cfg.mesh.data:
-            raise ValueError(
-                f"sft.batch_size={cfg.sft.batch_size} is not a multiple of mesh.data="
-                f"{cfg.mesh.data}: every rank needs a micro-batch; use a multiple"
-            )
         self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
         self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
         mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
@@ -83,22 +78,20 @@ class SFTTrainer:
                 logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
             )
 
-        self.session = Session(cfg, build_model(cfg, self.tokenizer.vocab_size), loss)
+        self.session = Session(cfg, self.tokenizer.vocab_size, loss)
+        ranks = self.session.ranks
+        if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
+            raise ConfigError(
+                f"sft.batch_size={cfg.sft.batch_size} is invalid: it must be a multiple of the "
+                f"{ranks} data-parallel ranks (mesh.data × mesh.fsdp) so every rank gets "
+                "documents; use a multiple"
+            )
         self._eval_fn = jax.jit(self._eval_counts, static_argnames="num_segments")
 
     # -- planning ---------------------------------------------------------------------------
-    def _schedule(self, ids: list[int]):
-        s = self.cfg.schedule
-        return build_dp_schedule(
-            self.lengths[ids],
-            dp_size=self.cfg.mesh.data,
-            max_tokens=s.max_tokens,
-            packing=s.packing,
-            balance=s.balance,
-        ).steps[0]
-
-    def plan_step(self) -> list[list[list[int]]]:
-        """The next step's micro-batches (dataset ids) per rank; nothing is ever dropped."""
+    def plan_step(self) -> StepBatch:
+        """The next step's planned batch (``sft.batch_size`` documents, or ``docs_per_step``
+        with the rest given back to the feed); nothing is ever dropped."""
         target = self.cfg.schedule.docs_per_step
         want = self.cfg.sft.batch_size if target == 0 else 2 * target
         ids = self.feed.take(want)
@@ -107,17 +100,11 @@ class SFTTrainer:
                 f"step {self.session.step + 1}: the data ran out with {len(ids)} documents "
                 f"available for a step of {target or want}"
             )
-        step = self._schedule(ids)
-        local = [[[ids[i] for i in mb] for mb in rank] for rank in step.micro_batches]
-        if step.dropped_rollout_ids:
-            raise RuntimeError(f"internal error: the schedule dropped {step.dropped_rollout_ids}")
-        if target == 0:
-            return local
-        rounds = cut_rounds(local, target)
-        used = [rank[:rounds] for rank in local]
-        consumed = {d for rank in used for mb in rank for d in mb}
-        self.feed.give_back([d for d in ids if d not in consumed])
-        return used
+        batch = self.session.plan(
+            ids, lengths=self.lengths, sequences=self.train_seqs, loss_masks=self.train_masks
+        )
+        self.feed.give_back(batch.returned)
+        return batch
 
     # -- evaluation -------------------------------------------------------------------------
     def _eval_counts(self, params: Any, batch: dict[str, jax.Array], *, num_segments: int):
@@ -142,33 +129,18 @@ class SFTTrainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        cfg, session = self.cfg, self.session
+        session = self.session
         host = session.resume({})
         if host is not None:
             self.feed.load_state_dict(host["feed"])
         start = time.perf_counter()
-        last: dict[str, Any] = {}
-        with session.progress("sft") as advance:
-            while session.step < cfg.max_steps:
-                micro_batches = self.plan_step()
-                packed = pack_micro_batches(
-                    micro_batches,
-                    self.train_seqs,
-                    loss_masks=self.train_masks,
-                    row_len=cfg.schedule.max_tokens,
-                )
-                docs = sum(len(mb) for rank in micro_batches for mb in rank)
-                row = session.run_step(
-                    device_arrays(packed), expected_documents=docs, rounds=packed.num_micro_batches
-                )
-                if session.eval_due():
-                    row["eval/accuracy"] = self.evaluate()
-                reached = self._reached(row.get("eval/accuracy"))
-                session.record(row, {"feed": self.feed.state_dict()}, final=reached)
-                advance(f"loss {row['loss']:.3f}")
-                last = row
-                if reached:
-                    break
+        last = session.loop(
+            "sft",
+            lambda: session.train_on(self.plan_step()),
+            host_state=lambda: {"feed": self.feed.state_dict()},
+            evaluate=lambda: {"eval/accuracy": self.evaluate()},
+            stop=lambda row: self._reached(row.get("eval/accuracy")),
+        )
         export = session.export(self.tokenizer)
         session.close()
         return {

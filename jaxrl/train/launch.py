@@ -1,0 +1,49 @@
+"""Process start-up before jax touches a device: host device count on CPU, multi-process init.
+
+Every host of a TPU pod or GPU cluster runs the same ``jaxrl train CONFIG``; the ``distributed``
+section (or ``distributed.auto``) makes them one JAX job via ``jax.distributed.initialize``.
+On CPU the processes talk over gloo (``jax_cpu_collectives_implementation``), which is how the
+test suite runs two processes × 4 host devices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+
+def ensure_host_devices(count: int) -> None:
+    """Ask XLA for ``count`` CPU devices (no effect on accelerators) unless at least that many
+    are already requested. Must run before jax initialises its backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        m = re.search(r"xla_force_host_platform_device_count=(\d+)", flags)
+        if m and int(m.group(1)) >= count:
+            return
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def host_device_count(mesh: Any, distributed: Any) -> int:
+    """CPU devices per process that a mesh section needs: its fixed axes' product (a -1 axis
+    counts as 1), split evenly over the configured processes."""
+    processes = distributed.num_processes or 1
+    return max(1, -(-mesh.fixed_devices // processes))
+
+
+def initialize(distributed: Any) -> None:
+    """``jax.distributed.initialize`` from a ``distributed`` section (no-op when it is off or
+    already done). Call before anything queries devices."""
+    import jax
+
+    if not distributed.enabled or jax.distributed.is_initialized():
+        return
+    if os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION") is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; else unused
+    kwargs = {
+        name: getattr(distributed, name)
+        for name in ("coordinator_address", "num_processes", "process_id")
+        if getattr(distributed, name) is not None
+    }
+    jax.distributed.initialize(**kwargs)
