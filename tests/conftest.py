@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -12,3 +14,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _device_pool():
+    """Each test's meshes take the first devices they need from the 8 host devices (a config
+    with mesh.data=1 runs on one device, mesh.data=8 on all), as ``use_devices(subset=True)``
+    documents. Tests of the strict rule open their own ``use_devices(...)``."""
+    from jaxrl.train.mesh import use_devices
+
+    with use_devices(jax.devices(), subset=True):
+        yield

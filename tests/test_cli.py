@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.cli import _ensure_host_devices, main
+from jaxrl.cli import main
+from jaxrl.config import DistributedConfig, MeshConfig
+from jaxrl.train.launch import ensure_host_devices, host_device_count
 
 
 def test_schedule_subcommand_prints_both_modes_and_plots(tmp_path, capsys):
@@ -46,10 +48,30 @@ def test_train_config_error_exits_2_naming_the_field(tmp_path, capsys):
 
 def test_host_device_flag_is_set_or_raised(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
-    _ensure_host_devices(8)
+    ensure_host_devices(8)
     import os
 
     flags = os.environ["XLA_FLAGS"]
     assert "--xla_force_host_platform_device_count=8" in flags and "--xla_cpu_foo=1" in flags
-    _ensure_host_devices(4)  # never lowers an existing larger count
+    ensure_host_devices(4)  # never lowers an existing larger count
     assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
+
+
+def test_host_device_count_follows_the_mesh_and_the_processes():
+    one = DistributedConfig()
+    assert host_device_count(MeshConfig(data=2, fsdp=2, tensor=2), one) == 8
+    assert host_device_count(MeshConfig(data=-1, fsdp=4), one) == 4  # -1 counts as 1 here
+    two = DistributedConfig(coordinator_address="localhost:1", num_processes=2, process_id=1)
+    assert host_device_count(MeshConfig(data=8), two) == 4
+
+
+def test_a_mesh_that_does_not_match_the_devices_is_a_config_error(tmp_path, capsys):
+    import jax
+
+    from jaxrl.train.mesh import use_devices
+
+    with use_devices(jax.devices()):  # strict, as outside the test suite's device pool
+        code = main(["train", "configs/sft_tiny.yaml", "--set", f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2  # the test process has 8 devices; sft_tiny asks for mesh.data=1
+    assert "uses 1 devices but 8 devices are visible" in err and "mesh.data" in err

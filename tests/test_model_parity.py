@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_fixtures import CASES, LLAMA3_SCALING, hf_logits, write_case
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.attention import attention, positions_from_segments
-from jaxrl.models.sharding import LOGICAL_AXIS_RULES, logical_to_spec, state_shardings
+from jaxrl.models.sharding import logical_to_spec, state_shardings
+from jaxrl.train.mesh import make_mesh
 
 TOL = 1e-4
 
@@ -149,25 +150,33 @@ def test_bf16_compute_dtype_and_storage():
 
 
 def test_sharding_rules_map_logical_axes_to_the_mesh():
-    assert logical_to_spec(("batch", None, "embed")) == PartitionSpec("data", None, None)
+    batch_axes = ("data", "fsdp")
+    assert logical_to_spec(("batch", None, "embed")) == PartitionSpec(batch_axes, None, "fsdp")
     with pytest.raises(ValueError, match="'nope'"):
         logical_to_spec(("nope",))
-    mesh = Mesh(np.array(jax.devices()).reshape(8), ("data",))
+    mesh = make_mesh(2, 2, 2)
     model = _tiny()
     graphdef, state = nnx.split(model)
     shardings = state_shardings(state, mesh)
-    leaves = jax.tree.leaves(shardings)
-    assert all(s.is_fully_replicated and s.mesh == mesh for s in leaves)  # params: data axis only
-    assert all(len(s.spec) == v.ndim for s, v in zip(leaves, jax.tree.leaves(state), strict=True))
-    vocab_on_data = dict(LOGICAL_AXIS_RULES) | {"vocab": "data"}
-    emb = state_shardings(state, mesh, tuple(vocab_on_data.items()))["embedding"]
-    assert emb.get_value() == NamedSharding(mesh, PartitionSpec("data", None))
-    # Data-parallel forward: params replicated, batch split over "data", same logits.
+    spec = lambda v: v.get_value().spec  # noqa: E731
+    assert spec(shardings["embedding"]) == PartitionSpec("tensor", "fsdp")  # [vocab, embed]
+    attn = shardings["layers"][0]["attn"]
+    assert spec(attn["q_kernel"]) == PartitionSpec("fsdp", "tensor", None)
+    assert spec(attn["o_kernel"]) == PartitionSpec("tensor", None, "fsdp")
+    assert spec(shardings["layers"][0]["mlp"]["down_kernel"]) == PartitionSpec("tensor", "fsdp")
+    # A dimension the axis does not divide stays whole: 2 KV heads on tensor=8.
+    wide = state_shardings(state, make_mesh(1, 1, 8))
+    assert spec(wide["layers"][0]["attn"]["k_kernel"]) == PartitionSpec(None, None, None)
+    assert spec(wide["layers"][0]["attn"]["q_kernel"]) == PartitionSpec(None, None, None)  # 4
+    # Axes of size 1 are dropped: a pure data mesh replicates every parameter.
+    flat = jax.tree.leaves(state_shardings(state, make_mesh(8)))
+    assert all(s.is_fully_replicated for s in flat)
+    # Sharded forward: params over fsdp/tensor, batch over data × fsdp, same logits.
     ids = jnp.arange(8 * 6).reshape(8, 6) % 128
     placed = jax.device_put(state, shardings)
+    assert placed["embedding"].get_value().addressable_shards[0].data.shape == (64, 32)
     batch = jax.device_put(ids, NamedSharding(mesh, logical_to_spec(("batch", None))))
     out = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(placed, batch)
-    assert out.sharding.spec[0] == "data"
     np.testing.assert_allclose(np.asarray(out), _forward(model, ids), atol=1e-5, rtol=1e-5)
 
 

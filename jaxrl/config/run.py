@@ -52,7 +52,7 @@ class MeshConfig:
             return self.data * self.fsdp
         from jaxrl.train.mesh import resolve_shape, run_devices
 
-        data, fsdp, _ = resolve_shape(*self.sizes, len(run_devices()))
+        data, fsdp, _ = resolve_shape(*self.sizes, len(run_devices(self.sizes)))
         return data * fsdp
 
 

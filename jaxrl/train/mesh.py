@@ -11,8 +11,9 @@ Axes:
 
 The product of the three sizes must equal the number of devices the run uses: every visible
 device, or those set by :func:`use_devices` (e.g. a notebook leaving a GPU to an inference
-server). One axis may be ``-1`` (the rest). A host batch ``[R, ...]`` has one leading entry per
-batch rank ``r = d · fsdp + f``.
+server; with ``subset=True`` a pool from which each mesh takes the first devices it needs, as
+the test suite does with its 8 host devices). One axis may be ``-1`` (the rest). A host batch
+``[R, ...]`` has one leading entry per batch rank ``r = d · fsdp + f``.
 """
 
 from __future__ import annotations
@@ -34,22 +35,34 @@ AXES = ("data", "fsdp", "tensor")
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = AXES
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 
-_devices: list[list[Any]] = []  # stack of use_devices() selections
+_devices: list[tuple[list[Any], bool]] = []  # stack of use_devices() selections
 
 
 @contextlib.contextmanager
-def use_devices(devices: Sequence[Any]) -> Iterator[None]:
-    """Run meshes built inside this block on ``devices`` instead of every visible device."""
-    _devices.append(list(devices))
+def use_devices(devices: Sequence[Any], *, subset: bool = False) -> Iterator[None]:
+    """Build meshes inside this block from ``devices`` instead of every visible device.
+
+    ``subset``: ``devices`` is a pool; a mesh of fixed size N <= len(devices) takes the first
+    N (an axis of -1 takes the whole pool). Without it the mesh must use them all.
+    """
+    _devices.append((list(devices), subset))
     try:
         yield
     finally:
         _devices.pop()
 
 
-def run_devices() -> list[Any]:
-    """The devices a mesh is built from: the innermost :func:`use_devices`, else all."""
-    return list(_devices[-1]) if _devices else list(jax.devices())
+def run_devices(sizes: Sequence[int] | None = None) -> list[Any]:
+    """The devices a mesh of ``sizes`` (data, fsdp, tensor) is built from: the innermost
+    :func:`use_devices`, else every visible device."""
+    if not _devices:
+        return list(jax.devices())
+    devices, subset = _devices[-1]
+    if subset and sizes is not None and -1 not in sizes:
+        wanted = math.prod(sizes)
+        if wanted <= len(devices):
+            return devices[:wanted]
+    return list(devices)
 
 
 def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
@@ -90,7 +103,7 @@ def make_mesh(
     data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[Any] | None = None
 ) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default :func:`run_devices`)."""
-    devices = run_devices() if devices is None else list(devices)
+    devices = run_devices((data, fsdp, tensor)) if devices is None else list(devices)
     shape = resolve_shape(data, fsdp, tensor, len(devices))
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # XLA partitions; no sharding in types
     return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
