@@ -16,7 +16,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _device_pool():
     """Each test's meshes take the first devices they need from the 8 host devices (a config
     with mesh.data=1 runs on one device, mesh.data=8 on all), as ``use_devices(subset=True)``

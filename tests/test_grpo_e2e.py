@@ -137,6 +137,9 @@ def _dp_trainer(tmp_path, dp: int) -> GRPOTrainer:
         f"mesh.data={dp}",
         f"grpo.per_device_train_batch_size={8 // dp}",
         f"schedule.max_tokens={64 if dp == 1 else 16}",  # a few rows vs one document per row
+        # Adam turns float-noise gradients (|g| ~ eps) into ±lr steps on the first update; a
+        # moderate step keeps that within the tolerance across two differently compiled meshes
+        "grpo.learning_rate=3.0e-3",
         name=f"dp{dp}",
     )
 

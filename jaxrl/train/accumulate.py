@@ -182,6 +182,8 @@ def make_accumulate(
     parameters are (without it they come back whole).
     """
     manual = tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
+    if not manual and mesh.size == 1:
+        manual = (DATA_AXIS,)  # one device: the same shard_map program as data parallelism
     comm = _Collectives(manual, grad_specs)
 
     def per_rank(params, batch, bounds):
@@ -190,7 +192,7 @@ def make_accumulate(
             loss_fn, params, local, bounds, docs_per_step=docs_per_step, loop=loop, comm=comm
         )
 
-    if not manual:  # one rank: nothing to make manual (XLA partitions over tensor, if any)
+    if not manual:  # one rank over several tensor devices: XLA partitions the whole loop
         return per_rank
     grads_spec = P()
     if comm.scatter:
