@@ -18,6 +18,8 @@ def test_grpo_quickstart_notebook_executes(tmp_path):
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")  # stored clean
     env = dict(os.environ)
     env["JAXRL_NOTEBOOK_QUICK"] = "1"
+    env.pop("XLA_FLAGS", None)  # a fresh kernel sees one CPU device, as on a laptop (the suite's
+    # 8 host devices would not match the config's mesh.data=1)
     env.setdefault(
         "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxrl-test-jax-cache")
     )
