@@ -171,3 +171,11 @@ def barrier(name: str) -> None:
     """Wait until every process reaches ``name`` (no-op with one process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def agreed(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (e.g. "does this file exist?" on a shared disk
+    that processes may see at different moments)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))

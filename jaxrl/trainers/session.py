@@ -30,7 +30,7 @@ from jaxrl.models.hf import from_pretrained, save_pretrained
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer
-from jaxrl.train.mesh import batch_ranks, is_primary, local_ranks, mesh_from_config
+from jaxrl.train.mesh import barrier, batch_ranks, is_primary, local_ranks, mesh_from_config
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.state import create_state
@@ -246,6 +246,7 @@ class Session:
         save_pretrained(self.model, path)
         if self.primary:
             tokenizer.save(path)
+        barrier("export")  # other processes may read the export next (e.g. after a warm start)
         return path
 
     def close(self) -> None:

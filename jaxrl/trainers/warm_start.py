@@ -26,11 +26,12 @@ def warm_start(cfg: RunConfig) -> RunConfig:
     """
     if cfg.sft_warmup_steps == 0:
         return cfg
+    from jaxrl.train.mesh import agreed, is_primary
     from jaxrl.trainers.sft import SFTTrainer
 
     sft_dir = Path(cfg.output_dir) / "sft"
     export = sft_dir / "hf"
-    if not (export / "config.json").is_file():
+    if not agreed((export / "config.json").is_file()):  # process 0 decides for every process
         sft_cfg = dataclasses.replace(
             cfg,
             algorithm="sft",
@@ -47,8 +48,9 @@ def warm_start(cfg: RunConfig) -> RunConfig:
             sft_cfg = dataclasses.replace(sft_cfg, logging=logging)
         summary = SFTTrainer(sft_cfg, stop_at_accuracy=target).run()
         summary["target"] = cfg.sft_warmup_target
-        (sft_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
-        if target is not None and not summary["stopped_at_target"]:
+        if is_primary():
+            (sft_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+        if target is not None and not summary["stopped_at_target"] and is_primary():
             print(
                 f"warning: the SFT warm start reached held-out accuracy "
                 f"{summary['eval/accuracy']:.3f} < sft_warmup_target={target} within "
