@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.transformer import ModelConfig, Transformer
-from jaxrl.train.mesh import to_host
+from jaxrl.train.mesh import put_global, to_host
 from jaxrl.train.spmd import (
     auto_partitioned,
     on_mesh,
@@ -287,11 +287,11 @@ class Sampler:
         ]
         if wrong:
             raise ValueError("Sampler.load_params: parameter shape mismatch: " + "; ".join(wrong))
-        if self.mesh is not None:
+        if self.mesh is not None:  # leaves elsewhere: replicated over the mesh, from the host
             replicated = NamedSharding(self.mesh, P())
+            placed = lambda x: on_mesh_devices(x, self.mesh)  # noqa: E731
             params = jax.tree.map(
-                lambda x: x if on_mesh_devices(x, self.mesh) else jax.device_put(x, replicated),
-                params,
+                lambda x: x if placed(x) else put_global(to_host(x), replicated), params
             )
         self._params = self._copy(params)
 

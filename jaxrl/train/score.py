@@ -155,6 +155,7 @@ class Scorer:
         correct = np.zeros((n, t), bool)
         c = self.rows_per_call
         temperature_arg = put_replicated(np.float32(temp), self.mesh)
+        calls = []  # every call is dispatched before the first result is read back
         for lo in range(0, live.size, c):
             idx = live[lo : lo + c]
             batch = {}
@@ -163,7 +164,8 @@ class Scorer:
                 block[: idx.size] = arr[idx]
                 batch[name] = put_rows(block, self.mesh)
             with on_mesh(self.mesh):
-                out = self._jitted(params, batch, temperature_arg)
+                calls.append((idx, self._jitted(params, batch, temperature_arg)))
+        for idx, out in calls:
             lp, ent, hit = to_host(out)
             logp[idx], entropy[idx], correct[idx] = lp[: idx.size], ent[: idx.size], hit[: idx.size]
         return RowScores(
