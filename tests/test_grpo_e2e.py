@@ -145,9 +145,10 @@ def _dp_trainer(tmp_path, dp: int) -> GRPOTrainer:
 
 
 def test_dp1_b8_equals_dp8_b1_through_sampler_and_external_rollouts(tmp_path):
-    """Same seed, same global batch b·P = 8: generation runs unsharded, so both meshes sample
-    the same completions, and the engine's ratio-of-sums makes the step layout-invariant. Then
-    the same external rollouts through ``train_on_rollouts`` on both meshes."""
+    """Same seed, same global batch b·P = 8: generation is split over the ranks with random bits
+    that do not depend on the split, so both meshes sample the same completions, and the
+    engine's ratio-of-sums makes the step layout-invariant. Then the same external rollouts
+    through ``train_on_rollouts`` on both meshes."""
     one, eight = _dp_trainer(tmp_path, 1), _dp_trainer(tmp_path, 8)
     pairs = [(one.step(), eight.step()) for _ in range(2)]
     ext = _external_rollouts()
@@ -171,10 +172,10 @@ def test_train_on_rollouts_moves_toward_rewarded_completions_and_masks_truncated
     prompts, completions, logps, _ = _external_rollouts(1)
     rewards = [1.0 if i % 4 == 0 else 0.0 for i in range(8)]
     doc = [prompts[0] + completions[0]]
-    before = t.generator.scorer.token_logprobs(t.local_params(), doc)[0]
+    before = t.generator.scorer.token_logprobs(t.session.state.params, doc)[0]
     for _ in range(3):
         t.train_on_rollouts(prompts, completions, logps, rewards)
-    after = t.generator.scorer.token_logprobs(t.local_params(), doc)[0]
+    after = t.generator.scorer.token_logprobs(t.session.state.params, doc)[0]
     n = len(completions[0])
     assert after[-n:].sum() > before[-n:].sum() + 0.1
     with pytest.raises(ValueError, match="not a multiple of num_generations=4"):

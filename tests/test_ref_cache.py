@@ -19,6 +19,7 @@ from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.train import mesh as mesh_lib
 from jaxrl.train import ref_cache
 from jaxrl.train.accumulate import make_accumulate
 from jaxrl.train.forward import micro_batch_logprobs
@@ -27,10 +28,10 @@ from jaxrl.train.ref_cache import (
     ReferenceCache,
     ReferenceCacheError,
     cache_path,
-    document_logps,
     fill_pair_logps,
     load_or_build,
 )
+from jaxrl.train.score import Scorer
 from jaxrl.train.step import make_mesh
 from jaxrl.trainers.dpo import DPOTrainer
 
@@ -199,15 +200,16 @@ def test_step_zero_policy_equals_reference():
     tok = char_tokenizer(task.alphabet)
     docs = encode_pairs(arithmetic_pairs(task, 40), tok, max_length=16)
     graphdef, params = _tiny_model(tok.vocab_size)
-    values = jax.jit(lambda p, mb: document_logps(nnx.merge(graphdef, p), mb, mean=False))
+    scorer = Scorer(graphdef, mesh=mesh_lib.make_mesh(2, 2, 2))  # rows over 4 batch ranks
     cache = ReferenceCache.empty(40, IDENTITY)
-    fill_pair_logps(values, params, docs, cache, max_tokens=64, mesh=make_mesh(2))
+    fill_pair_logps(scorer, params, docs, cache, max_tokens=64)
     cache.check_complete()
     assert np.all(cache.chosen < 0) and np.all(cache.chosen != cache.rejected)
 
-    # the same forward on another packing (other rows, order and row length) reads the same
+    # the same forward on another packing (other rows, order and row length), on one device
+    # and in calls of 4 rows, reads the same
     again = ReferenceCache.empty(40)
-    fill_pair_logps(values, params, docs, again, max_tokens=128, rows_per_call=4)
+    fill_pair_logps(Scorer(graphdef, rows_per_call=4), params, docs, again, max_tokens=128)
     np.testing.assert_allclose(again.chosen, cache.chosen, rtol=1e-5)
     np.testing.assert_allclose(again.rejected, cache.rejected, rtol=1e-5)
 
@@ -284,3 +286,39 @@ def test_simpo_builds_no_cache(tmp_path):
     trainer = DPOTrainer(cfg)
     trainer.build_references()
     assert trainer.refs == {} and not (tmp_path / "ref_cache").exists()
+
+
+# ------------------------------------------------------------------ several processes
+
+
+def test_non_primary_process_loads_the_file_without_writing(tmp_path, monkeypatch):
+    built = load_or_build(tmp_path, IDENTITY, 5, _filler([]))  # process 0's file
+    stamp = built.path.stat().st_mtime_ns
+    monkeypatch.setattr(ref_cache, "is_primary", lambda: False)
+    saves, calls = [], []
+    monkeypatch.setattr(ReferenceCache, "save", lambda self, d: saves.append(d))
+    hit = load_or_build(tmp_path, IDENTITY, 5, _filler(calls))
+    assert calls == [] and saves == []  # neither computed nor written
+    assert built.path.stat().st_mtime_ns == stamp
+    np.testing.assert_array_equal(hit.chosen, built.chosen)
+    np.testing.assert_array_equal(hit.rejected, built.rejected)
+
+
+def test_non_primary_process_fills_waits_and_names_a_missing_file(tmp_path, monkeypatch):
+    """Every process takes part in the (collective) fill, only process 0 writes, then all wait
+    at the barrier; a process that still finds no file says the directory is not shared."""
+    barriers = []
+    monkeypatch.setattr(ref_cache, "is_primary", lambda: False)
+    monkeypatch.setattr(ref_cache, "barrier", barriers.append)
+    calls = []
+    with pytest.raises(ReferenceCacheError, match="every process sees"):
+        load_or_build(tmp_path, IDENTITY, 5, _filler(calls))
+    assert calls == [1] and len(barriers) == 1 and IDENTITY.key in barriers[0]
+    assert os.listdir(tmp_path) == []  # wrote nothing
+
+    # process 0: writes before the barrier, then loads
+    target = cache_path(tmp_path, IDENTITY)
+    monkeypatch.setattr(ref_cache, "is_primary", lambda: True)
+    monkeypatch.setattr(ref_cache, "barrier", lambda name: barriers.append(target.is_file()))
+    cache = load_or_build(tmp_path, IDENTITY, 5, _filler(calls))
+    assert calls == [1, 1] and barriers[-1] is True and cache.path == target

@@ -12,6 +12,8 @@ import torch
 from flax import nnx
 from hf_fixtures import write_case
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import pack_sequences
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
@@ -25,6 +27,7 @@ from jaxrl.rollout.sampler import (
     sample_tokens,
 )
 from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.mesh import make_mesh
 
 N = 12  # max_new_tokens of the HF-checkpoint sampler
 PAD = 0
@@ -316,3 +319,77 @@ def test_invalid_settings_are_named():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+# ------------------------------------------------------------------ on a mesh
+
+MESH_PROMPTS = [[2 + b % 5] * (1 + b % 6) for b in range(12)]  # 12 rows: not a multiple of 8
+
+
+def _tensor_sharded(params, mesh):
+    """Parameters split over fsdp (first axis) and tensor (last axis) where they divide."""
+
+    def put(x):
+        spec = [None] * x.ndim
+        if x.ndim >= 2:
+            spec[0] = "fsdp" if x.shape[0] % mesh.shape["fsdp"] == 0 else None
+            spec[-1] = "tensor" if x.shape[-1] % mesh.shape["tensor"] == 0 else None
+        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(put, params)
+
+
+@pytest.fixture(scope="module")
+def mesh_samplers(tiny):
+    """The tiny model's sampler on one device, on dp = 8 and on data × fsdp × tensor = 2×2×2
+    with parameters sharded over fsdp and tensor (4 row ranks)."""
+    model, _ = tiny
+    params = nnx.state(model, nnx.Param)
+    out = {}
+    for name, mesh in [
+        ("1 device", make_mesh(1, devices=jax.devices()[:1])),
+        ("dp 8", make_mesh(8)),
+        ("2x2x2", make_mesh(2, 2, 2)),
+    ]:
+        sampler = Sampler(
+            model.config, max_new_tokens=16, eos_id=(3, 7), pad_id=1, prompt_buckets=(8, 16),
+            mesh=mesh,
+        )  # fmt: skip
+        sampler.load_params(_tensor_sharded(params, mesh) if name == "2x2x2" else params)
+        out[name] = sampler
+    return out
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0), GREEDY, SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],
+    ids=["t1", "greedy", "filtered"],
+)
+def test_every_mesh_samples_the_same_completions(tiny, mesh_samplers, sampling):
+    """Rows are split over the batch axes (12 → 16 rows on 8 ranks), the random bits are a
+    function of (key, row, token) only: the same tokens and log-probs on every mesh."""
+    _, unsharded = tiny
+    want = unsharded.generate(MESH_PROMPTS, jax.random.key(11), sampling)
+    assert (~want.truncated).sum() >= 2 and want.truncated.any()  # rows stop at different steps
+    for name, sampler in mesh_samplers.items():
+        got = sampler.generate(MESH_PROMPTS, jax.random.key(11), sampling)
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=name)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(got.lengths, want.lengths, err_msg=name)
+        np.testing.assert_array_equal(got.truncated, want.truncated, err_msg=name)
+        np.testing.assert_array_equal(got.prompt_lengths, want.prompt_lengths, err_msg=name)
+        assert got.num_steps == want.num_steps, name  # padding rows never prolong the loop
+
+
+def test_mesh_sampler_keeps_the_parameters_sharding_and_compiles_once(mesh_samplers):
+    sampler = mesh_samplers["2x2x2"]
+    specs = {leaf.sharding.spec for leaf in jax.tree.leaves(sampler._params)}
+    assert P("fsdp", "tensor") in specs  # copied where they lie, not gathered
+    assert all(leaf.sharding.mesh == sampler.mesh for leaf in jax.tree.leaves(sampler._params))
+    sampler.generate(MESH_PROMPTS, jax.random.key(0))  # 12 rows on 4 row ranks
+    before = sampler.compiles
+    sampler.generate(MESH_PROMPTS[:9], jax.random.key(1), GREEDY)  # padded to 12: same program
+    sampler.generate(MESH_PROMPTS[:11], jax.random.key(2))
+    assert sampler.compiles == before
+    sampler.generate(MESH_PROMPTS[:3], jax.random.key(3))  # padded to 4 rows
+    assert sampler.compiles == before + 1

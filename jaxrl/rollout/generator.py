@@ -2,8 +2,10 @@
 
 The generator holds the sampler, the no-grad scorer and the reward functions of a GRPO run. Every
 call takes the parameters explicitly and loads them into the sampler with its one sync function
-(``Sampler.load_params``), so generation always uses the trainer's current weights. Rewards and
-advantages are computed on the whole generation batch on the host (as TRL's GRPOTrainer).
+(``Sampler.load_params``), so generation always uses the trainer's current weights. With a
+``mesh``, sampling and scoring split their rows over its batch axes and use the parameters in
+their own sharding. Rewards and advantages are computed on the whole generation batch on the
+host (as TRL's GRPOTrainer).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
@@ -46,9 +49,11 @@ class RolloutGenerator:
         chunk_size: int = 0,
         old_logprobs: bool = False,
         ref_params: Any = None,
+        mesh: Mesh | None = None,
     ):
         """``old_logprobs``: score every batch under the generating parameters (§5);
-        ``ref_params``: the frozen reference parameters when β > 0."""
+        ``ref_params``: the frozen reference parameters when β > 0; ``mesh``: the device mesh
+        the sampler and the scorer split their rows over (None: where the parameters are)."""
         self.config = config
         self.tokenizer = tokenizer
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
@@ -70,9 +75,14 @@ class RolloutGenerator:
             sampling=SamplingParams(
                 temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
             ),
+            mesh=mesh,
         )
         self.scorer = Scorer(
-            graphdef, row_len=row_len, temperature=config.temperature, chunk_size=chunk_size
+            graphdef,
+            mesh=mesh,
+            row_len=row_len,
+            temperature=config.temperature,
+            chunk_size=chunk_size,
         )
 
     def reward_columns(self, num_columns: int) -> tuple[Any, list[str]]:

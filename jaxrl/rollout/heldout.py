@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models.transformer import ModelConfig
@@ -53,7 +54,8 @@ class HeldoutEvaluator:
     ``samples_per_prompt`` (k) completions per prompt are drawn with ``sampling`` (the training
     temperature / top-k / top-p); k = 0 measures greedy only. ``reward`` is a TRL-style reward
     function called with the held-out ``answer`` column; a completion counts as correct when it
-    returns 1.0.
+    returns 1.0. ``mesh``: split the prompts over its batch axes (``Sampler``); the random bits,
+    hence the result, do not depend on it.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class HeldoutEvaluator:
         samples_per_prompt: int,
         seed: int = 0,
         reward: RewardFunc = exact_answer_reward,
+        mesh: Mesh | None = None,
     ):
         if len(prompts) != len(answers) or not prompts:
             raise ValueError(
@@ -89,6 +92,7 @@ class HeldoutEvaluator:
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
             sampling=sampling,
+            mesh=mesh,
         )
 
     def _correct(self, prompt_ids: list[np.ndarray], repeat: int, s: SamplingParams) -> np.ndarray:

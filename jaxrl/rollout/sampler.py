@@ -19,9 +19,19 @@ loop exits as soon as every row has stopped, or after N steps. (Each step sample
 model on the sampled token, so the forward of the last step is not used: one wasted step per
 call, in exchange for a loop body without a conditional around the cache.)
 
-Placement: parameters keep the placement of what ``load_params`` was given (a replicated
-trainer state runs the sampler replicated); sharding the sampling batch over devices is the
-caller's (or a later version's) business.
+Placement. With a ``mesh`` (``Sampler(..., mesh=)``) the prompts are split over its batch axes
+(data × fsdp, ``jaxrl.train.mesh.batch_sharding``): the batch is padded up to a multiple of the
+row ranks with empty rows (prompt length 0, stopped from the start, dropped from the result), and
+every device decodes its own rows. Parameters stay in the sharding they have (``load_params``
+copies them in place; leaves that are not on the mesh's devices are replicated over it), and
+XLA partitions the model around them (``jaxrl.train.spmd``). Results come back with
+``jaxrl.train.mesh.to_host``, so every process of a multi-process run gets them all. Without a
+mesh everything runs where the parameters are.
+
+Random bits do not depend on the mesh: with ``jax_threefry_partitionable`` (the default in this
+jax; the sampler refuses a mesh without it) the bits drawn for row b, vocabulary entry v are a
+function of the key and the position (b, v) only, not of how the rows are split or how many
+padding rows follow. So one key gives the same completions on one device and on eight.
 
 Weights enter only through :meth:`Sampler.load_params`, which copies (and casts to the
 sampler's ``param_dtype``) a trainer's parameters, so a trainer that donates its buffers
@@ -39,10 +49,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.train.mesh import put_global, to_host
+from jaxrl.train.spmd import (
+    on_mesh,
+    on_mesh_devices,
+    put_replicated,
+    put_rows,
+    row_ranks,
+)
 
 __all__ = [
     "SampleResult",
@@ -194,7 +214,9 @@ class Sampler:
     ``generate(prompts, key)`` left-pads the prompts to a bucketed length P (``prompt_buckets``
     as in ``jaxrl.data.packing.pick_bucket``: None = next power of two) and decodes up to
     ``max_new_tokens`` tokens per row. The key is split once per decode step, so a key fixes
-    the result. Compiles once per (B, P); ``compiles`` counts them.
+    the result, on any mesh. Compiles once per (B, P), B padded to a multiple of the mesh's row
+    ranks; ``compiles`` counts them. ``mesh``: split the prompts over its batch axes (None: run
+    where the parameters are).
     """
 
     def __init__(
@@ -206,7 +228,13 @@ class Sampler:
         pad_id: int,
         sampling: SamplingParams | None = None,
         prompt_buckets: BucketSpec = None,
+        mesh: Mesh | None = None,
     ):
+        if mesh is not None and not jax.config.jax_threefry_partitionable:
+            raise ValueError(
+                "Sampler(mesh=...) needs jax_threefry_partitionable=True (the default), so that "
+                "the random bits do not depend on how the batch is split over devices"
+            )
         eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
         for name, ids in (("eos_id", eos_ids), ("pad_id", [pad_id])):
             if not ids or any(not 0 <= int(i) < config.vocab_size for i in ids):
@@ -219,18 +247,22 @@ class Sampler:
         self.pad_id = int(pad_id)
         self.sampling = sampling or SamplingParams()
         self.prompt_buckets = prompt_buckets
+        self.mesh = mesh
         self.compiles = 0
         abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
         self._graphdef, self._abstract_params = nnx.split(abstract, nnx.Param)
         self._params: Any = None
-        self._jitted = jax.jit(self._generate)
+        self._jitted = jax.jit(self._program, static_argnames="key_impl")
+        self._copy = jax.jit(self._cast_copy)
 
     def load_params(self, params: Any) -> None:
         """Copy a trainer's parameters in (the only way weights enter the sampler).
 
         ``params``: a :class:`Transformer` or its ``nnx.State`` of parameters (e.g.
-        ``TrainState.params``). Each leaf is copied and cast to the sampler's ``param_dtype``;
-        the architecture must match the sampler's config.
+        ``TrainState.params``). Each leaf is copied and cast to the sampler's ``param_dtype``
+        where it lies (a jitted copy keeps every leaf's sharding, so a sharded state is never
+        gathered onto one device); with a mesh, leaves not on its devices are first replicated
+        over it. The architecture must match the sampler's config.
         """
         if isinstance(params, nnx.Module):
             params = nnx.split(params, nnx.Param)[1]
@@ -253,7 +285,18 @@ class Sampler:
         ]
         if wrong:
             raise ValueError("Sampler.load_params: parameter shape mismatch: " + "; ".join(wrong))
-        self._params = jax.tree.map(
+        if self.mesh is not None:  # leaves elsewhere: replicated over the mesh, from the host
+            replicated = NamedSharding(self.mesh, P())
+            placed = lambda x: on_mesh_devices(x, self.mesh)  # noqa: E731
+            params = jax.tree.map(
+                lambda x: x if placed(x) else put_global(to_host(x), replicated), params
+            )
+        self._params = self._copy(params)
+
+    def _cast_copy(self, params: Any) -> Any:
+        # jnp.array(copy=True) is a real copy (jit would forward an unchanged input), and the
+        # outputs keep the inputs' shardings
+        return jax.tree.map(
             lambda dst, src: jnp.array(src, dtype=dst.dtype, copy=True),
             self._abstract_params,
             params,
@@ -272,30 +315,46 @@ class Sampler:
             raise ValueError("Sampler.generate: need at least one prompt, each with >= 1 token")
         s = sampling or self.sampling
         length = pick_bucket(max(len(p) for p in prompts), self.prompt_buckets, "prompt length P")
-        tokens_BP, lengths_B = left_pad(prompts, pad_id=self.pad_id, length=length)
-        out = self._jitted(
-            self._params,
-            tokens_BP,
-            lengths_B,
-            key,
-            np.float32(s.temperature),
-            np.int32(s.top_k),
-            np.float32(s.top_p),
-        )
-        tokens, logprobs, lengths, truncated, steps = jax.device_get(out)
+        b = len(prompts)
+        padded = -(-b // row_ranks(self.mesh)) * row_ranks(self.mesh)
+        rows = list(prompts) + [[]] * (padded - b)  # empty rows: stopped from the start
+        tokens_BP, lengths_B = left_pad(rows, pad_id=self.pad_id, length=length)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key_impl, key_data = str(jax.random.key_impl(key)), jax.random.key_data(key)
+        else:  # a raw uint32 key (jax.random.PRNGKey)
+            key_impl, key_data = None, key
+        rep = lambda x: put_replicated(x, self.mesh)  # noqa: E731
+        with on_mesh(self.mesh):
+            out = self._jitted(
+                self._params,
+                put_rows(tokens_BP, self.mesh),
+                put_rows(lengths_B, self.mesh),
+                rep(np.asarray(key_data)),
+                rep(np.float32(s.temperature)),
+                rep(np.int32(s.top_k)),
+                rep(np.float32(s.top_p)),
+                key_impl=key_impl,
+            )
+        tokens, logprobs, lengths, truncated, steps = to_host(out)
         return SampleResult(
-            tokens=tokens,
-            logprobs=logprobs,
-            lengths=lengths,
-            truncated=truncated,
-            prompt_lengths=lengths_B,
+            tokens=tokens[:b],
+            logprobs=logprobs[:b],
+            lengths=lengths[:b],
+            truncated=truncated[:b],
+            prompt_lengths=lengths_B[:b],
             num_steps=int(steps),
         )
 
     __call__ = generate
 
-    def _generate(self, params, tokens_BP, prompt_lengths_B, key, temperature, top_k, top_p):
+    def _program(self, params, tokens_BP, prompt_lengths_B, key_data, *sampling, key_impl):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        key = key_data
+        if key_impl is not None:
+            key = jax.random.wrap_key_data(key_data, impl=key_impl)
+        return self._generate(params, tokens_BP, prompt_lengths_B, key, *sampling)
+
+    def _generate(self, params, tokens_BP, prompt_lengths_B, key, temperature, top_k, top_p):
         model = nnx.merge(self._graphdef, params)
         b, p = tokens_BP.shape
         n = self.max_new_tokens
@@ -326,7 +385,7 @@ class Sampler:
             key,
             jnp.full((b, n), self.pad_id, jnp.int32),
             jnp.zeros((b, n), jnp.float32),
-            jnp.zeros((b,), bool),
+            prompt_lengths_B == 0,  # padding rows (empty prompts) are done from the start
             jnp.zeros((b,), jnp.int32),
         )
         steps, _, _, _, tokens_BN, logprobs_BN, done_B, lengths_B = lax.while_loop(

@@ -1,8 +1,15 @@
-"""The trainer's forward: packed micro-batch → per-token log-probs and entropy (fp32)."""
+"""The trainer's forward: packed micro-batch → per-token log-probs and entropy (fp32).
+
+:func:`micro_batch_logprobs` is what every loss calls; :func:`micro_batch_scores` is the same
+computation (same hidden states, same head, same chunking) plus the teacher-forced argmax hit,
+for the no-grad scorer (``jaxrl.train.score``).
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jaxrl.models.head import token_logprobs
 from jaxrl.models.transformer import Transformer
@@ -13,21 +20,72 @@ def micro_batch_logprobs(
     mb: dict[str, jax.Array],
     *,
     chunk_size: int | None = None,
-    temperature: float = 1.0,
+    temperature: float | jax.Array = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """``(logp_BT, entropy_BT)`` of ``mb["targets"]`` given ``mb["tokens"]`` (target-aligned).
 
     Positions restart per document (from ``segment_ids``) unless ``mb`` carries ``positions``.
     The head is the model's (fp32 when ``fp32_lm_head``), chunked over tokens.
     """
-    hidden_BTD = model.hidden_states(mb["tokens"], mb.get("positions"), mb["segment_ids"])
+    hidden_BTD = _hidden_states(model, mb)
+    return _head_logprobs(model, hidden_BTD, mb["targets"], chunk_size, temperature)
+
+
+def micro_batch_scores(
+    model: Transformer,
+    mb: dict[str, jax.Array],
+    *,
+    chunk_size: int | None = None,
+    temperature: float | jax.Array = 1.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(logp_BT, entropy_BT, correct_BT)``: :func:`micro_batch_logprobs` and whether the argmax
+    of the model's logits (``Transformer.logits``, before the temperature) is the target.
+
+    ``correct`` is teacher-forced exact match per token: a document whose loss tokens are all
+    correct is what greedy decoding reproduces (each greedy step then sees a correct prefix).
+    The head runs ``chunk_size`` tokens at a time as in ``token_logprobs`` (each chunk through
+    ``token_logprobs`` itself), and the argmax reads the same chunk's logits, so XLA computes
+    each chunk's logits once.
+    """
+    hidden_BTD = _hidden_states(model, mb)
+    targets_BT = mb["targets"]
+    b, t, d = hidden_BTD.shape
+    chunk = min(int(chunk_size or t), t)
+    n_chunks = -(-t // chunk)
+    pad = n_chunks * chunk - t
+    hidden_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    hidden_NBCD = hidden_NBCD.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
+    targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk)
+    targets_NBC = targets_NBC.swapaxes(0, 1)
+
+    def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        hidden_BCD, targets_BC = xs
+        logp_BC, entropy_BC = _head_logprobs(model, hidden_BCD, targets_BC, None, temperature)
+        correct_BC = jnp.argmax(model.logits(hidden_BCD), axis=-1) == targets_BC
+        return logp_BC, entropy_BC, correct_BC
+
+    outs = lax.map(body, (hidden_NBCD, targets_NBC))
+    return tuple(x.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t] for x in outs)
+
+
+def _hidden_states(model: Transformer, mb: dict[str, jax.Array]) -> jax.Array:
+    return model.hidden_states(mb["tokens"], mb.get("positions"), mb["segment_ids"])
+
+
+def _head_logprobs(
+    model: Transformer,
+    hidden_BTD: jax.Array,
+    targets_BT: jax.Array,
+    chunk_size: int | None,
+    temperature: float | jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     kernel_DV = model.head_kernel()
     if not model.config.fp32_lm_head:
         kernel_DV = kernel_DV.astype(hidden_BTD.dtype)
     return token_logprobs(
         hidden_BTD,
         kernel_DV,
-        mb["targets"],
+        targets_BT,
         fp32=model.config.fp32_lm_head,
         temperature=temperature,
         chunk_size=chunk_size or None,

@@ -1,17 +1,19 @@
 """Reference log-prob cache for DPO (open-instruct PR #1447).
 
 The reference sequence values ``ref_c[p], ref_r[p]`` of every training pair p are computed ONCE
-from the initial (reference) parameters, with the training forward (``micro_batch_logprobs``),
-the training packing (pairs scheduled as ``len_c + len_r`` samples into ``schedule.max_tokens``
-rows, chosen then rejected) and the training aggregation (``sequence_logps``, sum or mean), and
-stored keyed by row id p. Lookup gathers by row id, so it does not depend on shuffling,
-epochs, micro-batching, packing or rank.
+from the initial (reference) parameters, with the training forward (``micro_batch_logprobs``,
+run on every device by the no-grad ``Scorer``), the training packing (pairs scheduled as
+``len_c + len_r`` samples into ``schedule.max_tokens`` rows, chosen then rejected) and the
+training aggregation (``sequence_logps``, sum or mean), and stored keyed by row id p. Lookup
+gathers by row id, so it does not depend on shuffling, epochs, micro-batching, packing or rank.
 
 File: ``<reference_cache_dir>/<hash16>.npz`` holding fp32 ``chosen`` and ``rejected`` [N] and the
 canonical JSON that was hashed (``identity``); ``hash16`` = the first 16 hex digits of SHA-256 of
 that JSON (``CacheIdentity``). Writes go to a temporary file in the same directory, then
 ``os.replace`` onto the target, so a reader sees a whole file or none; temporaries (``.*.tmp``)
-are never read. An existing file with the right hash is loaded, never rebuilt.
+are never read. An existing file with the right hash is loaded, never rebuilt. With several
+processes, all of them compute, process 0 writes, and all load after a barrier
+(:func:`load_or_build`).
 """
 
 from __future__ import annotations
@@ -27,18 +29,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.experimental import multihost_utils
 
-from jaxrl.data.packing import pack_micro_batches, pick_bucket
+from jaxrl.data.packing import PackedBatch, pack_micro_batches, pick_bucket
 from jaxrl.data.preference import PairDocuments, pair_micro_batches
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.losses.dpo import sequence_logps
-from jaxrl.train.accumulate import DATA_AXIS
-from jaxrl.train.forward import micro_batch_logprobs
-
-BATCH_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
-ValuesFn = Callable[[Any, dict[str, jax.Array]], jax.Array]
+from jaxrl.train.mesh import barrier, is_primary, to_host
+from jaxrl.train.score import DocumentScores, Scorer
 
 
 class ReferenceCacheError(RuntimeError):
@@ -81,7 +78,7 @@ def weight_fingerprint(params: Any, *, max_elements: int = 1 << 22) -> str:
     """
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        arr = np.asarray(jax.device_get(leaf))
+        arr = to_host(leaf)  # gathered from every process when sharded across them
         h.update(f"{jax.tree_util.keystr(path)}|{arr.shape}|{arr.dtype}".encode())
         flat = arr.reshape(-1)
         if flat.size > max_elements:
@@ -244,16 +241,25 @@ def load_or_build(
     """Load the cache for ``identity`` if its file exists; else ``fill`` an empty one, check it
     is complete, save it atomically and load it back (what training reads is what is on disk).
 
-    Single process only (as the trainers today): spec §6's multi-process merge, where process 0
-    writes and the others wait at a barrier, is not implemented.
+    Several processes (``jax.distributed``): every process fills (the scoring is one collective
+    program over the whole mesh, so all of them must run it), only process 0 writes the file,
+    and all wait at a barrier before every process loads it. ``directory`` must therefore be
+    storage every process sees. Whether to build is process 0's decision (broadcast), so the
+    processes never disagree about running the collective fill.
     """
-    if jax.process_count() > 1:
-        raise NotImplementedError("the reference cache is built by a single process only")
     target = cache_path(directory, identity)
-    if not target.is_file():
+    if not _primary_sees(target):
         built = ReferenceCache.empty(num_rows, identity)
         fill(built)
-        built.save(directory)
+        if is_primary():
+            built.save(directory)
+        barrier(f"jaxrl reference cache {identity.key}")
+        if not target.is_file():
+            raise ReferenceCacheError(
+                f"{target} is missing after process 0 wrote it (this is process "
+                f"{jax.process_index()} of {jax.process_count()}): reference_cache_dir must be a "
+                "directory every process sees (shared storage)"
+            )
     cache = ReferenceCache.load(target, identity)
     if cache.num_rows != num_rows:
         raise ReferenceCacheError(
@@ -262,43 +268,25 @@ def load_or_build(
     return cache
 
 
-# -- the forward shared by the cache and held-out evaluation --------------------------------
+def _primary_sees(target: Path) -> bool:
+    """Whether process 0 finds ``target`` (the same answer on every process)."""
+    exists = target.is_file()
+    if jax.process_count() > 1:
+        exists = bool(multihost_utils.broadcast_one_to_all(np.int32(exists)))
+    return exists
 
 
-def document_logps(
-    model: Any, mb: dict[str, jax.Array], *, mean: bool, chunk_size: int | None = None
-) -> jax.Array:
-    """Per-document sequence log-probs ``[B, S]`` of packed rows: the training forward
-    (``micro_batch_logprobs``) and aggregation (``sequence_logps``: sum, or mean with the count
-    clamped at 1) of ``dpo_loss_terms``."""
-    logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
-    num_segments = mb["doc_sample_index"].shape[-1]
-    return sequence_logps(logp_BT, mb["loss_mask"], mb["segment_ids"], num_segments, mean)
+# -- reference values through the scorer ----------------------------------------------------
 
 
-def fill_pair_logps(
-    values_fn: ValuesFn,
-    params: Any,
-    docs: PairDocuments,
-    sink: ReferenceCache,
-    *,
-    max_tokens: int,
-    packing: str = "ffd",
-    mesh: Mesh | None = None,
-    rows_per_call: int = 32,
-) -> None:
-    """Write every pair's ``(chosen, rejected)`` sequence values into ``sink`` by row id.
-
-    Pairs are packed as in training (``pair_micro_batches`` into ``max_tokens`` rows) and run
-    through ``values_fn(params, mb) -> [B, S]`` in fixed chunks of ``rows_per_call`` rows (one
-    compiled shape; the last chunk is padded with empty rows), sharded over ``mesh``'s data
-    axis when given. No pair is dropped: every row id of ``docs`` is written exactly once.
-    """
+def pack_pairs(docs: PairDocuments, *, max_tokens: int, packing: str = "ffd") -> PackedBatch:
+    """Every pair of ``docs`` packed as in training: ``pair_micro_batches`` (``len_c + len_r``
+    samples, chosen then rejected) into rows of ``max_tokens``, one rank."""
     layout = pair_micro_batches(
         range(docs.num_pairs), docs.pair_lengths, dp_size=1, max_tokens=max_tokens, packing=packing
     )
     most_docs = max(len(mb) for mb in layout[0])
-    packed = pack_micro_batches(
+    return pack_micro_batches(
         layout,
         docs.sequences,
         loss_masks=docs.masks,
@@ -306,25 +294,41 @@ def fill_pair_logps(
         num_slots=len(layout[0]),
         num_segments=pick_bucket(most_docs + 1, None, "segment slots S"),
     )
-    ranks = 1 if mesh is None else mesh.shape[DATA_AXIS]
-    chunk = -(-rows_per_call // ranks) * ranks
-    sharding = None if mesh is None else NamedSharding(mesh, P(DATA_AXIS))
-    arrays = {name: getattr(packed, name)[0] for name in (*BATCH_FIELDS, "doc_sample_index")}
-    num_rows = arrays["tokens"].shape[0]
-    for lo in range(0, num_rows, chunk):
-        part = {}
-        for name, arr in arrays.items():
-            block = arr[lo : lo + chunk]
-            fill = -1 if name == "doc_sample_index" else 0
-            pad = np.full((chunk - block.shape[0], *block.shape[1:]), fill, block.dtype)
-            part[name] = np.concatenate([block, pad])
-        batch = {k: jax.device_put(v, sharding) for k, v in part.items()}
-        values_BS = np.asarray(values_fn(params, batch))
-        index_BS = part["doc_sample_index"]
-        docs_at = index_BS >= 0
-        doc_ids, values = index_BS[docs_at], values_BS[docs_at]
-        order = np.argsort(doc_ids, kind="stable")
-        doc_ids, values = doc_ids[order], values[order]
-        if not np.array_equal(doc_ids[0::2] + 1, doc_ids[1::2]) or np.any(doc_ids[0::2] % 2):
-            raise RuntimeError("internal error: a pair's documents were split across chunks")
-        sink.write(doc_ids[0::2] // 2, values[0::2], values[1::2])
+
+
+def pair_scores(
+    scorer: Scorer,
+    params: Any,
+    docs: PairDocuments,
+    *,
+    max_tokens: int,
+    packing: str = "ffd",
+    mean: bool = False,
+) -> DocumentScores:
+    """Per-document scores of every pair's documents (document ``2p`` chosen, ``2p + 1``
+    rejected): the training packing (:func:`pack_pairs`), the training forward (the scorer's
+    ``micro_batch_logprobs`` at temperature 1) and aggregation (``sequence_logps``: sum, or
+    mean with the count clamped at 1, as ``dpo_loss_terms``), plus teacher-forced exact match."""
+    packed = pack_pairs(docs, max_tokens=max_tokens, packing=packing)
+    scores = scorer.documents(params, packed, mean=mean, temperature=1.0)
+    if scores.logps.size != 2 * docs.num_pairs or np.isnan(scores.logps).any():
+        raise RuntimeError("internal error: a pair's documents were not all scored")
+    return scores
+
+
+def fill_pair_logps(
+    scorer: Scorer,
+    params: Any,
+    docs: PairDocuments,
+    sink: ReferenceCache,
+    *,
+    max_tokens: int,
+    packing: str = "ffd",
+    mean: bool = False,
+) -> None:
+    """Write every pair's ``(chosen, rejected)`` sequence values (:func:`pair_scores`) into
+    ``sink`` by row id. No pair is dropped: every row id of ``docs`` is written exactly once."""
+    values = pair_scores(
+        scorer, params, docs, max_tokens=max_tokens, packing=packing, mean=mean
+    ).logps
+    sink.write(np.arange(docs.num_pairs), values[0::2], values[1::2])

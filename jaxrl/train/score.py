@@ -1,72 +1,244 @@
-"""No-grad forwards over packed rows: old/reference log-probs and the step's entropy threshold.
+"""No-grad scoring of packed rows on every device: the one program behind every non-train forward.
 
-Rows are processed one at a time (``lax.map`` over ``[1, T]`` rows), the shape the train step's
-micro-batches have, through the same ``micro_batch_logprobs`` (same head, same temperature). One
-program is compiled per (rows, T) bucket.
+:class:`Scorer` runs the trainer's forward (``micro_batch_scores``: the hidden states, head and
+chunking of ``micro_batch_logprobs``) over packed rows ``[N, T]`` and returns, per token, fp32
+``logp`` and ``entropy`` at a temperature and ``correct`` (the argmax of the model's logits is
+the target: teacher-forced exact match, independent of the temperature), as host numpy. Its
+consumers:
+
+- GRPO old / reference token log-probs (:meth:`Scorer.token_logprobs`) and the step's entropy
+  threshold τ_H (:meth:`Scorer.step_entropy_threshold`);
+- the DPO reference cache and held-out evaluation, and SFT held-out exact match, through
+  per-document values (:meth:`Scorer.documents`: ``sequence_logps`` sums or means, exact match).
+
+Layout. The rows are cut into calls of a fixed ``rows_per_call`` C (a multiple of the mesh's
+row ranks R = data × fsdp; the last call is padded with empty rows), split over the batch axes,
+so every device holds C / R rows. Inside, ``lax.map`` walks the C / R rows of every device in
+step: each step is one ``[R, T]`` batch, one ``[1, T]`` row per device, the shape of the train
+step's micro-batches, so values equal the train step's forward. Parameters stay in their own
+sharding (``jaxrl.train.spmd``). The temperature is a traced argument: one compiled program per
+``(C, T)`` bucket (``Scorer.compiles`` counts them). Rows without any token (segment 0 only, as
+bucket padding slots) are not run; their values are 0 (``correct`` False).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.nnx as nnx
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from jaxrl.data.packing import pack_sequences
+from jaxrl.data.packing import PackedBatch, pack_sequences
+from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
-from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.forward import micro_batch_scores
+from jaxrl.train.mesh import to_host
+from jaxrl.train.spmd import (
+    constrain_rows,
+    on_mesh,
+    put_replicated,
+    put_rows,
+    row_ranks,
+)
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
 
+_sequence_values = jax.jit(sequence_logps, static_argnums=(3, 4))
+_entropy_threshold = jax.jit(entropy_threshold, static_argnums=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScores:
+    """Per-token results of :meth:`Scorer.score`, laid out like the rows' ``tokens``."""
+
+    logp: np.ndarray  # float32 [..., T]: log p(targets[t] | tokens[<= t]) at the temperature
+    entropy: np.ndarray  # float32 [..., T]: entropy of that distribution
+    correct: np.ndarray  # bool [..., T]: argmax of the logits == targets[t]
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentScores:
+    """Per-document results of :meth:`Scorer.documents`, indexed by sample index (the values of
+    ``doc_sample_index``); documents absent from the batch hold NaN / False."""
+
+    logps: np.ndarray  # float32 [D]: sum (or mean) of the loss tokens' log-probs
+    correct: np.ndarray  # bool [D]: every loss token's argmax is its target
+    scored: np.ndarray  # bool [D]: the document has at least one loss token
+
+    def exact_match(self, ids: Any = None) -> float:
+        """Fraction of the scored documents among ``ids`` (default all) that are correct:
+        teacher-forced exact match, equal to greedy-decoding exact match."""
+        sel = slice(None) if ids is None else np.asarray(ids, np.int64)
+        scored, correct = self.scored[sel], self.correct[sel]
+        return float(np.sum(correct & scored)) / max(float(np.sum(scored)), 1.0)
+
 
 class Scorer:
-    """Per-token log-probs / entropies of packed rows under given parameters (no gradient)."""
+    """Per-token log-probs, entropies and argmax hits of packed rows under given parameters.
 
-    def __init__(self, graphdef: Any, *, row_len: int, temperature: float, chunk_size: int = 0):
+    ``mesh``: rows are split over its batch axes (None: wherever ``jit`` puts them with the
+    parameters). ``chunk_size``: the head's token chunk (``model.logprob_chunk``; 0 = whole
+    rows). ``rows_per_call``: rows per compiled call, rounded up to a multiple of the row ranks.
+    ``row_len`` and ``temperature``: defaults of :meth:`token_logprobs` and
+    :meth:`step_entropy_threshold` (GRPO scores at its sampling temperature).
+    """
+
+    def __init__(
+        self,
+        graphdef: Any,
+        *,
+        mesh: Mesh | None = None,
+        chunk_size: int = 0,
+        rows_per_call: int = 32,
+        row_len: int | None = None,
+        temperature: float = 1.0,
+    ):
+        if rows_per_call <= 0:
+            raise ValueError(f"Scorer: rows_per_call={rows_per_call} must be positive")
         self.graphdef = graphdef
+        self.mesh = mesh
+        self.chunk_size = chunk_size or None
+        ranks = row_ranks(mesh)
+        self.rows_per_call = -(-rows_per_call // ranks) * ranks
         self.row_len = row_len
         self.temperature = float(temperature)
-        self.chunk_size = chunk_size or None
-        self._rows = jax.jit(self._rows_logprobs)
-        self._threshold = jax.jit(self._entropy_threshold, static_argnums=3)
+        self.compiles = 0
+        self._jitted = jax.jit(self._program)
 
-    def _rows_logprobs(self, params: Any, rows_NT: dict[str, jax.Array]):
+    # -- the program --------------------------------------------------------------------------
+    def _program(self, params: Any, rows_CT: dict[str, jax.Array], temperature: jax.Array):
+        self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        return self._rows(params, rows_CT, temperature)
+
+    def _rows(self, params: Any, rows_CT: dict[str, jax.Array], temperature: jax.Array):
         model = nnx.merge(self.graphdef, params)
+        c, t = rows_CT["tokens"].shape
+        r = row_ranks(self.mesh)
+        m = c // r
 
-        def one(row_T: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            mb = {k: v[None] for k, v in row_T.items()}
-            logp, ent = micro_batch_logprobs(
-                model, mb, chunk_size=self.chunk_size, temperature=self.temperature
+        def steps(x_CT: jax.Array) -> jax.Array:  # [C, T] → [M, R, T]: step i = row i of a rank
+            x_MRT = x_CT.reshape(r, m, t).swapaxes(0, 1)
+            return constrain_rows(x_MRT, self.mesh, axis=1)
+
+        def one(mb_RT: dict[str, jax.Array]):
+            return micro_batch_scores(
+                model, mb_RT, chunk_size=self.chunk_size, temperature=temperature
             )
-            return logp[0], ent[0]
 
-        return jax.lax.map(one, rows_NT)
+        outs = jax.lax.map(one, {k: steps(v) for k, v in rows_CT.items()})
+        return tuple(
+            constrain_rows(x_MRT.swapaxes(0, 1).reshape(c, t), self.mesh) for x_MRT in outs
+        )
 
-    def _entropy_threshold(
-        self, params: Any, rows_NT: dict[str, jax.Array], mask_NT: jax.Array, q: float
-    ) -> jax.Array:
-        _, entropy_NT = self._rows_logprobs(params, rows_NT)
-        return entropy_threshold(entropy_NT, mask_NT, q)
+    # -- rows -------------------------------------------------------------------------------
+    def score(
+        self, params: Any, rows: Mapping[str, np.ndarray], *, temperature: float | None = None
+    ) -> RowScores:
+        """Score host rows ``rows[f]`` of shape ``[..., T]`` for f in :data:`ROW_FIELDS`
+        (e.g. a packed batch's ``[R, K, T]``); results have the same shape."""
+        temp = self.temperature if temperature is None else float(temperature)
+        shape = np.shape(rows["tokens"])
+        t = shape[-1]
+        flat = {k: np.asarray(rows[k], np.int32).reshape(-1, t) for k in ROW_FIELDS}
+        live = np.flatnonzero((flat["segment_ids"] > 0).any(axis=1))
+        n = flat["tokens"].shape[0]
+        logp = np.zeros((n, t), np.float32)
+        entropy = np.zeros((n, t), np.float32)
+        correct = np.zeros((n, t), bool)
+        c = self.rows_per_call
+        temperature_arg = put_replicated(np.float32(temp), self.mesh)
+        calls = []  # every call is dispatched before the first result is read back
+        for lo in range(0, live.size, c):
+            idx = live[lo : lo + c]
+            batch = {}
+            for name, arr in flat.items():
+                block = np.zeros((c, t), np.int32)
+                block[: idx.size] = arr[idx]
+                batch[name] = put_rows(block, self.mesh)
+            with on_mesh(self.mesh):
+                calls.append((idx, self._jitted(params, batch, temperature_arg)))
+        for idx, out in calls:
+            lp, ent, hit = to_host(out)
+            logp[idx], entropy[idx], correct[idx] = lp[: idx.size], ent[: idx.size], hit[: idx.size]
+        return RowScores(
+            logp=logp.reshape(shape), entropy=entropy.reshape(shape), correct=correct.reshape(shape)
+        )
 
-    def token_logprobs(self, params: Any, sequences: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Token-aligned log-probs per document: value i is log p(token i | tokens < i); 0 at 0."""
+    # -- consumers --------------------------------------------------------------------------
+    def documents(
+        self,
+        params: Any,
+        packed: PackedBatch,
+        *,
+        mean: bool = False,
+        temperature: float | None = None,
+    ) -> DocumentScores:
+        """Per-document values of a packed batch: ``sequence_logps`` of the scored log-probs
+        (the training aggregation: sum, or mean with the count clamped at 1) and exact match."""
+        scores = self.score(params, _rows_of(packed), temperature=temperature)
+        t, s = packed.shape[-1], packed.num_segments
+        segment_ids_NT = packed.segment_ids.reshape(-1, t)
+        loss_mask_NT = packed.loss_mask.reshape(-1, t)
+        index_NS = packed.doc_sample_index.reshape(-1, s)
+        values_NS = np.asarray(
+            _sequence_values(scores.logp.reshape(-1, t), loss_mask_NT, segment_ids_NT, s, mean)
+        )
+        # exact match: count loss tokens and wrong loss tokens per (row, segment)
+        on_NT = (loss_mask_NT > 0) & (segment_ids_NT > 0)
+        wrong_NT = on_NT & ~scores.correct.reshape(-1, t)
+        slot_NT = np.arange(index_NS.shape[0])[:, None] * s + segment_ids_NT
+        count_NS = np.bincount(slot_NT[on_NT], minlength=index_NS.size).reshape(index_NS.shape)
+        wrong_NS = np.bincount(slot_NT[wrong_NT], minlength=index_NS.size).reshape(index_NS.shape)
+        at_NS = index_NS >= 0
+        at_NS[:, 0] = False  # slot 0 is padding
+        ids = index_NS[at_NS]
+        num_docs = int(ids.max()) + 1 if ids.size else 0
+        logps = np.full(num_docs, np.nan, np.float32)
+        scored = np.zeros(num_docs, bool)
+        correct = np.zeros(num_docs, bool)
+        logps[ids] = values_NS[at_NS]
+        scored[ids] = count_NS[at_NS] > 0
+        correct[ids] = scored[ids] & (wrong_NS[at_NS] == 0)
+        return DocumentScores(logps=logps, correct=correct, scored=scored)
+
+    def token_logprobs(
+        self,
+        params: Any,
+        sequences: Sequence[np.ndarray],
+        *,
+        temperature: float | None = None,
+    ) -> list[np.ndarray]:
+        """Token-aligned log-probs per document: value i is log p(token i | tokens < i); 0 at 0.
+
+        The documents are packed into rows of ``row_len`` tokens (the constructor's)."""
+        if self.row_len is None:
+            raise ValueError("Scorer.token_logprobs needs the Scorer's row_len")
         packed = pack_sequences(list(sequences), row_len=self.row_len)
-        rows = {k: getattr(packed, k)[0] for k in ROW_FIELDS}
-        logp_NT, _ = self._rows(params, rows)
-        logp_RKT = np.asarray(logp_NT)[None]
-        by_doc = packed.split_by_sample(logp_RKT)  # value j predicts token j + 1
-        out = []
-        for i in range(len(sequences)):
-            vals = by_doc[i]
-            out.append(np.concatenate([[0.0], vals[:-1]]).astype(np.float32))
-        return out
+        logp = self.score(params, _rows_of(packed), temperature=temperature).logp
+        by_doc = packed.split_by_sample(logp)  # value j predicts token j + 1
+        return [
+            np.concatenate([[0.0], by_doc[i][:-1]]).astype(np.float32)
+            for i in range(len(sequences))
+        ]
 
     def step_entropy_threshold(
-        self, params: Any, arrays: dict[str, np.ndarray], top_entropy_quantile: float
+        self,
+        params: Any,
+        arrays: Mapping[str, np.ndarray],
+        top_entropy_quantile: float,
+        *,
+        temperature: float | None = None,
     ) -> float:
-        """τ_H over every loss token of a step's packed ``[R, K, T]`` batch (all ranks)."""
-        flat = {k: arrays[k].reshape(-1, arrays[k].shape[-1]) for k in ROW_FIELDS}
-        mask = arrays["loss_mask"].reshape(-1, arrays["loss_mask"].shape[-1])
-        return float(self._threshold(params, flat, mask, float(top_entropy_quantile)))
+        """τ_H over every loss token of a step's packed ``[R, K, T]`` batch (all ranks): the
+        ``entropy_threshold`` quantile of the scored entropies."""
+        entropy = self.score(params, arrays, temperature=temperature).entropy
+        tau = _entropy_threshold(entropy, np.asarray(arrays["loss_mask"]), top_entropy_quantile)
+        return float(tau)
+
+
+def _rows_of(packed: PackedBatch) -> dict[str, np.ndarray]:
+    return {name: getattr(packed, name) for name in ROW_FIELDS}

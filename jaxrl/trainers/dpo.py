@@ -1,7 +1,8 @@
 """DPO trainer: preference pairs → reference cache → packed pairs → exact engine → metrics.
 
 Orchestration only: pairs and their packing live in ``jaxrl.data.preference``, the reference
-cache and the shared forward in ``jaxrl.train.ref_cache``, the loss in ``jaxrl.losses.dpo``.
+cache in ``jaxrl.train.ref_cache``, the no-grad forward it shares with held-out evaluation in
+``jaxrl.train.score`` (every device), the loss in ``jaxrl.losses.dpo``.
 A step takes ``dpo.pairs_per_step`` pairs (b · g · P) from a seeded feed of pair ids, schedules
 them as ``len_c + len_r`` samples, lays each pair out as adjacent chosen/rejected documents, and
 hands the cached reference values to the loss as per-document fields.
@@ -14,13 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import flax.nnx as nnx
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.packing import pack_sequences
 from jaxrl.data.preference import (
     PairDocuments,
     PreferencePair,
@@ -34,18 +33,18 @@ from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.models.transformer import Transformer
-from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.ref_cache import (
     CacheIdentity,
     ReferenceCache,
-    document_logps,
     fill_pair_logps,
     load_or_build,
+    pair_scores,
     tokenizer_fingerprint,
     weight_fingerprint,
 )
-from jaxrl.trainers.session import Session, build_task, device_arrays
+from jaxrl.train.score import Scorer
+from jaxrl.trainers.session import Session, build_task
 
 REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, rejected → ref_r
 
@@ -126,18 +125,8 @@ class DPOTrainer:
             )
 
         self.session = Session(cfg, self.tokenizer.vocab_size, loss)
-        graphdef, mean = self.session.graphdef, dpo.uses_mean_logps
-        self._values = jax.jit(
-            lambda params, mb: document_logps(
-                nnx.merge(graphdef, params), mb, mean=mean, chunk_size=chunk
-            )
-        )
-        self._exact_match = jax.jit(
-            lambda params, mb, num_segments: exact_match_counts(
-                nnx.merge(graphdef, params), mb, num_segments=num_segments
-            ),
-            static_argnames="num_segments",
-        )
+        # reference values and held-out evaluation: the no-grad scorer on every device
+        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk or 0)
 
     def _tokenizer(self, task: ArithmeticTask) -> TextTokenizer:
         path = self.cfg.model.path
@@ -167,13 +156,13 @@ class DPOTrainer:
 
     def _pair_values(self, docs: PairDocuments, sink: ReferenceCache) -> None:
         fill_pair_logps(
-            self._values,
+            self.scorer,
             self.session.state.params,
             docs,
             sink,
             max_tokens=self.cfg.schedule.max_tokens,
             packing=self.cfg.schedule.packing,
-            mesh=self.session.mesh,
+            mean=self.dpo.uses_mean_logps,
         )
 
     def build_references(self) -> None:
@@ -221,27 +210,25 @@ class DPOTrainer:
         """Held-out preference accuracy: ``eval/accuracy`` = fraction with margin z > 0 against
         the reference (0 at the start, strictly); ``eval/policy_accuracy`` = fraction with
         π_c > π_r (the policy itself prefers the chosen answer); ``eval/exact_match`` = greedy
-        exact match of the chosen responses (teacher-forced argmax, as in SFT)."""
+        exact match of the chosen responses (teacher-forced argmax, as in SFT). One scoring
+        pass over the held-out pairs, packed as the reference cache packs them."""
         if self.held_out is None:
             return {}
-        chosen = pack_sequences(
-            self.held_out.sequences[0::2],
-            loss_masks=self.held_out.masks[0::2],
-            row_len=self.cfg.schedule.max_tokens,
+        scores = pair_scores(
+            self.scorer,
+            self.session.state.params,
+            self.held_out,
+            max_tokens=self.cfg.schedule.max_tokens,
+            packing=self.cfg.schedule.packing,
+            mean=self.dpo.uses_mean_logps,
         )
-        arrays = {k: jnp.asarray(v[0]) for k, v in device_arrays(chosen).items()}
-        correct, scored = self._exact_match(
-            self.session.state.params, arrays, num_segments=chosen.num_segments
-        )
-        sink = ReferenceCache.empty(self.held_out.num_pairs)
-        self._pair_values(self.held_out, sink)
-        sink.check_complete()
+        chosen, rejected = scores.logps[0::2], scores.logps[1::2]
         ref = self.refs.get("eval")
         refs = (ref.chosen, ref.rejected) if ref is not None else (None, None)
         return {
-            "eval/accuracy": preference_accuracy(sink.chosen, sink.rejected, *refs),
-            "eval/policy_accuracy": preference_accuracy(sink.chosen, sink.rejected),
-            "eval/exact_match": float(correct) / max(float(scored), 1.0),
+            "eval/accuracy": preference_accuracy(chosen, rejected, *refs),
+            "eval/policy_accuracy": preference_accuracy(chosen, rejected),
+            "eval/exact_match": scores.exact_match(np.arange(0, scores.logps.size, 2)),
         }
 
     # -- the loop ---------------------------------------------------------------------------

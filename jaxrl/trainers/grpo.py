@@ -73,8 +73,12 @@ class GRPOTrainer:
             row_len=cfg.schedule.max_tokens,
             chunk_size=chunk,
             old_logprobs=self.computes_old_logprobs,
-            # β > 0: the frozen initial parameters (a copy: the train step donates its buffers)
-            ref_params=self.local_params(copy=True) if config.beta != 0.0 else None,
+            # β > 0: the frozen initial parameters, a real copy in the same sharding (the train
+            # step donates its buffers)
+            ref_params=(
+                jax.tree.map(jnp.copy, self.session.state.params) if config.beta != 0.0 else None
+            ),
+            mesh=self.session.mesh,
         )
         self.evaluator = HeldoutEvaluator(
             self.session.model_config,
@@ -85,6 +89,7 @@ class GRPOTrainer:
             sampling=self.generator.sampler.sampling,
             samples_per_prompt=cfg.logging.eval_samples,
             seed=cfg.seed,
+            mesh=self.session.mesh,
         )
         self.prompt_sampler = PromptSampler(
             len(self.train_prompts),
@@ -108,19 +113,13 @@ class GRPOTrainer:
         under docs_per_step (leftover documents wait for the next step)."""
         return self.config.needs_old_logprobs or self.cfg.schedule.docs_per_step > 0
 
-    def local_params(self, *, copy: bool = False) -> Any:
-        """The trainer's parameters on one device (the sampler and scorer run unsharded, so
-        generation is the same on every mesh)."""
-        params = jax.device_put(self.session.state.params, jax.devices()[0])
-        return jax.tree.map(lambda x: jnp.array(x, copy=True), params) if copy else params
-
     def generate(self) -> dict[str, Any]:
         """Generate, score and keep the next generation batch; returns the buffer's fields."""
         n = self.prompt_sampler.generations
         idx = self.prompt_sampler.next_generation()
         examples = [self.train_examples[i] for i in idx]
         rollouts = self.generator.generate(
-            self.local_params(),
+            self.session.state.params,
             [self.train_prompts[i] for i in idx],
             [e.prompt for e in examples],
             {"answer": [e.answer for e in examples]},
@@ -180,7 +179,7 @@ class GRPOTrainer:
             eos = self.tokenizer.eos_id
             truncated = [len(c) == 0 or int(c[-1]) != eos for c in completion_tokens]
         rollouts = self.generator.build(
-            self.local_params(),
+            self.session.state.params,
             [np.asarray(p) for p in prompt_tokens],
             [np.asarray(c) for c in completion_tokens],
             [np.asarray(x) for x in sampler_logprobs],
@@ -220,7 +219,7 @@ class GRPOTrainer:
         self.pending = deque(rows[i] for i in batch.returned)
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.generator.scorer.step_entropy_threshold(
-                self.local_params(), arrays, c.top_entropy_quantile
+                self.session.state.params, arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
         row = self.session.train_on(batch)
@@ -234,7 +233,7 @@ class GRPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval/accuracy`` (greedy) and ``eval/accuracy_sampled`` (k samples per prompt
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
-        return self.evaluator(self.local_params()).metrics()
+        return self.evaluator(self.session.state.params).metrics()
 
     def host_state(self) -> dict[str, Any]:
         """Everything outside the TrainState that a resumed run needs, as JSON."""

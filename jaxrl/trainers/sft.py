@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
@@ -18,9 +17,9 @@ from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.sft import sft_terms
 from jaxrl.models.transformer import Transformer
-from jaxrl.train.evaluate import exact_match_counts
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.trainers.session import Session, build_task, device_arrays
+from jaxrl.train.score import Scorer
+from jaxrl.trainers.session import Session, build_task
 
 
 def encode_examples(
@@ -86,7 +85,7 @@ class SFTTrainer:
                 f"{ranks} data-parallel ranks (mesh.data × mesh.fsdp) so every rank gets "
                 "documents; use a multiple"
             )
-        self._eval_fn = jax.jit(self._eval_counts, static_argnames="num_segments")
+        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
 
     # -- planning ---------------------------------------------------------------------------
     def plan_step(self) -> StepBatch:
@@ -107,21 +106,13 @@ class SFTTrainer:
         return batch
 
     # -- evaluation -------------------------------------------------------------------------
-    def _eval_counts(self, params: Any, batch: dict[str, jax.Array], *, num_segments: int):
-        from flax import nnx
-
-        model = nnx.merge(self.session.graphdef, params)
-        return exact_match_counts(model, batch, num_segments=num_segments)
-
     def evaluate(self) -> float:
-        """Held-out exact-match accuracy (teacher-forced argmax, equal to greedy decoding)."""
+        """Held-out exact-match accuracy (teacher-forced argmax, equal to greedy decoding), from
+        the no-grad scorer on every device."""
         packed = pack_sequences(
             self.eval_seqs, loss_masks=self.eval_masks, row_len=self.cfg.schedule.max_tokens
         )
-        arrays = {k: jnp.asarray(v[0]) for k, v in device_arrays(packed).items()}
-        segments = packed.doc_sample_index.shape[-1]
-        correct, total = self._eval_fn(self.session.state.params, arrays, num_segments=segments)
-        return float(correct) / max(float(total), 1.0)
+        return self.scorer.documents(self.session.state.params, packed).exact_match()
 
     def _reached(self, accuracy: float | None) -> bool:
         target = self.stop_at_accuracy

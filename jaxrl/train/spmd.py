@@ -1,0 +1,89 @@
+"""Running a no-grad program (scoring, sampling) with its rows split over a mesh's batch axes.
+
+Layout. Rows (packed rows, prompts) are split over the batch axes, data × fsdp
+(:func:`jaxrl.train.mesh.batch_sharding`); tensor ranks share rows. The caller pads the row
+count to a multiple of :func:`row_ranks`. Parameters stay in whatever sharding they have: ``jit``
+follows committed inputs, so a replicated, fsdp- or tensor-sharded state is used where it lies.
+Host inputs enter with :func:`put_rows` / :func:`put_replicated` (each process reads only the
+blocks its devices hold) and results leave with :func:`jaxrl.train.mesh.to_host`, so every
+process gets the same host outputs.
+
+Partitioning. Meshes from :func:`jaxrl.train.mesh.make_mesh` have automatic axes: XLA propagates
+the shardings of the inputs, gathering fsdp-sharded weights and splitting tensor-sharded heads,
+as in the train step. :func:`on_mesh` is the mesh context in which :func:`constrain_rows`'s
+PartitionSpecs are traced. A mesh that lacks some batch axes is accepted: its batch axes are
+those it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.train.mesh import BATCH_AXES, put_global
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The batch axes (data, fsdp) that ``mesh`` has, in mesh order."""
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def row_ranks(mesh: Mesh | None) -> int:
+    """Row shards: data × fsdp (``jaxrl.train.mesh.batch_ranks``); 1 without a mesh."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
+
+
+def row_spec(mesh: Mesh) -> P:
+    """Leading axis over the batch axes, the rest replicated."""
+    return P(batch_axes(mesh))
+
+
+def put_rows(host: np.ndarray, mesh: Mesh | None) -> jax.Array | np.ndarray:
+    """A host array of the GLOBAL shape ``[N, ...]`` (N a multiple of :func:`row_ranks`) split
+    over the batch axes; without a mesh the host array itself (``jit`` places it with the
+    parameters)."""
+    if mesh is None:
+        return np.asarray(host)
+    return put_global(np.asarray(host), NamedSharding(mesh, row_spec(mesh)))
+
+
+def put_replicated(host: Any, mesh: Mesh | None) -> jax.Array | np.ndarray:
+    """A small host value (scalar, key data) replicated over the mesh."""
+    if mesh is None:
+        return np.asarray(host)
+    return put_global(np.asarray(host), NamedSharding(mesh, P()))
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: Mesh | None) -> Iterator[None]:
+    """``jax.set_mesh(mesh)`` around tracing and calling a program (nothing without a mesh)."""
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh):
+        yield
+
+
+def constrain_rows(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
+    """Inside a program: keep dimension ``axis`` of ``x`` split over the batch axes."""
+    if mesh is None:
+        return x
+    spec = [None] * x.ndim
+    spec[axis] = batch_axes(mesh)
+    return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def on_mesh_devices(x: Any, mesh: Mesh) -> bool:
+    """Whether ``x`` is a committed array that lies on exactly the mesh's devices."""
+    if not isinstance(x, jax.Array) or not x.committed:
+        return False
+    return x.sharding.device_set == set(mesh.devices.flat)
