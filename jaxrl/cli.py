@@ -1,4 +1,5 @@
-"""``jaxrl train CONFIG.yaml [--set key=value ...]`` and ``jaxrl schedule ...``.
+"""``jaxrl train CONFIG.yaml [--set key=value ...]``, ``jaxrl memory CONFIG.yaml [--json]``
+and ``jaxrl schedule ...``.
 
 Thin: parse, load the config, call the trainer. jax is imported only after the config is read,
 so the ``mesh`` section can size the CPU host-device count, and the ``distributed`` section start
@@ -9,12 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Any
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load_config(
+    args: argparse.Namespace, *, distributed: bool = True, devices: int | None = None
+) -> Any:
+    """The ``RunConfig`` of ``args.config`` with ``--set`` overrides, after asking XLA for the
+    CPU host devices the ``mesh`` section needs (before jax initialises; no effect on
+    accelerators). ``distributed``: start the multi-process job the ``distributed`` section
+    describes (``train``); without it this one process stands in for every device of the mesh
+    (``memory``), ``devices`` of them when given (a ``-1`` axis takes the rest). Raises
+    ``ConfigError``."""
     from jaxrl.config import (
-        ConfigError,
         DistributedConfig,
         MeshConfig,
         RunConfig,
@@ -24,14 +34,22 @@ def _train(args: argparse.Namespace) -> int:
     )
     from jaxrl.train import launch
 
-    try:
-        raw = apply_overrides(load_yaml(args.config), args.set)
-        mesh = from_dict(MeshConfig, raw.get("mesh") or {}, where="mesh")
+    raw = apply_overrides(load_yaml(args.config), args.set)
+    mesh = from_dict(MeshConfig, raw.get("mesh") or {}, where="mesh")
+    dist = DistributedConfig()
+    if distributed:
         dist = from_dict(DistributedConfig, raw.get("distributed") or {}, where="distributed")
-        if "jax" not in sys.modules:  # before jax initialises: CPU device count, processes
-            launch.ensure_host_devices(launch.host_device_count(mesh, dist))
-        launch.initialize(dist)
-        cfg = from_dict(RunConfig, raw)
+    if "jax" not in sys.modules:  # before jax initialises: CPU device count, processes
+        launch.ensure_host_devices(devices or launch.host_device_count(mesh, dist))
+    launch.initialize(dist)
+    return from_dict(RunConfig, raw)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from jaxrl.config import ConfigError
+
+    try:
+        cfg = _load_config(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -48,19 +66,66 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run a config (SFT, GRPO or DPO)")
-    train.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")
-    train.add_argument(
+def _memory(args: argparse.Namespace) -> int:
+    from jaxrl.config import ConfigError
+
+    if "jax" not in sys.modules:  # host devices stand in for the target unless told otherwise
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        if args.devices is not None and args.devices < 1:
+            raise ConfigError(f"--devices={args.devices} is invalid: use a positive device count")
+        cfg = _load_config(args, distributed=False, devices=args.devices)
+        from jaxrl.train.memory import plan_memory
+
+        plan = plan_memory(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        from jaxrl.train.memory import print_plan
+
+        print_plan(plan, title=args.config)
+    return 0
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set mesh.data=8 (repeatable)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run a config (SFT, GRPO or DPO)")
+    train.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")
+    _add_set(train)
     train.set_defaults(func=_train)
+    memory = sub.add_parser(
+        "memory",
+        help="per-device memory of a config's train step, planned without allocating the model",
+        description="Per-device bytes of parameters, optimizer state, gradients and the compiled "
+        "train step's temporaries, from abstract shapes and an ahead-of-time compile on CPU host "
+        "devices standing in for the mesh (set JAX_PLATFORMS to compile for another backend).",
+    )
+    memory.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")
+    _add_set(memory)
+    memory.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the target's device count, which a mesh axis of -1 fills (default: the product "
+        "of the fixed axes)",
+    )
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    memory.set_defaults(func=_memory)
     from jaxrl.data.schedule_report import add_schedule_arguments, run_from_args
 
     sched = sub.add_parser("schedule", help="show the DP micro-batch plan for a lengths file")

@@ -1,0 +1,339 @@
+"""Will it fit? Per-device memory of a run, planned without allocating the model.
+
+:func:`plan_memory` builds the run's mesh, the *abstract* model and train state
+(``nnx.eval_shape`` / ``jax.eval_shape``: shapes and dtypes, no buffers), their shardings under
+the package's rule table, and lowers and compiles the real train step (``TrainStep``: the
+``shard_map`` accumulation loop, clipping, AdamW) on abstract inputs of the configured shapes.
+Nothing the size of a parameter is ever allocated, so a 7B plan runs on a laptop; CPU host
+devices stand in for the target's accelerators (``jaxrl memory`` asks XLA for as many as the
+mesh needs).
+
+Numbers are bytes on the largest device:
+
+- ``params_bytes`` / ``optimizer_bytes``: the train state's parameters (``param_dtype``) and
+  AdamW state (two fp32 moments + a step count), each under its sharding (``embed`` over
+  ``fsdp``; heads, MLP units, vocabulary over ``tensor``; replicated over ``data``).
+- ``grads_bytes``: one fp32 gradient per parameter in the parameters' sharding, the engine's
+  accumulator (each round is reduce-scattered over ``fsdp`` into it, ``accumulate.py``).
+- ``temp_bytes``: the compiled step's working memory (XLA ``memory_analysis``
+  ``temp_size_in_bytes``, the peak of its temporaries) minus the accumulator: activations, the
+  weights the ``shard_map`` gathers over ``fsdp`` at entry, each round's full-size gradients
+  before their reduce-scatter, and the optimizer's temporaries. The last three scale with the
+  whole model, not its shard, so ``fsdp`` divides the state but not this part. XLA counts the
+  accumulator (a loop-carried buffer) among its temporaries, so it is taken out once here and
+  shown as ``grads_bytes`` instead of being counted twice.
+- ``total_bytes`` = params + optimizer + grads + temp: the step's peak on the device (the
+  arguments stay live throughout, the temporaries peak on top). The batch (a few int32 rows of
+  ``max_tokens``) is left out, and so are the outputs: the state is donated, so the new state
+  is written over the old one (``output_bytes`` / ``alias_bytes`` give XLA's view).
+
+Every algorithm is planned with the SFT loss (``loss: "sft"``): GRPO and DPO run the same
+forward and backward through the same engine and only add a few per-token / per-document fp32
+fields. What the plan does not cover is reported in ``notes`` (e.g. GRPO's generation, which
+runs on one device with an unsharded copy of the parameters). The compiler's temporaries are
+the CPU backend's: a GPU or TPU compile fuses and schedules differently, so treat
+``temp_bytes`` as an estimate and leave headroom.
+
+Cost: the compile dominates, and it grows with the layer count, because the model's layers are
+a Python loop (unrolled in the step's HLO, forward and backward): a 28-layer 7B step compiles
+in about 35 to 75 s on two CPU cores (4 layers: about 12 s). Per-device numbers barely depend
+on the ``data`` size or on the number of micro-batch slots, so the abstract batch has one slot
+per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.step_plan import DEVICE_FIELDS
+from jaxrl.models.sharding import bytes_per_device, state_shardings
+from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.train.mesh import batch_ranks, batch_sharding, mesh_from_config, replicated
+from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxrl.train.state import TrainState
+from jaxrl.train.step import TrainStep
+
+SEGMENT_SLOTS = 2  # documents per packed row in the abstract batch (shapes only)
+_FLOAT_FIELDS = ("loss_mask",)
+# The plan never runs the program, so LLVM need not optimise the machine code: level 0 leaves
+# the HLO passes and the buffer assignment (all that memory_analysis reads) as they are (same
+# bytes, checked on the 7B shape) and cuts the compile time by a fifth (7B) to a half (tiny).
+_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def model_shape(cfg: RunConfig) -> ModelConfig:
+    """The model the run trains, as the trainers build it, without reading any weight.
+
+    ``model.path``: its ``config.json``. Otherwise ``model.init`` (``ModelConfig.tiny``
+    overrides); the vocabulary is ``model.init.vocab_size`` when given, else the built-in
+    task's character tokenizer, as the trainers size it.
+    """
+    from jaxrl.trainers.session import build_task, model_config
+
+    m = cfg.model
+    if m.path is not None:
+        from jaxrl.models.hf import config_from_hf
+
+        config_json = Path(m.path) / "config.json"
+        if not config_json.is_file():
+            raise ConfigError(
+                f"model.path={m.path!r} is invalid: {config_json} does not exist; point it at a "
+                "local Hugging Face model directory (only config.json is read)"
+            )
+        try:
+            return config_from_hf(
+                json.loads(config_json.read_text()),
+                param_dtype=m.param_dtype,
+                dtype=m.dtype,
+                fp32_lm_head=m.fp32_lm_head,
+            )
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"model.path={m.path!r}: {e}") from e
+    init = dict(m.init)
+    vocab_size = init.pop("vocab_size", None)
+    if vocab_size is None:
+        from jaxrl.data.tokenizer import char_tokenizer
+
+        vocab_size = char_tokenizer(build_task(cfg).alphabet).vocab_size
+    section = dataclasses.replace(m, init=init)
+    try:
+        return model_config(dataclasses.replace(cfg, model=section), vocab_size)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model.init: {e}") from e
+
+
+def _sft_loss(cfg: RunConfig, graphdef: Any) -> Any:
+    """The SFT trainer's loss, bound to the model's graph as ``Session`` binds it."""
+    from jaxrl.losses.sft import sft_terms
+    from jaxrl.train.forward import micro_batch_logprobs
+
+    mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
+
+    def loss_fn(params: Any, mb: dict[str, jax.Array]) -> Any:
+        logp, _ = micro_batch_logprobs(nnx.merge(graphdef, params), mb, chunk_size=chunk)
+        segments = mb["doc_sample_index"].shape[-1]
+        return sft_terms(logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments)
+
+    return loss_fn
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s carrying their shardings, for ``jit(...).lower``."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree,
+        shardings,
+    )
+
+
+def abstract_batch(mesh: Any, max_tokens: int, slots: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+    """The train step's batch ``[R, K, T]`` (``doc_sample_index``: ``[R, K, S]``) as abstract
+    arrays split over the batch axes, with the dtypes the step planner produces."""
+    ranks, sharding = batch_ranks(mesh), batch_sharding(mesh)
+    batch = {}
+    for name in DEVICE_FIELDS:
+        width = SEGMENT_SLOTS if name == "doc_sample_index" else max_tokens
+        dtype = jnp.float32 if name in _FLOAT_FIELDS else jnp.int32
+        batch[name] = jax.ShapeDtypeStruct((ranks, slots, width), dtype, sharding=sharding)
+    return batch
+
+
+def plan_memory(cfg: RunConfig) -> dict[str, Any]:
+    """Per-device memory of ``cfg``'s train step (bytes on the largest device), computed on
+    abstract values: no parameter, moment or batch is ever allocated.
+
+    Returns a JSON-ready dict: ``params_bytes``, ``optimizer_bytes``, ``grads_bytes``,
+    ``temp_bytes`` and ``total_bytes`` (their sum; see the module docstring), ``devices``,
+    ``mesh``, ``batch_ranks``, ``max_tokens``, ``model`` (its shape), ``num_params``,
+    ``unsharded_params_bytes`` (the whole model in ``param_dtype``), XLA's own
+    ``compiled_temp_bytes`` / ``argument_bytes`` / ``output_bytes`` / ``alias_bytes``, the
+    lowering and compile times and ``notes``. Raises ``ConfigError`` when the mesh does not
+    match the devices (the rule training applies) or the model section is invalid.
+    """
+    mesh = mesh_from_config(cfg.mesh)
+    config = model_shape(cfg)
+    tx = make_optimizer(cfg.optimizer, cfg.max_steps)
+
+    def init() -> TrainState:  # what create_state runs under jit, here only traced
+        params = nnx.split(Transformer(config, rngs=nnx.Rngs(params=cfg.seed)))[1]
+        return TrainState.create(params, tx, cfg.seed)
+
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+    state = jax.eval_shape(init)
+    shardings = state_shardings(state, mesh)
+    params_bytes = bytes_per_device(state.params, shardings.params)
+    optimizer_bytes = bytes_per_device(state.opt_state, shardings.opt_state)
+    grads32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
+    grads_bytes = bytes_per_device(grads32, shardings.params)
+    leaves = jax.tree.leaves(state.params)
+    num_params = sum(math.prod(p.shape) for p in leaves)
+    unsharded = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in leaves)
+
+    analysis, lower_s, compile_s = _compile_step(cfg, mesh, graphdef, tx, state, shardings)
+    compiled_temp = int(analysis.temp_size_in_bytes)
+    temp_bytes = max(compiled_temp - grads_bytes, 0)  # the accumulator is one of XLA's temps
+    platform = mesh.devices.flat[0].platform
+    return {
+        "algorithm": cfg.algorithm,
+        "loss": "sft",
+        "devices": int(mesh.size),
+        "platform": platform,
+        "mesh": {axis: int(size) for axis, size in mesh.shape.items()},
+        "batch_ranks": batch_ranks(mesh),
+        "max_tokens": cfg.schedule.max_tokens,
+        "model": {name: getattr(config, name) for name in _MODEL_FIELDS},
+        "num_params": int(num_params),
+        "unsharded_params_bytes": int(unsharded),
+        "params_bytes": int(params_bytes),
+        "optimizer_bytes": int(optimizer_bytes),
+        "grads_bytes": int(grads_bytes),
+        "temp_bytes": int(temp_bytes),
+        "total_bytes": int(params_bytes + optimizer_bytes + grads_bytes + temp_bytes),
+        "compiled_temp_bytes": compiled_temp,
+        "argument_bytes": int(analysis.argument_size_in_bytes),
+        "output_bytes": int(analysis.output_size_in_bytes),
+        "alias_bytes": int(analysis.alias_size_in_bytes),
+        "lower_s": round(lower_s, 2),
+        "compile_s": round(compile_s, 2),
+        "notes": _notes(cfg, platform, int(unsharded)),
+    }
+
+
+_MODEL_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "param_dtype",
+    "dtype",
+)
+
+
+def _compile_step(
+    cfg: RunConfig, mesh: Any, graphdef: Any, tx: Any, state: Any, shardings: Any
+) -> tuple[Any, float, float]:
+    """``(memory_analysis, lower_s, compile_s)`` of the real train step, built as ``Session``
+    builds it, lowered on abstract state / batch / bounds in their shardings."""
+    step = TrainStep(
+        _sft_loss(cfg, graphdef),
+        tx,
+        mesh,
+        learning_rate=learning_rate_schedule(cfg.optimizer, cfg.max_steps),
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        docs_per_step=cfg.schedule.docs_per_step,
+        state_shardings=shardings,
+    )
+    batch = abstract_batch(mesh, cfg.schedule.max_tokens)
+    bounds = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated(mesh))
+    started = time.perf_counter()
+    lowered = step._jitted.lower(_abstract(state, shardings), batch, bounds)
+    lowered_at = time.perf_counter()
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    compiled = lowered.compile(_CPU_COMPILER_OPTIONS if cpu else None)
+    done = time.perf_counter()
+    return compiled.memory_analysis(), lowered_at - started, done - lowered_at
+
+
+def _notes(cfg: RunConfig, platform: str, unsharded: int) -> list[str]:
+    """What the numbers leave out, in words."""
+    notes = []
+    for axis, size in zip(("data", "fsdp", "tensor"), cfg.mesh.sizes, strict=True):
+        if size == -1:
+            notes.append(
+                f"mesh.{axis}=-1 took the devices this process sees; `jaxrl memory --devices N` "
+                "plans it for a target of N devices"
+            )
+    if cfg.algorithm != "sft":
+        notes.append(
+            f"{cfg.algorithm} is planned with the SFT loss: the same forward, backward and "
+            "optimizer step; its extra per-token / per-document fp32 fields are not counted"
+        )
+    if cfg.algorithm == "grpo":
+        copies = 2 if cfg.grpo_config.beta != 0.0 else 1
+        what = "the parameters" + (" and the reference parameters" if copies == 2 else "")
+        notes.append(
+            f"grpo generation runs unsharded on device 0 with a copy of {what} "
+            f"({_size(copies * unsharded)}) and a KV cache, on top of that device's total"
+        )
+    if platform == "cpu":
+        notes.append(
+            "temporaries are the CPU compiler's: an accelerator's compiler fuses and schedules "
+            "differently, so leave headroom"
+        )
+    return notes
+
+
+def _size(n: int) -> str:
+    """Bytes in binary units, e.g. ``1.77 GiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int) -> str:
+    """A parameter count, e.g. ``7.62B`` or ``396.3K``."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) -> None:
+    """A :func:`plan_memory` result as a table (rich), with the run's shape and the notes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    m = plan["model"]
+    mesh = " × ".join(f"{axis}={size}" for axis, size in plan["mesh"].items())
+    console.print(
+        f"[bold]{title or 'memory plan'}[/bold]: {m['model_type']} "
+        f"{_count(plan['num_params'])} parameters ({m['num_hidden_layers']} layers, "
+        f"hidden {m['hidden_size']}, vocab {m['vocab_size']}, {m['param_dtype']}); "
+        f"mesh {mesh} = {plan['devices']} {plan['platform']} devices; "
+        f"{plan['max_tokens']} tokens per micro-batch row; loss: {plan['loss']}"
+    )
+    table = Table(title="per device (largest device)", title_justify="left")
+    table.add_column("part")
+    table.add_column("size", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("what")
+    total = max(plan["total_bytes"], 1)
+    rows = (
+        ("parameters", "params_bytes", m["param_dtype"]),
+        ("optimizer", "optimizer_bytes", "AdamW fp32 moments"),
+        ("gradients", "grads_bytes", "fp32 accumulator"),
+        ("temporaries", "temp_bytes", "activations, gathered weights, ..."),
+    )
+    for name, key, what in rows:
+        n = plan[key]
+        table.add_row(name, _size(n), f"{100 * n / total:.0f}%", what)
+    table.add_section()
+    n = plan["total_bytes"]
+    table.add_row("[bold]total[/bold]", f"[bold]{_size(n)}[/bold]", "100%", "")
+    console.print(table)
+    console.print(
+        f"XLA: arguments {_size(plan['argument_bytes'])}, outputs {_size(plan['output_bytes'])} "
+        f"(aliased {_size(plan['alias_bytes'])}), temporaries "
+        f"{_size(plan['compiled_temp_bytes'])}; compiled in "
+        f"{plan['lower_s'] + plan['compile_s']:.1f} s"
+    )
+    for note in plan["notes"]:
+        console.print(f"note: {note}")

@@ -1,0 +1,160 @@
+"""``jaxrl memory``: per-device memory planned from abstract shapes and an AOT compile of the
+real train step, never allocating the model."""
+
+from __future__ import annotations
+
+import json
+import resource
+from collections import defaultdict
+
+import jax
+import pytest
+
+from jaxrl.cli import main
+from jaxrl.config import load_run_config
+from jaxrl.data.tokenizer import char_tokenizer
+from jaxrl.train.memory import plan_memory
+from jaxrl.train.mesh import mesh_from_config, use_devices
+from jaxrl.train.optimizer import make_optimizer
+from jaxrl.train.state import create_state
+from jaxrl.trainers.session import build_model, build_task
+
+TINY = "configs/sft_tiny.yaml"
+TINY_8 = ["mesh.data=2", "mesh.fsdp=4"]
+PARTS = ("params_bytes", "optimizer_bytes", "grads_bytes", "temp_bytes")
+QWEN25_7B = {  # Qwen2.5-7B's config.json shape
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "tie_word_embeddings": False,
+}
+
+
+def _overrides(init: dict, **sets) -> list[str]:
+    items = [f"model.init.{k}={json.dumps(v)}" for k, v in init.items()]
+    return items + [f"{k}={v}" for k, v in sets.items()]
+
+
+def _qwen_params(v: int, d: int, layers: int, h: int, k: int, dh: int, f: int) -> int:
+    """Parameters of a Qwen2 model: embedding, untied head, q/k/v/o (+ q/k/v biases), SwiGLU
+    MLP, two norms per block and the final norm."""
+    attn = d * h * dh + 2 * d * k * dh + h * dh * d + h * dh + 2 * k * dh
+    return 2 * v * d + layers * (attn + 3 * d * f + 2 * d) + d
+
+
+def _largest_device_bytes(tree) -> int:
+    """Bytes the fullest device really holds of a tree of placed arrays."""
+    per_device = defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    return max(per_device.values())
+
+
+@pytest.fixture(scope="module")
+def qwen7b():
+    """Plans of the Qwen2.5-7B shape on fsdp=8 and data=8 (T = 256), with the arrays that were
+    alive before, to check that planning allocated nothing model-sized."""
+    before = {id(x) for x in jax.live_arrays()}
+    plans = {}
+    for name, mesh in (("fsdp", ["mesh.data=1", "mesh.fsdp=8"]), ("data", ["mesh.data=8"])):
+        sets = _overrides(QWEN25_7B, **{"model.param_dtype": "bfloat16"})
+        cfg = load_run_config(TINY, [*sets, *mesh, "schedule.max_tokens=256"])
+        plans[name] = plan_memory(cfg)
+    new = [x for x in jax.live_arrays() if id(x) not in before]
+    return plans, new
+
+
+@pytest.mark.slow  # two compiles of the 28-layer step: about a minute each on 2 CPU cores
+def test_qwen25_7b_fits_the_plan_and_fsdp_divides_the_state(qwen7b):
+    plans, new_arrays = qwen7b
+    fsdp, data = plans["fsdp"], plans["data"]
+    n = _qwen_params(152064, 3584, 28, 28, 4, 128, 18944)
+    assert fsdp["num_params"] == data["num_params"] == n
+    assert abs(n - 7.6e9) / 7.6e9 < 0.01  # Qwen2.5-7B: 7.61B parameters
+    # data=8: every device holds the whole state: bf16 parameters, two fp32 moments (+ counts)
+    assert data["params_bytes"] == 2 * n == data["unsharded_params_bytes"]
+    assert 0 <= data["optimizer_bytes"] - 8 * n < 1024
+    assert data["grads_bytes"] == 4 * n
+    # fsdp=8: parameters and moments split eight ways (norms and biases may stay whole)
+    replicated = data["params_bytes"] + data["optimizer_bytes"]
+    assert fsdp["params_bytes"] + fsdp["optimizer_bytes"] <= 1.05 * replicated / 8
+    assert fsdp["grads_bytes"] <= 1.05 * data["grads_bytes"] / 8
+    for plan in (fsdp, data):
+        assert plan["devices"] == 8 and plan["model"]["num_hidden_layers"] == 28
+        assert plan["temp_bytes"] > 0
+        assert plan["total_bytes"] == sum(plan[k] for k in PARTS)
+    assert fsdp["total_bytes"] < data["total_bytes"]
+    # nothing was allocated: no new live array beyond a few bytes, and the process never held
+    # even one bf16 copy of the parameters (15 GB; the replicated state would be 76 GB)
+    assert sum(x.nbytes for x in new_arrays) < 1 << 20
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    assert peak_rss < data["unsharded_params_bytes"]
+
+
+def test_json_has_int_parts_that_sum_to_the_total(capsys):
+    code = main(["memory", TINY, *[a for s in TINY_8 for a in ("--set", s)], "--json"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
+    for key in (*PARTS, "total_bytes", "devices", "argument_bytes", "output_bytes", "num_params"):
+        assert isinstance(plan[key], int) and plan[key] >= 0, key
+    assert plan["total_bytes"] == sum(plan[k] for k in PARTS)
+    assert plan["devices"] == 8 and plan["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert plan["loss"] == "sft" and plan["max_tokens"] == 256
+    # the gradient accumulator is one of XLA's temporaries: counted once, as grads_bytes
+    assert plan["compiled_temp_bytes"] == plan["temp_bytes"] + plan["grads_bytes"]
+
+
+def test_table_names_the_parts_and_the_total(capsys):
+    assert main(["memory", TINY, *[a for s in TINY_8 for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    for word in ("parameters", "optimizer", "gradients", "temporaries", "total", "fsdp=4"):
+        assert word in out
+
+
+def test_a_mesh_that_does_not_match_the_devices_exits_2_naming_both_counts(capsys):
+    with use_devices(jax.devices()):  # strict, as outside the test suite's device pool
+        code = main(["memory", TINY, "--set", "mesh.data=2", "--json"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    err = captured.err.strip()
+    assert err.startswith("config error: ") and "\n" not in err
+    assert "uses 2 devices but 8 devices are visible" in err
+
+
+def test_params_and_optimizer_bytes_equal_a_real_sharded_state():
+    cfg = load_run_config(TINY, TINY_8)
+    plan = plan_memory(cfg)
+    vocab = char_tokenizer(build_task(cfg).alphabet).vocab_size
+    assert plan["model"]["vocab_size"] == vocab  # sized by the task's tokenizer, as trainers do
+    mesh = mesh_from_config(cfg.mesh)
+    _, init, _ = build_model(cfg, vocab, mesh)
+    state, _ = create_state(init, make_optimizer(cfg.optimizer, cfg.max_steps), cfg.seed, mesh)
+    assert plan["params_bytes"] == _largest_device_bytes(state.params)
+    assert plan["optimizer_bytes"] == _largest_device_bytes(state.opt_state)
+    assert plan["num_params"] == sum(x.size for x in jax.tree.leaves(state.params))
+
+
+def test_vocabulary_from_init_or_from_a_config_json_without_weights(tmp_path):
+    small = {"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128}
+    plan = plan_memory(load_run_config(TINY, _overrides({**small, "vocab_size": 1000})))
+    assert plan["model"]["vocab_size"] == 1000
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 500,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # no weights: only the shape is read
+    plan = plan_memory(load_run_config(TINY, [f"model.path={tmp_path}"]))
+    assert plan["model"]["vocab_size"] == 500 and plan["model"]["model_type"] == "qwen2"
+    assert plan["num_params"] == _qwen_params(500, 64, 2, 4, 2, 16, 128)
