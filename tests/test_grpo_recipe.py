@@ -33,5 +33,8 @@ def test_grpo_tiny_raises_sampled_heldout_accuracy(tmp_path, seed):
     summary = GRPOTrainer(warm_start(cfg)).run()
     start, end = summary["eval/accuracy_sampled_start"], summary["eval/accuracy_sampled"]
     assert summary["eval/accuracy_start"] >= cfg.sft_warmup_target  # the warm start's target
-    assert end - start >= 0.05, summary  # a clear rise (5 points with 800 samples ≈ 3 σ)
-    assert summary["eval/accuracy"] >= summary["eval/accuracy_start"] - 0.05, summary
+    # A clear rise on both metrics: 3 points of sampled accuracy is 2 σ with 800 samples, and
+    # the greedy accuracy (200 problems) rises too. 80 steps are 40% of the recipe; the full
+    # runs' rises (README) are +14 to +22 (sampled) and +22 to +34 points (greedy).
+    assert end - start >= 0.03, summary
+    assert summary["eval/accuracy"] - summary["eval/accuracy_start"] >= 0.05, summary

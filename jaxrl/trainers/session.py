@@ -21,7 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxrl.config import RunConfig, to_dict
+from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.data.step_plan import DEVICE_FIELDS, StepBatch, device_arrays, plan_device_batch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
@@ -43,10 +43,16 @@ def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
     """The ``ModelConfig.tiny`` shape that ``model.init`` describes (no ``model.path``)."""
     m = cfg.model
     init = dict(m.init)
+    vocab = int(init.pop("vocab_size", vocab_size))
+    if vocab < vocab_size:
+        raise ConfigError(
+            f"model.init.vocab_size={vocab} is invalid: the tokenizer has {vocab_size} tokens; "
+            f"use at least {vocab_size} (or leave it out to take the tokenizer's size)"
+        )
     init.update(
         param_dtype=m.param_dtype, dtype=m.dtype or m.param_dtype, fp32_lm_head=m.fp32_lm_head
     )
-    return ModelConfig.tiny(vocab_size, **init)
+    return ModelConfig.tiny(vocab, **init)
 
 
 def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any, Any, ModelConfig]:
