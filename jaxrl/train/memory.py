@@ -29,8 +29,9 @@ Numbers are bytes on the largest device:
 
 Every algorithm is planned with the SFT loss (``loss: "sft"``): GRPO and DPO run the same
 forward and backward through the same engine and only add a few per-token / per-document fp32
-fields. What the plan does not cover is reported in ``notes`` (e.g. GRPO's generation, which
-runs on one device with an unsharded copy of the parameters). The compiler's temporaries are
+fields. What the plan does not cover is reported in ``notes`` (e.g. GRPO's generation: the
+sampler's copy of the parameters, in their sharding, and its KV cache). The compiler's
+temporaries are
 the CPU backend's: a GPU or TPU compile fuses and schedules differently, so treat
 ``temp_bytes`` as an estimate and leave headroom.
 
@@ -206,7 +207,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "alias_bytes": int(analysis.alias_size_in_bytes),
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),
-        "notes": _notes(cfg, platform, int(unsharded)),
+        "notes": _notes(cfg, platform, int(params_bytes)),
     }
 
 
@@ -250,7 +251,7 @@ def _compile_step(
     return compiled.memory_analysis(), lowered_at - started, done - lowered_at
 
 
-def _notes(cfg: RunConfig, platform: str, unsharded: int) -> list[str]:
+def _notes(cfg: RunConfig, platform: str, params: int) -> list[str]:
     """What the numbers leave out, in words."""
     notes = []
     for axis, size in zip(("data", "fsdp", "tensor"), cfg.mesh.sizes, strict=True):
@@ -268,8 +269,9 @@ def _notes(cfg: RunConfig, platform: str, unsharded: int) -> list[str]:
         copies = 2 if cfg.grpo_config.beta != 0.0 else 1
         what = "the parameters" + (" and the reference parameters" if copies == 2 else "")
         notes.append(
-            f"grpo generation runs unsharded on device 0 with a copy of {what} "
-            f"({_size(copies * unsharded)}) and a KV cache, on top of that device's total"
+            f"grpo generation keeps a copy of {what} in their sharding "
+            f"({_size(copies * params)} per device) and a KV cache for its batch share, on top "
+            "of the total"
         )
     if platform == "cpu":
         notes.append(
