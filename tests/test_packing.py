@@ -222,3 +222,12 @@ def test_packed_equals_unpacked(case, packing):
     assert sorted(slot_adv.tolist()) == sorted(adv[step.sample_indices].tolist())
     assert (b.num_tokens <= cap).all()
     assert not b.loss_mask[b.segment_ids == 0].any()
+
+
+def test_row_buckets_follow_the_budget():
+    from jaxrl.data.packing import row_buckets
+
+    assert row_buckets(256) == (64, 128, 256)
+    assert row_buckets(300) == (64, 128, 256, 300)
+    assert row_buckets(40) == (40,)
+    assert pick_bucket(661, row_buckets(4096), "T") == 1024  # the longest row, not the budget

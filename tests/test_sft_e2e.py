@@ -113,3 +113,17 @@ def test_running_out_of_data_raises_before_a_partial_step(tmp_path):
         OutOfDataError, match=r"ran out with \d+ documents available for a step of 20"
     ):
         trainer.plan_step()
+
+
+def test_rows_are_as_long_as_their_content_not_the_budget(tmp_path):
+    """A 4096-token budget packs a step into one row whose length T is the smallest bucket
+    holding it (not 4096), and the numbers equal the 256-token layout's."""
+    sets = ["max_steps=2", "mesh.data=1", "sft.batch_size=64", "optimizer.warmup_steps=0"]
+    small = _steps(_train(tmp_path, "b256", *sets, "schedule.max_tokens=256"))
+    big = _steps(_train(tmp_path, "b4096", *sets, "schedule.max_tokens=4096"))
+    assert all(r["num_micro_batches"] == 1 for r in big)  # one row holds the whole step
+    assert all(r["row_len"] <= 1024 for r in big)  # ~660 tokens → T = 1024, not 4096
+    assert all(r["row_len"] == 256 for r in small)
+    assert big[-1]["compiles"] == len({r["row_len"] for r in big})  # one program per bucket
+    for key in ("loss", "grad_norm", "num_tokens"):
+        np.testing.assert_allclose([r[key] for r in big], [r[key] for r in small], rtol=1e-5)

@@ -113,6 +113,24 @@ def pick_bucket(needed: int, spec: BucketSpec, name: str) -> int:
     return fitting[0]
 
 
+def row_buckets(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
+    """Row lengths T a step may use under a ``max_tokens`` budget: powers of two from
+    ``smallest`` up to below the budget, then the budget itself.
+
+    Trainers pack with ``row_len=row_buckets(max_tokens)``, so T is the smallest bucket that
+    holds the step's longest row, not the budget: raising the budget to pack better does not
+    pad every row to it. Each bucket is one compiled program (the step counts them).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be positive")
+    sizes = []
+    size = smallest
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_tokens)
+
+
 def document_index(lengths: Sequence[int], row_len: int) -> np.ndarray:
     """1-based document index of every position of a row holding ``lengths`` then padding.
 

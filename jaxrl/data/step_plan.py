@@ -3,8 +3,9 @@ calls.
 
 schedule (``build_dp_schedule``: pack under the token budget, balance over the data-parallel
 ranks) → ``docs_per_step`` cut (Fast-LLM: whole rounds until the global document target is
-reached; the rest goes back to the feed) → pack (only this process's ranks' rows) → the
-``[R, K, ...]`` arrays the train step reads, with the ids used and the ids given back.
+reached; the rest goes back to the feed) → pack (only this process's ranks' rows, the row length
+T the smallest of ``row_buckets(max_tokens)`` that holds the longest row) → the ``[R, K, T]``
+arrays the train step reads, with the ids used and the ids given back.
 
 Every process builds the same plan from the same inputs (deterministic numpy), so processes
 agree on shapes and on which documents a step consumed without talking to each other.
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl.data.feed import cut_rounds
-from jaxrl.data.packing import PackedBatch, pack_micro_batches
+from jaxrl.data.packing import PackedBatch, pack_micro_batches, row_buckets
 from jaxrl.data.preference import pair_micro_batches
 from jaxrl.data.schedule import build_dp_schedule
 
@@ -126,7 +127,7 @@ def plan_device_batch(
         loss_masks=loss_masks,
         token_fields=token_fields,
         doc_fields=doc_fields,
-        row_len=schedule.max_tokens,
+        row_len=row_buckets(schedule.max_tokens),
         local_ranks=local_ranks,
     )
     extra = (*(token_fields or {}), *(doc_fields or {}))

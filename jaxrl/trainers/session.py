@@ -179,6 +179,7 @@ class Session:
             )
         row.pop("cursor")
         row["step"] = self.step
+        row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.step_fn.compiles
         row["elapsed_s"] = round(time.perf_counter() - self.started, 3)
         return row
