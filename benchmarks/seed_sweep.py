@@ -68,6 +68,21 @@ def values(run: dict) -> dict[str, tuple[float | None, float, float]]:
     return out
 
 
+def same_global_batch(config: str, ranks: int = 8) -> list[str]:
+    """Overrides that keep a config's global batch on ``ranks`` data-parallel ranks: GRPO's and
+    DPO's batch sizes are per rank (TRL's per_device_train_batch_size); SFT's is global."""
+    from jaxrl.config import load_run_config  # config only: jax is not imported
+
+    cfg = load_run_config(config)
+    section = {"grpo": cfg.grpo_config, "dpo": cfg.dpo_config}.get(cfg.algorithm)
+    if section is None:
+        return []
+    per_rank, rest = divmod(section.per_device_train_batch_size, ranks)
+    if rest:
+        raise SystemExit(f"{config}: per_device_train_batch_size does not split over {ranks}")
+    return [f"{cfg.algorithm}.per_device_train_batch_size={per_rank}"]
+
+
 def pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}"
 
@@ -76,7 +91,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="+")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--dp8", action="store_true", help="also run seed 0 with mesh.data=8")
+    parser.add_argument(
+        "--dp8",
+        action="store_true",
+        help="also run seed 0 with mesh.data=8 and the same global batch",
+    )
     parser.add_argument("--set", action="append", default=[], help="extra --set for every run")
     parser.add_argument("--json", type=Path, help="write every run's numbers here")
     parser.add_argument(
@@ -88,7 +107,8 @@ def main() -> None:
         for config in args.configs:
             variants = [(seed, "dp=1", []) for seed in args.seeds]
             if args.dp8:
-                variants.append((args.seeds[0], "dp=8", ["mesh.data=8"]))
+                dp8 = ["mesh.data=8", *same_global_batch(config)]
+                variants.append((args.seeds[0], "dp=8", dp8))
             print(f"\n## {config}\n")
 
             def one(variant, config=config):
