@@ -54,15 +54,20 @@ def _train(args: argparse.Namespace) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from jaxrl.train.mesh import is_primary
+    from jaxrl.train.metrics import json_safe
     from jaxrl.trainers import run
+    from jaxrl.trainers.session import NonFiniteError
 
     try:
         summary = run(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if is_primary():
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(json_safe(summary), indent=2, allow_nan=False))
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -99,12 +100,16 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "5e-3" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise config_error(where, value, "expected a number") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        elif isinstance(value, bool) or not isinstance(value, int | float):
             raise config_error(where, value, "expected a number")
-        return float(value)
+        else:
+            number = float(value)
+        if not math.isfinite(number):
+            raise config_error(where, value, "use a finite number (not inf or nan)")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise config_error(where, value, "expected a string")

@@ -152,6 +152,7 @@ class OptimizerConfig:
     b2: float = 0.95  # Adam second-moment decay
     eps: float = 1e-8  # Adam epsilon
     max_grad_norm: float = 1.0  # global-norm clip; 0 = off
+    max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row (skipped)
 
     def __post_init__(self):
         require(
@@ -176,6 +177,13 @@ class OptimizerConfig:
             "use 0 to turn clipping off, or a positive norm",
         )
         require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "use >= 0")
+        require(self.eps > 0, "optimizer.eps", self.eps, "use a small positive number, e.g. 1e-8")
+        require(
+            self.max_nonfinite_steps >= 1,
+            "optimizer.max_nonfinite_steps",
+            self.max_nonfinite_steps,
+            "use >= 1 (a non-finite step is skipped; this many in a row stop the run)",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

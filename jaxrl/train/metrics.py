@@ -11,7 +11,7 @@ import numpy as np
 
 
 def to_python(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Device/numpy scalars → plain floats/ints/bools (NaN stays NaN)."""
+    """Device/numpy scalars → plain floats/ints/bools (NaN stays NaN until written)."""
     out: dict[str, Any] = {}
     for key, value in metrics.items():
         v = np.asarray(value)
@@ -49,9 +49,20 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by None, recursively: strict
+    JSON (``NaN`` and ``Infinity`` are not JSON, and many readers reject them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 accumulate (shard_map + while_loop, psum'd sums) → one division by the step's global
 denominator → global-norm clip → AdamW on fp32 views of the parameters → cast back to each
-parameter's dtype. A non-finite gradient skips the update but still counts the documents.
+parameter's dtype. A non-finite loss or gradient skips the update but still counts the
+documents (the trainer counts such steps and stops after too many in a row).
 
 With ``state_shardings`` the state stays in them (parameters and fp32 moments sharded by the
 logical rules over fsdp/tensor; the optimizer update runs on the shards) and the gradients are
@@ -105,7 +106,7 @@ class TrainStep:
         new_params = jax.tree.map(
             lambda p, p32, u: (p32 + u).astype(p.dtype), state.params, params32, updates
         )
-        finite = jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         new_state = state.replace(
             params=keep(new_params, state.params),

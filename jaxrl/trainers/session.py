@@ -92,6 +92,10 @@ def build_task(cfg: RunConfig) -> ArithmeticTask:
     )
 
 
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
 class Session:
     """One run's model, compiled step, state, checkpointer and metrics file."""
 
@@ -119,6 +123,8 @@ class Session:
         )
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.console = Console(stderr=True)
+        self.nonfinite_steps = 0  # steps whose update was skipped (non-finite loss/gradient)
+        self.nonfinite_in_row = 0
         self.started = time.perf_counter()
 
     def _bind(self, loss: Any) -> LossFn:
@@ -178,6 +184,10 @@ class Session:
                 f"on device but the host planned {expected_documents}"
             )
         row.pop("cursor")
+        skipped = bool(row["update_skipped"])
+        self.nonfinite_steps += skipped
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
+        row["nonfinite_steps"] = self.nonfinite_steps
         row["step"] = self.step
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.step_fn.compiles
@@ -196,8 +206,21 @@ class Session:
 
     def record(self, row: dict[str, Any], host: dict[str, Any], *, final: bool = False) -> None:
         """Write the step's metrics row, then checkpoint if due (always after the last step, or
-        when ``final`` says the run ends here)."""
+        when ``final`` says the run ends here). After ``optimizer.max_nonfinite_steps``
+        non-finite steps in a row it raises ``NonFiniteError`` instead of checkpointing, so the
+        newest checkpoint is the last good state."""
         self.writer.write(row)
+        limit = self.cfg.optimizer.max_nonfinite_steps
+        if self.nonfinite_in_row >= limit:
+            latest = self.checkpointer.latest_step()
+            kept = f"step {latest} in {self.checkpointer.directory}" if latest else "none yet"
+            raise NonFiniteError(
+                f"steps {self.step - limit + 1}-{self.step} all had a non-finite loss or gradient "
+                f"(loss={row.get('loss')}, grad_norm={row.get('grad_norm')}), so their updates "
+                f"were skipped and the run stops (optimizer.max_nonfinite_steps={limit}); last "
+                f"checkpoint: {kept}. Check the model weights and data for NaN/inf, or lower "
+                "optimizer.learning_rate"
+            )
         self.maybe_checkpoint(host, force=final or self.step == self.cfg.max_steps)
 
     def loop(

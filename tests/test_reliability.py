@@ -1,0 +1,69 @@
+"""Finite or stop: non-finite numbers never enter a config, never train on silently, and never
+reach a file as invalid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrl.config import ConfigError, load_run_config
+from jaxrl.train.metrics import json_safe
+from jaxrl.trainers.session import NonFiniteError
+from jaxrl.trainers.sft import SFTTrainer
+
+SMALL = [
+    "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
+    "num_key_value_heads: 1, intermediate_size: 64}",
+    "sft.batch_size=16",
+    "task.eval_size=8",
+    "logging.progress=false",
+]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("optimizer.learning_rate=.inf", "optimizer.learning_rate"),
+        ("optimizer.learning_rate=.nan", "optimizer.learning_rate"),
+        ("optimizer.max_grad_norm=-.inf", "optimizer.max_grad_norm"),
+        ("optimizer.learning_rate=inf", "optimizer.learning_rate"),  # the string form
+        ("optimizer.eps=0", "optimizer.eps"),
+        ("optimizer.eps=-1e-8", "optimizer.eps"),
+        ("optimizer.max_nonfinite_steps=0", "optimizer.max_nonfinite_steps"),
+        ("sft_warmup_target=.nan", "sft_warmup_target"),
+    ],
+)
+def test_config_rejects_non_finite_numbers_and_bad_eps(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_run_config("configs/sft_tiny.yaml", [override])
+
+
+def test_non_finite_steps_are_counted_then_stop_the_run(tmp_path):
+    cfg = load_run_config(
+        "configs/sft_tiny.yaml",
+        [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "max_steps=10"],
+    )
+    trainer = SFTTrainer(cfg)
+    state = trainer.session.state
+    poisoned = jax.tree.map(lambda p: p * jnp.nan, state.params)  # e.g. NaN weights
+    trainer.session.state = state.replace(params=poisoned)
+    with pytest.raises(NonFiniteError, match=r"steps 1-3 .*max_nonfinite_steps=3"):
+        trainer.run()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=_reject) for line in lines]  # strict JSON
+    assert [r["nonfinite_steps"] for r in rows] == [1, 2, 3]
+    assert all(r["update_skipped"] and r["loss"] is None for r in rows)
+    assert trainer.session.checkpointer.latest_step() is None  # nothing non-finite was saved
+
+
+def test_summaries_and_rows_are_strict_json():
+    value = {"loss": float("nan"), "x": [1.0, float("inf")], "y": {"z": -float("inf")}}
+    text = json.dumps(json_safe(value), allow_nan=False)
+    assert json.loads(text) == {"loss": None, "x": [1.0, None], "y": {"z": None}}
+
+
+def _reject(name: str):
+    raise ValueError(f"not strict JSON: {name}")
