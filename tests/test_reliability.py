@@ -67,3 +67,19 @@ def test_summaries_and_rows_are_strict_json():
 
 def _reject(name: str):
     raise ValueError(f"not strict JSON: {name}")
+
+
+def test_an_infinite_reward_names_the_function_and_the_row():
+    import numpy as np
+
+    from jaxrl.rollout.rewards import score_completions
+
+    def shaped(prompts, completions, **_):
+        return [1.0, float("-inf"), None]
+
+    with pytest.raises(ValueError, match=r"'shaped' returned -inf for row 1: .*finite"):
+        score_completions([shaped], ["a", "b", "c"], ["x", "y", "z"])
+    ok = score_completions(
+        [lambda prompts, completions, **_: [1.0, None, float("nan")]], *[["a"] * 3] * 2
+    )
+    assert ok[0, 0] == 1.0 and np.isnan(ok[1:, 0]).all()  # None / NaN: unscored, allowed

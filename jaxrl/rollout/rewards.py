@@ -91,7 +91,13 @@ def _as_float(value: Any, name: str, row: int) -> float:
             f"reward function {name!r} returned {value!r} ({type(value).__name__}) for row "
             f"{row}: return a float (or None for a row it cannot score)"
         )
-    return float(value)
+    value = float(value)
+    if math.isinf(value):
+        raise ValueError(
+            f"reward function {name!r} returned {value} for row {row}: rewards must be finite "
+            "(return None or NaN for a row it cannot score)"
+        )
+    return value
 
 
 def score_completions(
@@ -102,8 +108,9 @@ def score_completions(
 ) -> np.ndarray:
     """float64 ``[B, F]``: function k's reward of row i at ``[i, k]``; None → NaN.
 
-    Raises ``ValueError`` when a function returns the wrong number of values and ``TypeError``
-    when a value is not a number (bools included), naming the function and the row.
+    Raises ``ValueError`` when a function returns the wrong number of values or ±inf, and
+    ``TypeError`` when a value is not a number (bools included), naming the function and the
+    row.
     """
     n = len(completions)
     if len(prompts) != n:

@@ -175,6 +175,12 @@ class GRPOTrainer:
             [[np.nan if v is None else v for v in np.atleast_1d(row)] for row in rewards],
             np.float64,
         )
+        if np.isinf(r_BF).any():
+            row, col = np.argwhere(np.isinf(r_BF))[0]
+            raise ValueError(
+                f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]}: rewards must be "
+                "finite (None or NaN marks a row as unscored)"
+            )
         if truncated is None:
             eos = self.tokenizer.eos_id
             truncated = [len(c) == 0 or int(c[-1]) != eos for c in completion_tokens]
