@@ -56,14 +56,14 @@ def _train(args: argparse.Namespace) -> int:
     from jaxrl.train.mesh import is_primary
     from jaxrl.train.metrics import json_safe
     from jaxrl.trainers import run
-    from jaxrl.trainers.session import NonFiniteError
+    from jaxrl.trainers.session import CheckpointError, NonFiniteError
 
     try:
         summary = run(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if is_primary():

@@ -83,3 +83,52 @@ def test_an_infinite_reward_names_the_function_and_the_row():
         [lambda prompts, completions, **_: [1.0, None, float("nan")]], *[["a"] * 3] * 2
     )
     assert ok[0, 0] == 1.0 and np.isnan(ok[1:, 0]).all()  # None / NaN: unscored, allowed
+
+
+def test_nan_weights_in_a_model_directory_are_named(tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from jaxrl.models.hf import from_pretrained, save_pretrained
+    from jaxrl.models.transformer import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.tiny(16, hidden_size=16, intermediate_size=32), rngs=_rngs())
+    save_pretrained(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[3] = np.nan
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor {name} holds 1 non-finite values"):
+        from_pretrained(tmp_path)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    sets = [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "checkpoint.every=1"]
+    SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=2"])).run()
+    files = [p for p in (tmp_path / "checkpoints" / "2").rglob("*") if p.is_file()]
+    for f in files:  # truncate every file of the newest checkpoint
+        if f.stat().st_size > 16:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    trainer = SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=3"]))
+    host = trainer.session.resume({})
+    assert host is not None and trainer.session.step == 1  # step 2 was damaged: step 1 used
+    err = capsys.readouterr().err
+    assert "checkpoint step 2: unreadable" in err and "resumed from step 1" in err
+
+
+def test_no_usable_checkpoint_is_one_clear_error(tmp_path):
+    from jaxrl.trainers.session import CheckpointError
+
+    sets = [*SMALL, f"output_dir={tmp_path}", "mesh.data=1"]
+    SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=1"])).run()
+    bigger = SMALL[0].replace("hidden_size: 32", "hidden_size: 64")  # another model, same dir
+    cfg = load_run_config("configs/sft_tiny.yaml", [*sets, bigger, "max_steps=2"])
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*checkpoint.resume=false"):
+        SFTTrainer(cfg).session.resume({})
+
+
+def _rngs():
+    from flax import nnx
+
+    return nnx.Rngs(0)

@@ -274,6 +274,12 @@ def _build(
             raise ValueError(
                 f"{root}: tensor {name} has shape {array.shape}, expected {spec.shape}"
             )
+        finite = np.isfinite(array.astype(np.float32, copy=False))
+        if not finite.all():
+            raise ValueError(
+                f"{root}: tensor {name} holds {int(finite.size - finite.sum())} non-finite values "
+                "(NaN or inf): the checkpoint is damaged; re-download or re-export it"
+            )
         array = (array.T if spec.transpose else array).reshape(variable.shape)
         array = np.ascontiguousarray(array.astype(jnp.dtype(config.param_dtype)))
         return variable.replace(place(array, sharding.get_value()))

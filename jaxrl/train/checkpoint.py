@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 
@@ -25,6 +26,10 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, newest first."""
+        return sorted(self._manager.all_steps(), reverse=True)
 
     def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
         """Save and wait until the checkpoint is committed."""
@@ -52,3 +57,18 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """Paths of floating-point leaves of ``tree`` that hold a NaN or ±inf (sharded arrays are
+    checked where they lie; one boolean per leaf comes back)."""
+    bad = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(_all_finite(leaf)):
+            bad.append(jax.tree_util.keystr(path))
+    return bad
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))

@@ -29,7 +29,7 @@ from jaxrl.losses.normalize import LossTerms
 from jaxrl.models.hf import from_pretrained, save_pretrained
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
-from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.mesh import barrier, batch_ranks, is_primary, local_ranks, mesh_from_config
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
@@ -92,6 +92,10 @@ def build_task(cfg: RunConfig) -> ArithmeticTask:
     )
 
 
+class CheckpointError(RuntimeError):
+    """No checkpoint in the output directory can be restored."""
+
+
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
@@ -145,15 +149,36 @@ class Session:
         return int(self.state.step)
 
     def resume(self, host_template: dict[str, Any]) -> dict[str, Any] | None:
-        """Restore the newest checkpoint if resuming is on; returns its host state or None."""
-        if not self.cfg.checkpoint.resume or self.checkpointer.latest_step() is None:
+        """Restore the newest usable checkpoint if resuming is on; returns its host state or
+        None. A checkpoint that cannot be read, or holds non-finite values, is reported in one
+        line and the previous one is tried; when none is usable the run stops with an error."""
+        steps = self.checkpointer.steps() if self.cfg.checkpoint.resume else []
+        if not steps:
             self.writer = MetricsWriter(self.output_dir, resume_step=None, enabled=self.primary)
             return None
-        state, host = self.checkpointer.restore(self.state)  # onto this mesh's shardings
-        self.state = self.step_fn.place(state)
-        self.writer = MetricsWriter(self.output_dir, resume_step=self.step, enabled=self.primary)
-        self.console.print(f"resumed from step {self.step} ({self.checkpointer.directory})")
-        return host
+        problems = []
+        for step in steps:
+            try:
+                state, host = self.checkpointer.restore(self.state, step)
+            except Exception as e:  # damaged files: orbax raises many kinds
+                problems.append(f"step {step}: unreadable ({type(e).__name__}: {e})".split("\n")[0])
+                self.console.print(f"checkpoint {problems[-1]}; trying an older one")
+                continue
+            bad = nonfinite_leaves(state.params) + nonfinite_leaves(state.opt_state)
+            if bad:
+                problems.append(f"step {step}: non-finite values in {bad[:3]}")
+                self.console.print(f"checkpoint {problems[-1]}; trying an older one")
+                continue
+            self.state = self.step_fn.place(state)
+            self.writer = MetricsWriter(self.output_dir, resume_step=step, enabled=self.primary)
+            self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
+            return host
+        raise CheckpointError(
+            f"no usable checkpoint in {self.checkpointer.directory}: "
+            + "; ".join(problems)
+            + ". Delete the directory (or set checkpoint.resume=false, or use another "
+            "output_dir) to start fresh"
+        )
 
     def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
         """The step planner on this session's ranks: ``plan_device_batch(ids, **documents)``
