@@ -52,6 +52,7 @@ def test_non_finite_steps_are_counted_then_stop_the_run(tmp_path):
     trainer.session.state = state.replace(params=poisoned)
     with pytest.raises(NonFiniteError, match=r"steps 1-3 .*max_nonfinite_steps=3"):
         trainer.run()
+    trainer.session.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line, parse_constant=_reject) for line in lines]  # strict JSON
     assert [r["nonfinite_steps"] for r in rows] == [1, 2, 3]
@@ -113,6 +114,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     trainer = SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=3"]))
     host = trainer.session.resume({})
     assert host is not None and trainer.session.step == 1  # step 2 was damaged: step 1 used
+    trainer.session.close()
     err = capsys.readouterr().err
     assert "checkpoint step 2: unreadable" in err and "resumed from step 1" in err
 
@@ -132,3 +134,40 @@ def _rngs():
     from flax import nnx
 
     return nnx.Rngs(0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "is empty"),
+        ("seed: 1\nmax_steps: 3\nseed: 2\n", r"key 'seed' appears twice .*lines 1 and 3"),
+        ("optimizer:\n  eps: 1e-8\n  eps: 1e-6\n", "key 'eps' appears twice"),
+    ],
+)
+def test_empty_and_duplicate_key_configs_are_errors(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(path)
+
+
+def test_an_empty_output_dir_is_an_error():
+    with pytest.raises(ConfigError, match="output_dir=None"):
+        load_run_config("configs/sft_tiny.yaml", ["output_dir="])
+    with pytest.raises(ConfigError, match="output_dir"):
+        load_run_config("configs/sft_tiny.yaml", ["output_dir=' '"])
+
+
+def test_micro_batch_buckets_set_the_slot_count(tmp_path):
+    cfg = load_run_config(
+        "configs/sft_tiny.yaml",
+        [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "schedule.max_tokens=64",
+         "schedule.micro_batch_buckets=[3, 12]"],
+    )  # fmt: skip
+    trainer = SFTTrainer(cfg)
+    batch = trainer.plan_step()
+    trainer.session.close()
+    assert (
+        batch.arrays["tokens"].shape[1] in (3, 12)
+        and batch.rounds <= batch.arrays["tokens"].shape[1]
+    )

@@ -169,12 +169,37 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}): keep one"
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping from ``path`` with a clear error for missing or malformed files."""
+    """Read a YAML mapping from ``path`` with a clear error for missing, empty, malformed or
+    duplicate-key files."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(p)!r}: {e}") from None
+    if data is None:
+        raise ConfigError(
+            f"config file {str(p)!r} is empty: start from one of configs/*.yaml (an empty file "
+            "would silently run every default)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
     return data

@@ -116,7 +116,8 @@ class ScheduleConfig:
     docs_per_step: int = 0  # global document target per step; 0 = off (static steps)
     packing: Literal["ffd", "first_fit"] = "ffd"  # bin packing of documents into rows
     balance: Literal["cost", "strided", "kk"] = "cost"  # distribution of rows over ranks
-    micro_batch_buckets: tuple[int, ...] = ()  # allowed per-rank micro-batch counts K; () = 2^n
+    micro_batch_buckets: tuple[int, ...] = ()  # per-rank micro-batch slots K a step may use
+    # (one compiled program each; the smallest that holds the step); () = powers of two
 
     def __post_init__(self):
         require(
@@ -320,6 +321,12 @@ class RunConfig:
 
         check_algorithm(self.algorithm)
         check_max_steps(self.max_steps)
+        require(
+            bool(self.output_dir.strip()),
+            "output_dir",
+            self.output_dir,
+            "name a directory for metrics, checkpoints and exports, e.g. runs/my_run",
+        )
         require(
             self.sft_warmup_steps >= 0,
             "sft_warmup_steps",

@@ -128,6 +128,7 @@ def plan_device_batch(
         token_fields=token_fields,
         doc_fields=doc_fields,
         row_len=row_buckets(schedule.max_tokens),
+        num_slots=tuple(schedule.micro_batch_buckets) or None,
         local_ranks=local_ranks,
     )
     extra = (*(token_fields or {}), *(doc_fields or {}))

@@ -173,6 +173,7 @@ class Session:
             self.writer = MetricsWriter(self.output_dir, resume_step=step, enabled=self.primary)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
             return host
+        self.checkpointer.close()
         raise CheckpointError(
             f"no usable checkpoint in {self.checkpointer.directory}: "
             + "; ".join(problems)
@@ -239,6 +240,7 @@ class Session:
         if self.nonfinite_in_row >= limit:
             latest = self.checkpointer.latest_step()
             kept = f"step {latest} in {self.checkpointer.directory}" if latest else "none yet"
+            self.checkpointer.close()
             raise NonFiniteError(
                 f"steps {self.step - limit + 1}-{self.step} all had a non-finite loss or gradient "
                 f"(loss={row.get('loss')}, grad_norm={row.get('grad_norm')}), so their updates "
