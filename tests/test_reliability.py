@@ -115,7 +115,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     host = trainer.session.resume({})
     assert host is not None and trainer.session.step == 1  # step 2 was damaged: step 1 used
     trainer.session.close()
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert "checkpoint step 2: unreadable" in err and "resumed from step 1" in err
 
 
@@ -171,3 +171,12 @@ def test_micro_batch_buckets_set_the_slot_count(tmp_path):
         batch.arrays["tokens"].shape[1] in (3, 12)
         and batch.rounds <= batch.arrays["tokens"].shape[1]
     )
+
+
+def test_max_steps_at_the_checkpoint_says_there_is_nothing_to_train(tmp_path, capsys):
+    sets = [*SMALL, f"output_dir={tmp_path}", "mesh.data=1"]
+    SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=2"])).run()
+    summary = SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=1"])).run()
+    assert summary["steps"] == 2  # nothing trained, nothing pretended
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "nothing left to train; raise max_steps" in err

@@ -172,6 +172,11 @@ class Session:
             self.state = self.step_fn.place(state)
             self.writer = MetricsWriter(self.output_dir, resume_step=step, enabled=self.primary)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
+            if step >= self.cfg.max_steps:
+                self.console.print(
+                    f"the checkpoint is at step {step} and max_steps={self.cfg.max_steps}: "
+                    "nothing left to train; raise max_steps to continue"
+                )
             return host
         self.checkpointer.close()
         raise CheckpointError(
