@@ -45,27 +45,48 @@ def _load_config(
     return from_dict(RunConfig, raw)
 
 
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("JAXRL_DEBUG", "") not in ("", "0")
+
+
+def _fail(e: BaseException, code: int, hint: str = "") -> int:
+    """One line (two with a hint) on stderr instead of a traceback."""
+    kind = "config error" if type(e).__name__ == "ConfigError" else "error"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"{kind}: {first}", file=sys.stderr)
+    if hint:
+        print(hint, file=sys.stderr)
+    return code
+
+
 def _train(args: argparse.Namespace) -> int:
+    """Run a config. Exit 0; 2 for usage errors (config, model directory, data); 1 for runtime
+    failures (non-finite training, no usable checkpoint, I/O); 130 on Ctrl-C. One line each,
+    no traceback unless ``--debug`` or ``JAXRL_DEBUG=1``."""
     from jaxrl.config import ConfigError
 
     try:
         cfg = _load_config(args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e, 2)
     from jaxrl.train.mesh import is_primary
     from jaxrl.train.metrics import json_safe
     from jaxrl.trainers import run
-    from jaxrl.trainers.session import CheckpointError, NonFiniteError
 
+    hint = "run with --debug (or JAXRL_DEBUG=1) for the traceback"
     try:
         summary = run(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        checkpoints = os.path.join(cfg.output_dir, "checkpoints")
+        print(f"interrupted; checkpoints (if any) are in {checkpoints}", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if _debug(args):
+            raise
+        return _fail(e, 2 if isinstance(e, USAGE_ERRORS) else 1, hint)
     if is_primary():
         print(json.dumps(json_safe(summary), indent=2, allow_nan=False))
     return 0
@@ -111,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="run a config (SFT, GRPO or DPO)")
     train.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")
     _add_set(train)
+    train.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     train.set_defaults(func=_train)
     memory = sub.add_parser(
         "memory",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import DistributedConfig, MeshConfig
@@ -75,3 +76,16 @@ def test_a_mesh_that_does_not_match_the_devices_is_a_config_error(tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2  # the test process has 8 devices; sft_tiny asks for mesh.data=1
     assert "uses 1 devices but 8 devices are visible" in err and "mesh.data" in err
+
+
+def test_a_missing_model_directory_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("JAXRL_DEBUG", raising=False)
+    args = ["train", "configs/sft_tiny.yaml", "--set", f"output_dir={tmp_path}"]
+    args += ["--set", f"model.path={tmp_path / 'nope'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 2  # the error and the --debug hint
+    monkeypatch.setenv("JAXRL_DEBUG", "1")
+    with pytest.raises(FileNotFoundError):
+        main(args)
