@@ -257,6 +257,7 @@ class _Crash(Exception):
 
 
 def test_interrupted_run_resumes_to_identical_metrics(dp1_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRL_DEBUG", "1")  # the injected crash propagates out of main
     dp1_out, straight = dp1_run
     out = tmp_path / "resumed"
     shutil.copytree(dp1_out / "sft" / "hf", out / "sft" / "hf")  # the same (deterministic) SFT

@@ -208,6 +208,7 @@ class _Crash(Exception):
 
 def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
     """Checkpoint mid-buffer (S=2, μ=2, g=1): buffer, rollouts, sampler and RNG state resume."""
+    monkeypatch.setenv("JAXRL_DEBUG", "1")  # the injected crash propagates out of main
     settings = [
         *TINY,
         "max_steps=5",

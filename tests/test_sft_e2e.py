@@ -67,6 +67,7 @@ class _Crash(Exception):
 
 
 def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRL_DEBUG", "1")  # the injected crash propagates out of main
     settings = [
         "max_steps=6",
         "checkpoint.every=2",
