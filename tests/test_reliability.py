@@ -190,3 +190,60 @@ def test_max_steps_at_the_checkpoint_says_there_is_nothing_to_train(tmp_path, ca
     assert summary["steps"] == 2  # nothing trained, nothing pretended
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert "nothing left to train; raise max_steps" in err
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_an_error(tmp_path):
+    from jaxrl.models.hf import save_pretrained
+    from jaxrl.models.transformer import ModelConfig, Transformer
+
+    small = Transformer(ModelConfig.tiny(10, hidden_size=16, intermediate_size=32), rngs=_rngs())
+    save_pretrained(small, tmp_path / "model")
+    cfg = load_run_config(
+        "configs/sft_tiny.yaml",
+        [
+            *SMALL,
+            f"output_dir={tmp_path / 'run'}",
+            "mesh.data=1",
+            f"model.path={tmp_path / 'model'}",
+        ],
+    )
+    with pytest.raises(ConfigError, match="tokenizer has 19 tokens .* vocabulary of 10"):
+        SFTTrainer(cfg)
+
+
+@pytest.mark.parametrize("bad", [10**6, -5])
+def test_train_on_rollouts_rejects_token_ids_outside_the_vocabulary(tmp_path, bad):
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    cfg = load_run_config(
+        "configs/grpo_tiny.yaml",
+        [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "sft_warmup_steps=0",
+         "grpo.num_generations=2", "grpo.per_device_train_batch_size=2",
+         "logging.eval_samples=0", "task.eval_size=2"],
+    )  # fmt: skip
+    trainer = GRPOTrainer(cfg)
+    with pytest.raises(ValueError, match=r"completion_tokens\[1\] holds ids outside \[0, 19\)"):
+        trainer.train_on_rollouts(
+            [[1, 2], [1, 2]], [[3, 4], [3, bad]], [[0.0, 0.0]] * 2, [1.0, 0.0]
+        )
+    trainer.session.close()
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), -1e30, 5.0])
+def test_a_reference_cache_of_impossible_log_probs_is_rejected(tmp_path, value):
+    import numpy as np
+
+    from jaxrl.train.ref_cache import CacheIdentity, ReferenceCache, ReferenceCacheError
+
+    identity = CacheIdentity(
+        model="m", weights="w", dataset={}, data="d", tokenizer="t", max_length=16,
+        packing={}, loss_type="sigmoid", aggregation="sum", param_dtype="float32",
+        dtype="float32", fp32_lm_head=False, logprob_chunk=0,
+    )  # fmt: skip
+    cache = ReferenceCache(np.full(4, -3.0), np.full(4, -4.0), identity)
+    path = cache.save(tmp_path)
+    assert ReferenceCache.load(path, identity).num_rows == 4
+    cache.chosen[2] = value  # as a damaged or hand-edited file would hold
+    path = cache.save(tmp_path)
+    with pytest.raises(ReferenceCacheError, match="not log-probabilities"):
+        ReferenceCache.load(path, identity)

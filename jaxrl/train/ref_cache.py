@@ -224,6 +224,16 @@ class ReferenceCache:
             )
         cache = cls(chosen, rejected, identity, path=path)
         cache.check_complete()
+        values = np.concatenate([cache.chosen, cache.rejected])
+        # a log-prob is <= 0, and a token's is > -200 in fp32 (softmax floor ~ -104)
+        floor = -200.0 * max(identity.max_length, 1)
+        bad = ~np.isfinite(values) | (values > 1e-3) | (values < floor)
+        if bad.any():
+            raise ReferenceCacheError(
+                f"{path}: {int(bad.sum())} values are not log-probabilities (e.g. "
+                f"{values[bad][:3].tolist()}; finite, <= 0 and >= {floor:g} expected): the file "
+                "is damaged; delete it to rebuild"
+            )
         return cache
 
 

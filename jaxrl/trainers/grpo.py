@@ -171,6 +171,18 @@ class GRPOTrainer:
         metrics row, also written to metrics.jsonl.
         """
         self._start()
+        vocab = self.session.model_config.vocab_size
+        for what, rows in (
+            ("prompt_tokens", prompt_tokens),
+            ("completion_tokens", completion_tokens),
+        ):
+            for i, ids in enumerate(rows):
+                ids = np.asarray(ids)
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                    raise ValueError(
+                        f"train_on_rollouts: {what}[{i}] holds ids outside [0, {vocab}) "
+                        f"(min {ids.min()}, max {ids.max()}): use the trainer's tokenizer"
+                    )
         r_BF = np.asarray(
             [[np.nan if v is None else v for v in np.atleast_1d(row)] for row in rewards],
             np.float64,

@@ -114,6 +114,12 @@ class Session:
         self.ranks = batch_ranks(self.mesh)  # data-parallel ranks: data × fsdp
         self.local_ranks = local_ranks(self.mesh)  # the ranks whose rows this process packs
         self.graphdef, params, self.model_config = build_model(cfg, vocab_size, self.mesh)
+        if vocab_size > self.model_config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {vocab_size} tokens but the model at model.path="
+                f"{cfg.model.path} has a vocabulary of {self.model_config.vocab_size}: ids past "
+                "it would be clamped silently; use the model's own tokenizer"
+            )
         tx = make_optimizer(cfg.optimizer, cfg.max_steps)
         self.state, shardings = create_state(params, tx, cfg.seed, self.mesh)
         self.step_fn = TrainStep(
