@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl.models.head import token_logprobs
+from jaxrl.models.head import join_chunks, split_chunks, token_logprobs
 from jaxrl.models.transformer import Transformer
 
 
@@ -48,15 +48,8 @@ def micro_batch_scores(
     each chunk's logits once.
     """
     hidden_BTD = _hidden_states(model, mb)
-    targets_BT = mb["targets"]
-    b, t, d = hidden_BTD.shape
-    chunk = min(int(chunk_size or t), t)
-    n_chunks = -(-t // chunk)
-    pad = n_chunks * chunk - t
-    hidden_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-    hidden_NBCD = hidden_NBCD.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
-    targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk)
-    targets_NBC = targets_NBC.swapaxes(0, 1)
+    t = hidden_BTD.shape[1]
+    hidden_NBCD, targets_NBC = split_chunks(hidden_BTD, mb["targets"], chunk_size or t)
 
     def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         hidden_BCD, targets_BC = xs
@@ -65,7 +58,7 @@ def micro_batch_scores(
         return logp_BC, entropy_BC, correct_BC
 
     outs = lax.map(body, (hidden_NBCD, targets_NBC))
-    return tuple(x.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t] for x in outs)
+    return tuple(join_chunks(x, t) for x in outs)
 
 
 def _hidden_states(model: Transformer, mb: dict[str, jax.Array]) -> jax.Array:
