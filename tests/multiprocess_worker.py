@@ -18,12 +18,11 @@ def run(cache_dir: str | Path) -> dict:
     import jax
     import numpy as np
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jaxrl.data.preference import arithmetic_pairs, encode_pairs
     from jaxrl.data.tasks import ArithmeticTask
     from jaxrl.data.tokenizer import char_tokenizer
+    from jaxrl.models.sharding import state_shardings
     from jaxrl.models.transformer import ModelConfig, Transformer
     from jaxrl.rollout.sampler import Sampler, SamplingParams
     from jaxrl.train import ref_cache
@@ -42,17 +41,10 @@ def run(cache_dir: str | Path) -> dict:
         num_key_value_heads=2,
     )
 
-    def sharding(x):
-        spec = [None] * x.ndim
-        if x.ndim >= 2:
-            spec[0] = "fsdp" if x.shape[0] % 2 == 0 else None
-            spec[-1] = "tensor" if x.shape[-1] % 2 == 0 else None
-        return NamedSharding(mesh, P(*spec))
-
     make = lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(0)))  # noqa: E731
     graphdef, abstract = jax.eval_shape(make)
     # created on their shards (no process holds the whole model), the same on every process
-    params = jax.jit(lambda: make()[1], out_shardings=jax.tree.map(sharding, abstract))()
+    params = jax.jit(lambda: make()[1], out_shardings=state_shardings(abstract, mesh))()
 
     sampler = Sampler(config, max_new_tokens=6, eos_id=tok.eos_id, pad_id=tok.pad_id, mesh=mesh)
     sampler.load_params(params)

@@ -232,14 +232,10 @@ def test_train_on_rollouts_rejects_token_ids_outside_the_vocabulary(tmp_path, ba
 @pytest.mark.parametrize("value", [float("inf"), -float("inf"), -1e30, 5.0])
 def test_a_reference_cache_of_impossible_log_probs_is_rejected(tmp_path, value):
     import numpy as np
+    from test_ref_cache import IDENTITY as identity  # max_length 16
 
-    from jaxrl.train.ref_cache import CacheIdentity, ReferenceCache, ReferenceCacheError
+    from jaxrl.train.ref_cache import ReferenceCache, ReferenceCacheError
 
-    identity = CacheIdentity(
-        model="m", weights="w", dataset={}, data="d", tokenizer="t", max_length=16,
-        packing={}, loss_type="sigmoid", aggregation="sum", param_dtype="float32",
-        dtype="float32", fp32_lm_head=False, logprob_chunk=0,
-    )  # fmt: skip
     cache = ReferenceCache(np.full(4, -3.0), np.full(4, -4.0), identity)
     path = cache.save(tmp_path)
     assert ReferenceCache.load(path, identity).num_rows == 4

@@ -12,11 +12,11 @@ import torch
 from flax import nnx
 from hf_fixtures import write_case
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import pack_sequences
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
+from jaxrl.models.sharding import state_shardings
 from jaxrl.rollout.sampler import (
     Sampler,
     SamplingParams,
@@ -326,17 +326,9 @@ def test_invalid_settings_are_named():
 MESH_PROMPTS = [[2 + b % 5] * (1 + b % 6) for b in range(12)]  # 12 rows: not a multiple of 8
 
 
-def _tensor_sharded(params, mesh):
-    """Parameters split over fsdp (first axis) and tensor (last axis) where they divide."""
-
-    def put(x):
-        spec = [None] * x.ndim
-        if x.ndim >= 2:
-            spec[0] = "fsdp" if x.shape[0] % mesh.shape["fsdp"] == 0 else None
-            spec[-1] = "tensor" if x.shape[-1] % mesh.shape["tensor"] == 0 else None
-        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
-
-    return jax.tree.map(put, params)
+def _on_shards(params, mesh):
+    """Parameters placed by the package's rule table (embed → fsdp; heads, mlp, … → tensor)."""
+    return jax.device_put(params, state_shardings(params, mesh))
 
 
 @pytest.fixture(scope="module")
@@ -355,7 +347,7 @@ def mesh_samplers(tiny):
             model.config, max_new_tokens=16, eos_id=(3, 7), pad_id=1, prompt_buckets=(8, 16),
             mesh=mesh,
         )  # fmt: skip
-        sampler.load_params(_tensor_sharded(params, mesh) if name == "2x2x2" else params)
+        sampler.load_params(_on_shards(params, mesh) if name == "2x2x2" else params)
         out[name] = sampler
     return out
 

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import pack_sequences
+from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.mesh import make_mesh
@@ -55,19 +56,6 @@ def case():
     return graphdef, params, packed, rows, live, want
 
 
-def _sharded(params, mesh):
-    """Parameters split over fsdp (first axis) and tensor (last axis) where they divide."""
-
-    def put(x):
-        spec = [None] * x.ndim
-        if x.ndim >= 2:
-            spec[0] = "fsdp" if x.shape[0] % mesh.shape["fsdp"] == 0 else None
-            spec[-1] = "tensor" if x.shape[-1] % mesh.shape["tensor"] == 0 else None
-        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
-
-    return jax.tree.map(put, params)
-
-
 def test_scores_equal_the_train_forward_on_every_mesh(case):
     graphdef, params, packed, rows, live, (logp, entropy, hit) = case
     one = make_mesh(1, devices=jax.devices()[:1])
@@ -91,9 +79,8 @@ def test_scores_equal_the_train_forward_on_every_mesh(case):
 
     # parameters in their own (fsdp × tensor) sharding: same values up to reduction order
     mesh = make_mesh(2, 2, 2)
-    out = Scorer(graphdef, mesh=mesh, chunk_size=CHUNK).score(
-        _sharded(params, mesh), rows, temperature=0.7
-    )
+    sharded = jax.device_put(params, state_shardings(params, mesh))  # the rule table's
+    out = Scorer(graphdef, mesh=mesh, chunk_size=CHUNK).score(sharded, rows, temperature=0.7)
     np.testing.assert_allclose(out.logp[:, live], logp[:, live], atol=1e-5)
     np.testing.assert_allclose(out.entropy[:, live], entropy[:, live], atol=1e-5)
     np.testing.assert_array_equal(out.correct[:, live], hit[:, live])
