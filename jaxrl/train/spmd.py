@@ -11,14 +11,12 @@ process gets the same host outputs.
 Partitioning. Meshes from :func:`jaxrl.train.mesh.make_mesh` have automatic axes: XLA propagates
 the shardings of the inputs, gathering fsdp-sharded weights and splitting tensor-sharded heads,
 as in the train step. :func:`on_mesh` is the mesh context in which :func:`constrain_rows`'s
-PartitionSpecs are traced. A mesh that lacks some batch axes is accepted: its batch axes are
-those it has.
+PartitionSpecs are traced.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,24 +25,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.train.mesh import BATCH_AXES, put_global
-
-
-def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The batch axes (data, fsdp) that ``mesh`` has, in mesh order."""
-    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+from jaxrl.train.mesh import BATCH_AXES, batch_ranks, batch_sharding, put_global
 
 
 def row_ranks(mesh: Mesh | None) -> int:
     """Row shards: data × fsdp (``jaxrl.train.mesh.batch_ranks``); 1 without a mesh."""
-    if mesh is None:
-        return 1
-    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
-
-
-def row_spec(mesh: Mesh) -> P:
-    """Leading axis over the batch axes, the rest replicated."""
-    return P(batch_axes(mesh))
+    return 1 if mesh is None else batch_ranks(mesh)
 
 
 def put_rows(host: np.ndarray, mesh: Mesh | None) -> jax.Array | np.ndarray:
@@ -53,7 +39,7 @@ def put_rows(host: np.ndarray, mesh: Mesh | None) -> jax.Array | np.ndarray:
     parameters)."""
     if mesh is None:
         return np.asarray(host)
-    return put_global(np.asarray(host), NamedSharding(mesh, row_spec(mesh)))
+    return put_global(np.asarray(host), batch_sharding(mesh))
 
 
 def put_replicated(host: Any, mesh: Mesh | None) -> jax.Array | np.ndarray:
@@ -78,7 +64,7 @@ def constrain_rows(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
     if mesh is None:
         return x
     spec = [None] * x.ndim
-    spec[axis] = batch_axes(mesh)
+    spec[axis] = BATCH_AXES
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
