@@ -88,7 +88,7 @@ def main() -> None:
     for label, arrays in (("", batch_np), (" (2x bucket)", bucket_np)):
         for name in ("while", "scan"):
             step = TrainStep(loss, tx, mesh, learning_rate=lambda s: 1e-3, loop=name, donate=False)
-            state = step.replicate(TrainState.create(params, tx, 0))
+            state = step.place(TrainState.create(params, tx, 0))
             batch = step.shard_batch(arrays)
             stop = real if name == "while" else None  # scan walks every slot of the bucket
 

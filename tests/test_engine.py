@@ -165,7 +165,7 @@ def test_docs_per_step_gradient_equals_one_pass_and_cursor_carries():
     loss_fn = make_loss_fn(graphdef, mode="document", num_segments=SEGMENTS)
     tx = optax.sgd(0.1)
     step = TrainStep(loss_fn, tx, mesh, learning_rate=lambda s: 0.1, docs_per_step=5)
-    state = step.replicate(TrainState.create(params, tx, seed=0))
+    state = step.place(TrainState.create(params, tx, seed=0))
     batch = step.shard_batch(build_rows(layout, docs, ROW))
     state, m1 = step(state, batch, start=0)
     state, m2 = step(state, batch, start=int(m1["cursor"]))
@@ -204,7 +204,7 @@ def test_dp8_train_step_equals_dp1_and_skips_non_finite():
             max_grad_norm=1.0,
             donate=False,
         )
-        state = step.replicate(TrainState.create(params, tx, seed=0))
+        state = step.place(TrainState.create(params, tx, seed=0))
         batch = step.shard_batch(build_rows(layout, docs, ROW))
         for _ in range(2):
             state, metrics = step(state, batch)

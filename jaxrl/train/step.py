@@ -79,8 +79,6 @@ class TrainStep:
             target = NamedSharding(self.mesh, PartitionSpec())
         return jax.device_put(tree, target)
 
-    replicate = place
-
     def __call__(
         self,
         state: TrainState,

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
-from jaxrl.data.step_plan import DEVICE_FIELDS, StepBatch, device_arrays, plan_device_batch
+from jaxrl.data.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
@@ -36,7 +36,7 @@ from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.state import create_state
 from jaxrl.train.step import TrainStep
 
-__all__ = ["DEVICE_FIELDS", "Session", "build_model", "build_task", "device_arrays"]
+__all__ = ["Session", "build_model", "build_task"]
 
 
 def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
