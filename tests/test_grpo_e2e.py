@@ -75,7 +75,8 @@ def _external_rollouts(seed: int = 0):
 
 
 def test_on_policy_ratio_is_one_and_clip_ratios_are_zero(tmp_path):
-    """μ = 1, S = g: no old log-probs, ρ ≡ 1, so every clip metric is exactly 0 (spec §9), even
+    """μ = 1, S = g: no old log-probs, ρ ≡ 1, so every clip metric is exactly 0
+    (docs/algorithms/grpo.md §9), even
     with a large learning rate. With S = 2g old log-probs are computed (equal to the sampler's
     right after generation) and the second window, one update later, clips."""
     on = _trainer(

@@ -1,4 +1,5 @@
-"""LM head (spec fastllm.md 5.1) and chunked token log-probabilities against float64 numpy."""
+"""LM head (docs/algorithms/accumulation.md §5.1) and chunked token log-probabilities against
+float64 numpy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from flax import nnx
 
 from jaxrl.models import ModelConfig, Transformer, lm_head, token_logprobs
 
-N, H, V = 64, 896, 32768  # Qwen2.5-0.5B width; V reduced from 151,936 for CPU (spec 5.1)
+# Qwen2.5-0.5B width; V reduced from 151,936 for CPU (docs/algorithms/accumulation.md §5.1)
+N, H, V = 64, 896, 32768
 
 
 def _log_softmax64(logits: np.ndarray) -> np.ndarray:

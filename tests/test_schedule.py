@@ -1,6 +1,6 @@
 """Worked examples and error messages of jaxrl.data.schedule (slime PR #2065's build_dp_schedule).
 
-Property tests (spec 5.9) live in test_schedule_properties.py.
+Property tests (docs/algorithms/schedule.md §5.9) live in test_schedule_properties.py.
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ def test_default_mode_falls_back_to_first_fit_when_ffd_is_worse():
 
 def test_default_mode_keeps_more_rollouts_when_ffd_avoids_a_drop():
     # dp 4: first-fit needs 9 bins for the 10 samples (target 12 > 10), so slime drops down to 4
-    # samples; FFD needs 8 (target 8 <= 10) and keeps everything. Minimal drop (spec 5.9.9) wins
+    # samples; FFD needs 8 (target 8 <= 10) and keeps everything. Minimal drop
+    # (docs/algorithms/schedule.md §5.9) wins
     # over the micro-batch count: default mode runs 2 micro-batches per rank instead of 1.
     lengths = [5, 8, 8, 9, 10, 8, 9, 6, 1, 5]
     ids = [0, 0, 1, 1, 2, 2, 3, 4, 4, 4]
@@ -341,7 +342,7 @@ def test_group_ids_drop_whole_trailing_groups():
         slime([30] * 6, group_ids=[0, 0, 0, 1, 1, 1], **kw)  # floor: 6 - 3 < 4
 
 
-# ---------------------------------------------------------------- errors (spec section 4)
+# ------------------------------------------------------ errors (docs/algorithms/schedule.md §4)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ dp in {1,2,4,8}, micro_batch_group in {1,2,4}, 1-60 rollouts of 1-3 samples (som
 interleaved, with arbitrary ids), lengths 1-120, caps 50-200, static and dynamic, every packing
 and balance mode. Roughly a quarter of the draws raise documented ``ScheduleError``s.
 
-The slime reference below is written straight from the spec text (naive scans, re-packing from
+The slime reference below is written straight from docs/algorithms/schedule.md (naive scans,
+re-packing from
 scratch, no shared helpers with the implementation).
 """
 
@@ -117,7 +118,7 @@ def build(case: Case, packing: str = "first_fit", balance: str = "strided") -> D
         return None
 
 
-# ------------------------------------------------------------ reference, from the spec text
+# ------------------------------------------------ reference, from docs/algorithms/schedule.md
 
 
 class RefError(Exception):
@@ -574,7 +575,8 @@ def test_default_packing_matches_reference(case):
 @SETTINGS
 @given(cases())
 def test_kk_balance_bound(case):
-    """Empirical KK bound (spec 6): max rank weight - min rank weight <= heaviest bin."""
+    """Empirical KK bound (docs/algorithms/schedule.md §6): max rank weight - min rank weight
+    <= heaviest bin."""
     sched = build(case, "ffd", "kk")
     if sched is None:
         return

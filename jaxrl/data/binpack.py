@@ -254,7 +254,8 @@ def _set_key(s: list) -> tuple:
 
 
 def karmarkar_karp(weights: Sequence[float], k: int, *, equal_size: bool) -> list[list[int]]:
-    """Largest-differencing (Karmarkar-Karp) k-way partition of ``weights`` (spec section 6).
+    """Largest-differencing (Karmarkar-Karp) k-way partition of ``weights``
+    (docs/algorithms/schedule.md §6).
 
     Returns ``k`` sets of indices, heaviest set first, each sorted ascending. With
     ``equal_size`` every set has ``len(weights) / k`` items (requires divisibility). Example:
@@ -283,7 +284,8 @@ def karmarkar_karp(weights: Sequence[float], k: int, *, equal_size: bool) -> lis
 
 
 # ------------------------------------------------------------------------------------------------
-# One step: packing, drop loop, alignment, distribution (spec 3.3-3.8, 5.1-5.3).
+# One step: packing, drop loop, alignment, distribution
+# (docs/algorithms/schedule.md §3.3-3.8, §5.1-5.3).
 
 
 def aligned_target(num_bins: int, align_to: int) -> int:

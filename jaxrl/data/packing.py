@@ -26,7 +26,8 @@ fits, an ``int`` = exactly that (error if it does not fit), a sequence = the sma
 that fits. Slots past a rank's real micro-batches are fully padded: segment 0, zero masks and
 counts, so they add exactly 0 to every loss numerator and denominator.
 
-Documents are never split: a sample longer than T raises, naming the sample (spec 5.8).
+Documents are never split: a sample longer than T raises, naming the sample
+(docs/algorithms/schedule.md §5.8).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def row_buckets(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
 def document_index(lengths: Sequence[int], row_len: int) -> np.ndarray:
     """1-based document index of every position of a row holding ``lengths`` then padding.
 
-    Padding is clamped onto the last document (Fast-LLM's fix, spec fastllm.md section 4), so the
+    Padding is clamped onto the last document (Fast-LLM's fix, docs/algorithms/accumulation.md
+    §4), so the
     index never exceeds ``len(lengths)``: ``[3, 4]`` padded to 10 ->
     ``[1,1,1,2,2,2,2,2,2,2]``. A row with no document is all 0. int32 ``[row_len]``.
     """

@@ -9,7 +9,8 @@ which data-parallel rank. Two faces:
 - default mode (``packing="ffd", balance="cost"``): first-fit-decreasing packing and cost-balanced
   distribution, with the same contract.
 
-Invariants of every schedule (spec 5.9), checked by tests/test_schedule_properties.py:
+Invariants of every schedule (docs/algorithms/schedule.md §5.9), checked by
+tests/test_schedule_properties.py:
 
 - every rank has the same number ``n[s]`` of micro-batches in step s, ``n[s] >= 1`` and
   ``n[s] % micro_batch_group == 0``; micro-batches are never empty;
@@ -31,7 +32,7 @@ slime mode succeeds, default mode succeeds too, keeps at least as many rollouts 
 never uses more micro-batches than first-fit needs for the samples it keeps, and, when it keeps
 the same rollouts as slime mode, uses no more micro-batches. When FFD avoids a drop that slime
 mode makes, default mode keeps the extra rollouts and may need more micro-batches for them:
-minimal drop (spec 5.9.9) takes precedence over a smaller micro-batch count.
+minimal drop (docs/algorithms/schedule.md §5.9) takes precedence over a smaller micro-batch count.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ BALANCES = ("cost", "strided", "kk")
 
 @dataclass(frozen=True)
 class StepStats:
-    """Per-step statistics (spec 5.7). Costs are ``len + attn_coef * len**2`` summed."""
+    """Per-step statistics (docs/algorithms/schedule.md §5.7). Costs are
+    ``len + attn_coef * len**2`` summed."""
 
     num_micro_batches: int  # per rank, equal on all ranks
     num_samples: int  # kept samples
@@ -127,7 +129,8 @@ class DPSchedule:
 
     def to_slime(self) -> tuple[list[list[int]], list[list[list[int]]], list[int], list[int]]:
         """``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)`` exactly as
-        slime returns them (spec section 2): global indices per rank, local consecutive ranges
+        slime returns them (docs/algorithms/schedule.md §2): global indices per rank, local
+        consecutive ranges
         continuing across steps, micro-batches per rank per step, kept rollouts per step."""
         partitions: list[list[int]] = [[] for _ in range(self.dp_size)]
         micro_batch_indices: list[list[list[int]]] = [[] for _ in range(self.dp_size)]
@@ -265,7 +268,8 @@ def build_dp_schedule(
       attn_coef: cost of a sample of length l is ``l + attn_coef * l**2`` (balance and stats).
 
     Raises:
-      ScheduleError: on any invalid input or unreachable alignment (spec section 4); no partial
+      ScheduleError: on any invalid input or unreachable alignment
+        (docs/algorithms/schedule.md §4); no partial
         schedule is returned.
     """
     if (max_tokens is None) == (micro_batch_size is None):

@@ -1,4 +1,4 @@
-"""LM head and memory-bounded token log-probabilities (spec fastllm.md section 5).
+"""LM head and memory-bounded token log-probabilities (docs/algorithms/accumulation.md §5).
 
 With ``fp32=True`` the head is ``hidden.astype(f32) @ kernel.astype(f32)`` at
 ``Precision.HIGHEST``: bf16 products are exact in fp32, so the gain is fp32 accumulation and

@@ -4,7 +4,7 @@ Pre-norm blocks: ``x += attn(rms(x)); x += mlp(rms(x))``, grouped-query attentio
 (``attention.py``), SwiGLU MLP ``down(silu(gate x) * up x)``, a final RMSNorm and an LM head
 (``head.py``). Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k before RoPE.
 
-Precision policy (DESIGN.md 2.4): parameters are stored in ``param_dtype`` and cast to the
+Precision policy: parameters are stored in ``param_dtype`` and cast to the
 compute ``dtype`` where used; RMSNorm statistics, attention scores and softmax are float32;
 ``fp32_lm_head`` computes logits as an fp32 x fp32 matmul at ``Precision.HIGHEST``.
 
@@ -106,7 +106,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096  # longest position the model was trained for
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str | None = None  # compute dtype; None means param_dtype
-    fp32_lm_head: bool = False  # logits from an fp32 x fp32 HIGHEST matmul (spec fastllm 5)
+    fp32_lm_head: bool = False  # fp32 x fp32 HIGHEST logits (docs/algorithms/accumulation.md §5)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:

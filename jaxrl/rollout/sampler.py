@@ -7,7 +7,8 @@ cache has ``P + N`` slots, N = ``max_new_tokens``. One program is compiled per `
 the sampling parameters and the PRNG key are traced arguments, so changing them never
 recompiles (``Sampler.compiles`` counts traces).
 
-Numerics match the trainer (spec fastllm.md 5 and 7): logits come from the model's own head
+Numerics match the trainer (docs/algorithms/accumulation.md §5 and §7): logits come from the
+model's own head
 (``Transformer.logits``, an fp32 HIGHEST matmul when ``fp32_lm_head``), and the reported
 log-prob of a sampled token is ``z[tok] - logsumexp(z)`` with ``z = logits.astype(f32) / T``
 over the FULL vocabulary, the quantity ``token_logprobs`` computes in training. top-k / top-p

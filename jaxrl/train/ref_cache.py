@@ -44,7 +44,8 @@ class ReferenceCacheError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheIdentity:
-    """Everything that changes the cached values (spec §6); its canonical JSON is hashed."""
+    """Everything that changes the cached values (docs/algorithms/dpo.md §6); its canonical JSON
+    is hashed."""
 
     model: str  # model path (or "init" for a fresh model)
     weights: str  # fingerprint of the reference parameters (``weight_fingerprint``)

@@ -1,0 +1,192 @@
+"""The config reference (docs/config_reference.md), generated from the config dataclasses.
+
+Every section of ``RunConfig`` becomes a table of its fields: key, type, default and the field's
+own one-line comment in the source (``name: type = default  # comment``, continuation comment
+lines included). The ``grpo`` and ``dpo`` sections are ``GRPOConfig`` and ``DPOConfig``;
+``model.init`` is the model shape, ``ModelConfig``. Because the page is built from the classes,
+it cannot drift: ``tests/test_docs.py`` fails when the file in docs/ is stale.
+
+    python -m jaxrl.config.reference --write   # regenerate docs/config_reference.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import io
+import re
+import sys
+import textwrap
+import tokenize
+import typing
+from pathlib import Path
+from typing import Any
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config_reference.md"
+
+HEADER = """\
+# Config reference
+
+Every key `jaxrl train CONFIG.yaml` reads, section by section, with its type, default and
+meaning. Set a key in the YAML file or on the command line with `--set section.key=value`.
+Unknown or misspelled keys are errors that suggest the closest name; invalid values are errors
+that name the field, the value and the fix.
+
+This page is generated from the config dataclasses (`python -m jaxrl.config.reference --write`);
+a test fails when it is stale, so it always matches the code.
+"""
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field: comment}`` from the class source: the trailing ``# ...`` of the line that
+    declares the field, joined with the comment-only lines right after it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    names = {f.name for f in dataclasses.fields(cls)}
+    comments: dict[str, str] = {}
+    current: str | None = None
+    depth = 0  # bracket depth: a field's default may span lines
+    line_of_field: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        elif tok.type == tokenize.NAME and depth == 0 and tok.start[1] == 4 and tok.string in names:
+            line_of_field[tok.start[0]] = tok.string
+            current = tok.string
+        elif tok.type == tokenize.COMMENT and current is not None:
+            text = tok.string.lstrip("#").strip()
+            if tok.start[0] in line_of_field or tok.line.strip().startswith("#"):
+                comments[current] = f"{comments.get(current, '')} {text}".strip()
+        elif tok.type == tokenize.NAME and tok.start[1] == 4 and tok.string == "def":
+            break  # methods: no more fields
+        elif tok.type == tokenize.NL and tok.line.strip() == "":
+            current = None  # a blank line ends a field's continuation comments
+    return comments
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " \\| ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, __import__("types").UnionType):
+        return " \\| ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp) if a is not Ellipsis)
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            return "(section)"
+    else:
+        return "required"
+    if isinstance(value, tuple):
+        value = list(value)
+    return f"`{value!r}`".replace("|", "\\|")
+
+
+def _doc(cls: type) -> str:
+    doc = inspect.getdoc(cls) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def _table(
+    cls: type, prefix: str, skip: tuple[str, ...] = (), defaults: dict[str, str] | None = None
+) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_") or f.name in skip:
+            continue
+        meaning = comments.get(f.name, "").replace("|", "\\|")
+        tp = _type_name(hints[f.name])
+        default = (defaults or {}).get(f.name) or _default(f)
+        rows.append(f"| `{prefix}{f.name}` | {tp} | {default} | {meaning} |")
+    return rows
+
+
+def sections() -> list[tuple[str, type, tuple[str, ...]]]:
+    """``(key prefix, dataclass, fields left out)`` for every section of the reference."""
+    from jaxrl.config.dpo import DPOConfig
+    from jaxrl.config.grpo import GRPOConfig
+    from jaxrl.config.run import RunConfig
+    from jaxrl.models.transformer import ModelConfig
+
+    out: list[tuple[str, type, tuple[str, ...]]] = []
+    top = []
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out.append((f"{f.name}.", tp, ()))
+        elif f.name not in ("grpo", "dpo"):
+            top.append(f.name)
+    skip_top = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in top)
+    out.insert(0, ("", RunConfig, skip_top))
+    # world_size comes from the mesh (an error when given); dtypes and the head come from the
+    # `model` section itself, not from model.init
+    out.append(("grpo.", GRPOConfig, ("world_size",)))
+    out.append(("dpo.", DPOConfig, ("world_size",)))
+    model_section = ("param_dtype", "dtype", "fp32_lm_head")
+    out.append(("model.init.", ModelConfig, model_section))
+    return out
+
+
+def _tiny_defaults() -> dict[str, str]:
+    """``model.init`` defaults: the tiny CPU shape; the vocabulary is the tokenizer's size."""
+    from jaxrl.models.transformer import ModelConfig
+
+    tiny = ModelConfig.tiny(1)
+    out = {f.name: f"`{getattr(tiny, f.name)!r}`" for f in dataclasses.fields(ModelConfig)}
+    out["vocab_size"] = "the tokenizer's size"
+    out["head_dim"] = "`None`"
+    return out
+
+
+def render() -> str:
+    """The whole reference page as markdown."""
+    parts = [HEADER]
+    for prefix, cls, skip in sections():
+        title = prefix.rstrip(".") or "top level"
+        parts.append(f"## `{title}`\n")
+        doc = _doc(cls)
+        if prefix == "model.init.":
+            doc = (
+                "The shape of a model trained from scratch (no `model.path`), in transformers' "
+                "config names; fields left out take the tiny CPU shape (`ModelConfig.tiny`). " + doc
+            )
+        if doc:
+            parts.append(doc + "\n")
+        defaults = _tiny_defaults() if prefix == "model.init." else None
+        parts.append("\n".join(_table(cls, prefix, skip, defaults)) + "\n")
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"write {DOC_PATH}")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        DOC_PATH.parent.mkdir(parents=True, exist_ok=True)
+        DOC_PATH.write_text(text)
+        print(f"wrote {DOC_PATH}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
