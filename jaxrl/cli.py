@@ -9,6 +9,7 @@ a multi-process job, before jax initialises.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -80,16 +81,61 @@ def _train(args: argparse.Namespace) -> int:
     try:
         summary = run(cfg)
     except KeyboardInterrupt:
-        checkpoints = os.path.join(cfg.output_dir, "checkpoints")
-        print(f"interrupted; checkpoints (if any) are in {checkpoints}", file=sys.stderr)
+        print(_interrupted(cfg.output_dir), file=sys.stderr)
         return 130
     except Exception as e:
         if _debug(args):
             raise
+        full = _disk_full(e)
+        if full is not None:
+            return _fail(RuntimeError(_disk_full_message(full, cfg.output_dir)), 1)
         return _fail(e, 2 if isinstance(e, USAGE_ERRORS) else 1, hint)
     if is_primary():
         print(json.dumps(json_safe(summary), indent=2, allow_nan=False))
     return 0
+
+
+def _disk_full(e: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT ``OSError`` behind ``e`` (libraries such as orbax re-raise it wrapped,
+    or as a side effect of a background writer), if any."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [e]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return err
+        stack += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+    return None
+
+
+def _disk_full_message(err: OSError, output_dir: str) -> str:
+    where = f" writing {err.filename}" if err.filename else ""
+    return (
+        f"no space left on the disk{where} (output_dir={output_dir}): free space or point "
+        "output_dir at another disk, then run again; the last complete checkpoint is kept and "
+        "the run resumes from it"
+    )
+
+
+def _interrupted(output_dir: str) -> str:
+    """What Ctrl-C leaves behind: the newest committed checkpoint (orbax commits a step by
+    renaming its directory to the bare step number) and how to go on."""
+    directory = os.path.join(output_dir, "checkpoints")
+    steps = (
+        [int(n) for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(directory) else []
+    )
+    if not steps:
+        return (
+            f"interrupted before the first checkpoint in {directory}: nothing to resume "
+            "(checkpoint.every sets how often checkpoints are written)"
+        )
+    return (
+        f"interrupted: the last checkpoint is step {max(steps)} in {directory}; run the same "
+        "command again to resume from it"
+    )
 
 
 def _memory(args: argparse.Namespace) -> int:
@@ -114,6 +160,19 @@ def _memory(args: argparse.Namespace) -> int:
 
         print_plan(plan, title=args.config)
     return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    """``jaxrl schedule``: exit 2 with one line for a bad lengths file or a sample over the
+    budget, 1 when a mode cannot align its micro-batches."""
+    from jaxrl.data.schedule_report import run_from_args
+
+    try:
+        return run_from_args(args)
+    except USAGE_ERRORS as e:
+        if _debug(args):
+            raise
+        return _fail(e, 2)
 
 
 def _add_set(parser: argparse.ArgumentParser) -> None:
@@ -153,11 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=_memory)
-    from jaxrl.data.schedule_report import add_schedule_arguments, run_from_args
+    from jaxrl.data.schedule_report import add_schedule_arguments
 
     sched = sub.add_parser("schedule", help="show the DP micro-batch plan for a lengths file")
     add_schedule_arguments(sched)
-    sched.set_defaults(func=run_from_args)
+    sched.set_defaults(func=_schedule)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

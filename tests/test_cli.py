@@ -32,6 +32,23 @@ def test_schedule_subcommand_prints_both_modes_and_plots(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("100\n40000\n200\n", "1 sample(s) exceed --max-tokens=1024 (sample 1: 40000 tokens)"),
+        ("100\nabc\n", "lengths.txt:2: 'abc' is not an integer length"),
+    ],
+)
+def test_schedule_bad_lengths_exit_2_in_one_line(tmp_path, capsys, content, message):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text(content)
+    args = ["schedule", "--lengths", str(lengths), "--dp", "2", "--max-tokens", "1024"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert "%" not in err[0]
+
+
 def test_train_config_error_exits_2_naming_the_field(tmp_path, capsys):
     code = main(
         [

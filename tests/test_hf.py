@@ -165,3 +165,22 @@ def test_from_pretrained_places_each_tensor_on_its_shards(tmp_path, mesh_shape):
     np.testing.assert_allclose(
         np.asarray(sharded(ids)), hf_logits(hf_model, ids), atol=2e-5, rtol=2e-5
     )
+
+
+@pytest.mark.parametrize("shard", ["../escape.safetensors", "/etc/passwd"])
+def test_an_index_naming_shards_outside_the_directory_is_refused(tmp_path, shard):
+    path, _ = write_case("qwen3", tmp_path, max_shard_size="100KB")
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="outside the model directory"):
+        from_pretrained(path)
+
+
+def test_a_malformed_index_is_named(tmp_path):
+    path, _ = write_case("qwen3", tmp_path, max_shard_size="100KB")
+    (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        from_pretrained(path)

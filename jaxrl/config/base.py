@@ -191,10 +191,24 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    raw = p.read_bytes()
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {str(p)!r} line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; save "
+            "the file as UTF-8"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except ConfigError as e:
         raise ConfigError(f"config file {str(p)!r}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {str(p)!r}{where}: invalid YAML ({problem})") from None
     if data is None:
         raise ConfigError(
             f"config file {str(p)!r} is empty: start from one of configs/*.yaml (an empty file "

@@ -322,6 +322,12 @@ class RunConfig:
         check_algorithm(self.algorithm)
         check_max_steps(self.max_steps)
         require(
+            0 <= self.seed < 2**32,
+            "seed",
+            self.seed,
+            "use an integer in [0, 2**32) (it seeds numpy and jax)",
+        )
+        require(
             bool(self.output_dir.strip()),
             "output_dir",
             self.output_dir,

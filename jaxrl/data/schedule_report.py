@@ -69,6 +69,20 @@ def load_lengths(path: str | Path) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
+def check_budget(lengths: np.ndarray, max_tokens: int, *, name: str = "lengths") -> None:
+    """Raise ``ScheduleError`` naming the samples longer than ``max_tokens``: a training row
+    cannot hold them (slime would give each its own over-budget micro-batch, and the fill
+    efficiency of such a plan is meaningless)."""
+    over = np.flatnonzero(np.asarray(lengths) > max_tokens)
+    if over.size:
+        shown = ", ".join(f"sample {i}: {int(lengths[i])} tokens" for i in over[:3])
+        more = f" and {over.size - 3} more" if over.size > 3 else ""
+        raise ScheduleError(
+            f"{name}: {over.size} sample(s) exceed --max-tokens={max_tokens} ({shown}{more}): "
+            "a sample must fit one micro-batch; raise --max-tokens or truncate the samples"
+        )
+
+
 def compare_schedules(
     lengths: Sequence[int] | np.ndarray,
     *,
@@ -212,6 +226,8 @@ def run_schedule_cli(
         raise ValueError(f"mode={mode!r} is not one of 'slime', 'default', 'both'")
     console = console or Console()
     lengths = load_lengths(lengths_file)
+    if max_tokens is not None:
+        check_budget(lengths, max_tokens, name=Path(lengths_file).name)
     modes = ("slime", "default") if mode == "both" else (mode,)
     results = compare_schedules(
         lengths,

@@ -73,9 +73,17 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
             f"no tokenizer.json in {str(d)!r}: jaxrl loads HF fast tokenizers "
             "from a local directory (nothing is downloaded)"
         )
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(
+            f"{path} cannot be read by `tokenizers` ({e}): repair or re-export it"
+        ) from None
     cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    try:
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    except ValueError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({e}): repair or re-export it") from None
 
     def name(key: str) -> str | None:
         v = cfg.get(key)

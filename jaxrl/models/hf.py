@@ -183,13 +183,43 @@ def _key(path: tuple[Any, ...]) -> tuple[str | int, ...]:
     return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
 
 
+def _within(path: Path, root: Path) -> bool:
+    """``path`` resolves (symlinks and ``..`` followed) to a file inside ``root``."""
+    return path.resolve().is_relative_to(root) and path.resolve() != root
+
+
+def _open_safetensors(file: Path) -> Any:
+    """``safe_open`` with an error that names the file (safetensors' own does not)."""
+    try:
+        return safe_open(str(file), framework="np")
+    except Exception as e:  # SafetensorError is not a ValueError
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({e}): it is truncated or damaged; "
+            "re-download or re-export the model"
+        ) from None
+
+
 def _weight_files(root: Path) -> list[Path]:
     single, index = root / "model.safetensors", root / "model.safetensors.index.json"
     if single.is_file():
         return [single]
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [root / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{index} is not a safetensors index ({type(e).__name__}: {e}): it must be JSON "
+                'with a "weight_map" of tensor name -> shard file; re-save the checkpoint'
+            ) from None
+        inside = root.resolve()
+        files = [root / name for name in names]
+        outside = [n for n, f in zip(names, files, strict=True) if not _within(f, inside)]
+        if outside:
+            raise ValueError(
+                f"{index} names shard files outside the model directory: {outside}; shard "
+                "names must be plain file names in the directory (refusing to read them)"
+            )
         missing = [str(p) for p in files if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that do not exist: {missing}")
@@ -223,18 +253,25 @@ def from_pretrained(
     config_path = root / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a HF model directory needs it")
-    config = config_from_hf(
-        json.loads(config_path.read_text()),
-        param_dtype=param_dtype,
-        dtype=dtype,
-        fp32_lm_head=fp32_lm_head,
-    )
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}): repair or re-export it") from None
+    try:
+        config = config_from_hf(
+            hf_config,
+            param_dtype=param_dtype,
+            dtype=dtype,
+            fp32_lm_head=fp32_lm_head,
+        )
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     with contextlib.ExitStack() as stack:
         # name -> open file; tensors are read one at a time, as the state is filled.
         tensors = {
             name: handle
             for file in _weight_files(root)
-            for handle in [stack.enter_context(safe_open(str(file), framework="np"))]
+            for handle in [stack.enter_context(_open_safetensors(file))]
             for name in handle.keys()  # noqa: SIM118 - safe_open is not a Mapping
         }
         return _build(root, config, tensors, mesh)

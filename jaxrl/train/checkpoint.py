@@ -1,12 +1,19 @@
-"""Orbax checkpoints: train state + host-side data cursor, newest N kept, atomic.
+"""Orbax checkpoints: train state + host-side data cursor, newest N kept, atomic, checksummed.
 
 Orbax writes each step into a temporary directory and renames it on commit, so a crash
 mid-save leaves the previous checkpoint as the newest usable one; unfinished temporaries are
-never listed as steps.
+never listed as steps. Orbax keeps no checksums, so after the commit process 0 writes
+``<step>/jaxrl_checksums.json`` (SHA-256 and size of every file of the step, written to a
+temporary name and renamed); ``restore`` verifies it first, so flipped or truncated bytes are
+caught before any value is read. A step committed without the file (a crash between the commit
+and the checksums, or an older jaxrl) is restored unverified; the finiteness check still runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +47,15 @@ class Checkpointer:
             ),
         )
         self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            write_checksums(self.directory / str(step))
 
     def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore onto ``template``'s structure, shapes, dtypes and shardings."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        verify_checksums(self.directory / str(step))
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         restored = self._manager.restore(
             step,
@@ -57,6 +67,53 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+CHECKSUMS = "jaxrl_checksums.json"
+
+
+class ChecksumError(ValueError):
+    """A checkpoint's files differ from the checksums written when it was saved."""
+
+
+def _digests(step_dir: Path) -> dict[str, list]:
+    out = {}
+    for f in sorted(step_dir.rglob("*")):
+        if f.is_file() and f.name != CHECKSUMS:
+            with f.open("rb") as fh:
+                out[str(f.relative_to(step_dir))] = [
+                    hashlib.file_digest(fh, "sha256").hexdigest(),
+                    f.stat().st_size,
+                ]
+    return out
+
+
+def write_checksums(step_dir: Path) -> None:
+    """Record SHA-256 and size of every file of a committed step (atomically: temp + rename)."""
+    tmp = step_dir / f".{CHECKSUMS}.tmp"
+    tmp.write_text(json.dumps(_digests(step_dir), indent=0))
+    os.replace(tmp, step_dir / CHECKSUMS)
+
+
+def verify_checksums(step_dir: Path) -> None:
+    """Raise ``ChecksumError`` naming the first file whose bytes or size changed, or that is
+    missing; a step without a checksum file passes (see the module docstring)."""
+    path = step_dir / CHECKSUMS
+    if not path.is_file():
+        return
+    try:
+        expected = json.loads(path.read_text())
+    except ValueError:
+        raise ChecksumError(f"{path} is damaged (not JSON)") from None
+    actual = _digests(step_dir)
+    for name, (digest, size) in expected.items():
+        if name not in actual:
+            raise ChecksumError(f"{step_dir / name} is missing")
+        got_digest, got_size = actual[name]
+        if got_size != size:
+            raise ChecksumError(f"{step_dir / name} has {got_size} bytes, {size} were written")
+        if got_digest != digest:
+            raise ChecksumError(f"{step_dir / name} changed since it was written (SHA-256)")
 
 
 def nonfinite_leaves(tree: Any) -> list[str]:

@@ -100,6 +100,47 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def model_changes(previous: dict[str, Any] | None, current: dict[str, Any]) -> str:
+    """``model.x: old -> new`` for every ``model`` setting (``model.init`` included) in which
+    the previous run of an output directory differs from this one; empty when none does."""
+
+    def flat(d: Any, prefix: str) -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix: d}
+        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
+
+    if not previous or not isinstance(previous.get("model"), dict):
+        return ""
+    old, new = flat(previous["model"], "model"), flat(current["model"], "model")
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+
+
+def make_output_dir(path: Path) -> None:
+    """Create the run directory, or raise a ``ConfigError`` naming ``output_dir`` when a file
+    stands where it (or one of its parents) should be, or it cannot be written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise ConfigError(
+            f"output_dir={str(path)!r} is invalid: {str(blocking)!r} is a file, not a "
+            "directory; name a directory for the run (it is created if missing)"
+        ) from None
+    except PermissionError:
+        raise ConfigError(
+            f"output_dir={str(path)!r} is invalid: permission denied creating it; choose a "
+            "directory you can write"
+        ) from None
+
+
 class Session:
     """One run's model, compiled step, state, checkpointer and metrics file."""
 
@@ -107,9 +148,10 @@ class Session:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.primary = is_primary()
+        previous = self.output_dir / "config.json"  # the last run's, before it is replaced
+        self.previous_config = _read_json(previous) if previous.is_file() else None
         if self.primary:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            make_output_dir(self.output_dir)
         self.mesh = mesh_from_config(cfg.mesh)
         self.ranks = batch_ranks(self.mesh)  # data-parallel ranks: data × fsdp
         self.local_ranks = local_ranks(self.mesh)  # the ranks whose rows this process packs
@@ -160,6 +202,7 @@ class Session:
         line and the previous one is tried; when none is usable the run stops with an error."""
         steps = self.checkpointer.steps() if self.cfg.checkpoint.resume else []
         if not steps:
+            self._write_config()
             self.writer = MetricsWriter(self.output_dir, resume_step=None, enabled=self.primary)
             return None
         problems = []
@@ -176,6 +219,7 @@ class Session:
                 self.console.print(f"checkpoint {problems[-1]}; trying an older one")
                 continue
             self.state = self.step_fn.place(state)
+            self._write_config()
             self.writer = MetricsWriter(self.output_dir, resume_step=step, enabled=self.primary)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
             if step >= self.cfg.max_steps:
@@ -185,12 +229,25 @@ class Session:
                 )
             return host
         self.checkpointer.close()
+        changed = model_changes(self.previous_config, to_dict(self.cfg))
+        cause = (
+            f" The checkpoints were written by a run with a different model: {changed}."
+            if changed
+            else ""
+        )
         raise CheckpointError(
             f"no usable checkpoint in {self.checkpointer.directory}: "
             + "; ".join(problems)
-            + ". Delete the directory (or set checkpoint.resume=false, or use another "
-            "output_dir) to start fresh"
+            + f".{cause} Set checkpoint.resume=false (or use another output_dir, or delete the "
+            "directory) to start fresh"
         )
+
+    def _write_config(self) -> None:
+        """``config.json`` of this run, once it is known to go ahead (a run refused for an
+        incompatible checkpoint leaves the previous run's file, which the error compares to)."""
+        if self.primary:
+            text = json.dumps(to_dict(self.cfg), indent=2)
+            (self.output_dir / "config.json").write_text(text)
 
     def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
         """The step planner on this session's ranks: ``plan_device_batch(ids, **documents)``
