@@ -31,7 +31,7 @@ MAX_DEPTH = 32  # deepest nesting of lists/objects a row may have
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 FILE_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet")
 
-__all__ = ["DataError", "Dataset", "is_messages", "read_dataset", "read_rows"]
+__all__ = ["DataError", "Dataset", "read_dataset", "read_rows"]
 
 
 class DataError(ValueError):
@@ -145,7 +145,9 @@ def _read_parquet(path: Path) -> tuple[list[Any], list[str]]:
 
 
 def _pick_split(obj: Any, source: str, split: str) -> Any:
-    if hasattr(obj, "keys") and not hasattr(obj, "column_names"):  # a DatasetDict
+    import datasets
+
+    if isinstance(obj, datasets.DatasetDict):
         if split not in obj:
             raise DataError(
                 f"{source}: no split {split!r}; it has {sorted(obj.keys())}: set data.split "
@@ -222,15 +224,6 @@ def _depth(value: Any, limit: int) -> int:
         return 0
     children = value.values() if isinstance(value, dict) else value
     return 1 + max((_depth(v, limit - 1) for v in children), default=0)
-
-
-def is_messages(value: Any) -> bool:
-    """A non-empty list of ``{role, content}`` mappings (TRL's conversational format)."""
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, Mapping) and "role" in m for m in value)
-    )
 
 
 def _check_messages(value: list, key: str, at: str) -> None:
