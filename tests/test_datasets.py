@@ -262,6 +262,8 @@ def test_messages_mask_equals_transformers_generation_mask(tmp_path, tok_dir):
     assert docs.sequences[0].tolist() == want["input_ids"]
     assert docs.masks[0].astype(int).tolist() == want["assistant_masks"]
     assert sum(want["assistant_masks"]) > 4  # both turns, not a vacuous match
+    every = sft_documents(data, tok, max_length=512, completion_only_loss=False)
+    assert every.sequences[0].tolist() == want["input_ids"] and every.masks[0].all()
 
 
 def test_llama_text_rows_start_with_bos(tmp_path, llama_dir):
