@@ -7,6 +7,7 @@ from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.run import (
     CheckpointConfig,
+    DataConfig,
     DistributedConfig,
     LoggingConfig,
     MeshConfig,
@@ -28,6 +29,7 @@ def load_run_config(path: str | Path | None = None, overrides=()) -> RunConfig:
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "DataConfig",
     "DistributedConfig",
     "DPOConfig",
     "GRPOConfig",

@@ -33,6 +33,7 @@ class DPOConfig:
     gradient_accumulation_steps: int = 1  # micro-steps per step; pairs/step = b · g · P
     world_size: int = 1  # P: data-parallel size (the loader sets it from mesh.data)
     max_length: int = 1024  # per sequence (prompt + response), applied at tokenisation
+    max_prompt_length: int | None = None  # real data: prompt tokens kept (the last); None = all
     learning_rate: float | None = None  # DPO-stage peak LR (TRL name); None → optimizer's
     precompute_ref_log_probs: bool = True  # reference cache; False keeps a frozen reference
     reference_cache_dir: str | None = None  # None → <output_dir>/ref_cache
@@ -69,6 +70,13 @@ class DPOConfig:
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
             require(ok, name, value, "use an integer ≥ 1")
+        if self.max_prompt_length is not None:
+            require(
+                1 <= self.max_prompt_length < self.max_length,
+                "max_prompt_length",
+                self.max_prompt_length,
+                f"use 1 ≤ max_prompt_length < max_length ({self.max_length}), or leave it unset",
+            )
 
     @property
     def canonical_loss_type(self) -> str:

@@ -232,6 +232,36 @@ class TaskConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Real data in TRL's formats (docs/data.md); the alternative to the built-in ``task``.
+
+    Each of ``train``/``eval`` is a local ``.jsonl``/``.json``/``.parquet`` file, a directory
+    written by ``datasets``' ``save_to_disk``, or (not a local path) a ``datasets.load_dataset``
+    name. The tokenizer (and chat template) comes from ``model.path``.
+    """
+
+    train: str | None = None  # training data; None = the built-in task
+    eval: str | None = None  # held-out data for eval metrics; None = no evaluation
+    split: str = "train"  # split of data.train when it is a DatasetDict directory or a hub name
+    eval_split: str = "test"  # split of data.eval when it is a DatasetDict directory or a name
+
+    def __post_init__(self):
+        for name in ("train", "eval", "split", "eval_split"):
+            value = getattr(self, name)
+            require(
+                value is None or bool(value.strip()),
+                f"data.{name}",
+                value,
+                "name a file, a save_to_disk directory or a dataset (or leave it out)",
+            )
+        if self.eval is not None and self.train is None:
+            raise ConfigError(
+                f"data.eval={self.eval!r} is invalid without data.train: held-out data "
+                "evaluates a run on real data; set data.train too (or drop data.eval)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Orbax checkpoints under ``<output_dir>/checkpoints``."""
 
@@ -275,6 +305,7 @@ def check_algorithm(value: str) -> None:
 
 __all__ = [
     "CheckpointConfig",
+    "DataConfig",
     "DistributedConfig",
     "RunConfig",
     "ConfigError",
@@ -302,7 +333,8 @@ class RunConfig:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    task: TaskConfig | None = None  # the built-in task; None = the default task, unless data
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # real data (or `task`)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
@@ -321,6 +353,7 @@ class RunConfig:
 
         check_algorithm(self.algorithm)
         check_max_steps(self.max_steps)
+        self._check_data_source()
         require(
             0 <= self.seed < 2**32,
             "seed",
@@ -367,4 +400,31 @@ class RunConfig:
                 f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
                 f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
                 "schedule.max_tokens or lower sft.max_length"
+            )
+
+    def _check_data_source(self) -> None:
+        """``task`` and ``data.train`` are alternatives: the built-in task is the default (no
+        ``data.train``), and giving both is an error. Real data needs ``model.path`` (the
+        tokenizer and chat template come from it)."""
+        if self.data.train is None:
+            if self.task is None:
+                object.__setattr__(self, "task", TaskConfig())
+            return
+        if self.task is not None:
+            raise ConfigError(
+                f"task and data.train={self.data.train!r} are both given: a run trains on the "
+                "built-in task or on real data, not both; remove the task section (or data.train)"
+            )
+        if self.model.path is None:
+            raise ConfigError(
+                f"model.path is required with data.train={self.data.train!r}: the tokenizer and "
+                "chat template come from the model directory; set model.path to a local HF "
+                "model directory"
+            )
+        if self.sft_warmup_steps and self.algorithm != "sft":
+            raise ConfigError(
+                f"sft_warmup_steps={self.sft_warmup_steps} is invalid with data.train: the warm "
+                f"start trains on the built-in task, and data.train holds {self.algorithm} rows; "
+                "run SFT on your SFT data first and point model.path at its export "
+                "(<output_dir>/hf), with sft_warmup_steps=0"
             )

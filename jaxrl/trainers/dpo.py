@@ -19,6 +19,8 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.datasets import read_dataset
+from jaxrl.data.documents import dpo_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.data.preference import (
     PairDocuments,
@@ -52,8 +54,10 @@ REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, reject
 class DPOTrainer:
     """DPO (and variants) on preference pairs; ``run()`` trains and returns a summary.
 
-    Pairs default to the built-in arithmetic preference task (``task`` section); pass
-    ``train_pairs``/``eval_pairs`` (e.g. from ``load_jsonl_pairs``) to train on your own.
+    Pairs come from ``data.train``/``data.eval`` (TRL's preference format, strings or
+    conversations, with the tokenizer and chat template of ``model.path``), or default to the
+    built-in arithmetic preference task (``task`` section); ``train_pairs``/``eval_pairs``
+    (e.g. from ``load_jsonl_pairs``) train on given string pairs with the task's tokenizer.
     """
 
     def __init__(
@@ -81,21 +85,14 @@ class DPOTrainer:
                 "dpo.precompute_ref_log_probs=false (a frozen reference forward every step) is "
                 "not implemented; set it to true (the reference log-prob cache)"
             )
-        t = cfg.task
-        task = build_task(cfg)
-        self.tokenizer = self._tokenizer(task)
-        builtin = train_pairs is None
-        if builtin:
-            train_pairs = arithmetic_pairs(task, t.train_size, split="train")
-            eval_pairs = arithmetic_pairs(task, t.eval_size, split="eval")
-        source = {"source": "arithmetic", **dataclasses.asdict(task)} if builtin else {}
-        self.datasets = {
-            "train": {**source, "split": "train", "rows": len(train_pairs)},
-            "eval": {**source, "split": "eval", "rows": len(eval_pairs or [])},
-        }
-        encode = dict(max_length=dpo.max_length, max_tokens=cfg.schedule.max_tokens)
-        self.train = encode_pairs(train_pairs, self.tokenizer, **encode)
-        self.held_out = encode_pairs(eval_pairs, self.tokenizer, **encode) if eval_pairs else None
+        self.data_report: dict[str, int] = {}  # rows the length limits touched (real data)
+        self.warnings: list[str] = []
+        if cfg.data.train is not None:
+            if train_pairs is not None or eval_pairs is not None:
+                raise ValueError("give train_pairs/eval_pairs or data.train, not both")
+            self._data_documents()
+        else:
+            self._pair_documents(train_pairs, eval_pairs)
         self.feed = DocumentFeed(self.train.num_pairs, seed=cfg.seed)
         self.cache_dir = Path(dpo.reference_cache_dir or Path(cfg.output_dir) / "ref_cache")
         self.refs: dict[str, ReferenceCache] = {}
@@ -125,8 +122,67 @@ class DPOTrainer:
             )
 
         self.session = Session(cfg, self.tokenizer.vocab_size, loss)
+        if self.session.primary:
+            for line in self.warnings:
+                self.session.console.print(line, soft_wrap=True, markup=False)
         # reference values and held-out evaluation: the no-grad scorer on every device
         self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk or 0)
+
+    def _pair_documents(
+        self, train_pairs: list[PreferencePair] | None, eval_pairs: list[PreferencePair] | None
+    ) -> None:
+        """Documents of given pairs, or of the built-in arithmetic preference task."""
+        cfg, dpo = self.cfg, self.dpo
+        t = cfg.task
+        task = build_task(cfg)
+        self.tokenizer = self._tokenizer(task)
+        builtin = train_pairs is None
+        if builtin:
+            train_pairs = arithmetic_pairs(task, t.train_size, split="train")
+            eval_pairs = arithmetic_pairs(task, t.eval_size, split="eval")
+        source = {"source": "arithmetic", **dataclasses.asdict(task)} if builtin else {}
+        self.datasets = {
+            "train": {**source, "split": "train", "rows": len(train_pairs)},
+            "eval": {**source, "split": "eval", "rows": len(eval_pairs or [])},
+        }
+        encode = dict(max_length=dpo.max_length, max_tokens=cfg.schedule.max_tokens)
+        self.train = encode_pairs(train_pairs, self.tokenizer, **encode)
+        self.held_out = encode_pairs(eval_pairs, self.tokenizer, **encode) if eval_pairs else None
+
+    def _data_documents(self) -> None:
+        """Pairs of ``data.train`` (and ``data.eval``) with the tokenizer and chat template of
+        ``model.path``; pairs over ``dpo.max_prompt_length`` / ``dpo.max_length`` are truncated
+        (or dropped) and counted."""
+        cfg, data, dpo = self.cfg, self.cfg.data, self.dpo
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        limits = f"dpo.max_length={dpo.max_length}" + (
+            f"/max_prompt_length={dpo.max_prompt_length}" if dpo.max_prompt_length else ""
+        )
+        self.datasets, self.held_out = {}, None
+        splits = (("train", data.train, data.split), ("eval", data.eval, data.eval_split))
+        for split, source, name in splits:
+            if source is None:
+                continue
+            rows = read_dataset(source, "dpo", split=name)
+            docs, report, _ = dpo_documents(
+                rows,
+                self.tokenizer,
+                max_length=dpo.max_length,
+                max_prompt_length=dpo.max_prompt_length,
+                max_tokens=cfg.schedule.max_tokens,
+            )
+            if split == "train":
+                self.train = docs
+            else:
+                self.held_out = docs
+            self.datasets[split] = {
+                "source": str(Path(source).resolve()) if Path(source).exists() else source,
+                "split": rows.split,
+                "rows": docs.num_pairs,
+            }
+            self.data_report.update(report.metrics(split))
+            if (line := report.warning(split, limits)) is not None:
+                self.warnings.append(line)
 
     def _tokenizer(self, task: ArithmeticTask) -> TextTokenizer:
         path = self.cfg.model.path
@@ -246,9 +302,17 @@ class DPOTrainer:
         self.doc_fields = {}
         if self.dpo.needs_reference:
             self.doc_fields[REF_FIELD] = self.refs["train"].document_values()
+        report = dict(self.data_report)  # goes into the run's first step row
+
+        def step() -> dict[str, Any]:
+            row = session.train_on(self.plan_step())
+            row.update(report)
+            report.clear()
+            return row
+
         last = session.loop(
             "dpo",
-            lambda: session.train_on(self.plan_step()),
+            step,
             host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
             evaluate=self.evaluate,
             info=lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",
@@ -264,4 +328,5 @@ class DPOTrainer:
             "wall_s": round(time.perf_counter() - start, 1),
             "hf_export": str(export),
             "reference_cache": [str(r.path) for r in self.refs.values()],
+            **self.data_report,
         }

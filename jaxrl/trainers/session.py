@@ -82,6 +82,11 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any,
 def build_task(cfg: RunConfig) -> ArithmeticTask:
     """The built-in task the ``task`` section describes, seeded by the run."""
     t = cfg.task
+    if t is None:
+        raise ConfigError(
+            f"algorithm={cfg.algorithm!r} does not read data.train={cfg.data.train!r} yet: it "
+            "trains on the built-in task; remove data.train (sft and dpo read real data)"
+        )
     return ArithmeticTask(
         min_digits=t.min_digits,
         max_digits=t.max_digits,

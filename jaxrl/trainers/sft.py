@@ -1,4 +1,5 @@
-"""SFT trainer: built-in task → packed micro-batches → exact engine → metrics, checkpoints."""
+"""SFT trainer: built-in task or real data (``data.train``, TRL's formats) → packed micro-batches
+→ exact engine → metrics, checkpoints."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.datasets import read_dataset
+from jaxrl.data.documents import sft_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.data.packing import pack_sequences
 from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import Example
-from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
+from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.sft import sft_terms
 from jaxrl.models.transformer import Transformer
@@ -40,7 +43,8 @@ def encode_examples(
 
 
 class SFTTrainer:
-    """Supervised fine-tuning on a built-in task; ``run()`` trains and returns a summary.
+    """Supervised fine-tuning on a built-in task or on ``data.train``; ``run()`` trains and
+    returns a summary.
 
     ``stop_at_accuracy``: end the run at the first evaluation (every ``logging.eval_every``
     steps) whose held-out exact match reaches it; ``max_steps`` is then a cap, and the learning
@@ -50,7 +54,40 @@ class SFTTrainer:
     def __init__(self, cfg: RunConfig, *, stop_at_accuracy: float | None = None):
         self.cfg = cfg
         self.stop_at_accuracy = stop_at_accuracy
-        t = cfg.task
+        self.data_report: dict[str, int] = {}  # rows the length limits touched (real data)
+        self.warnings: list[str] = []
+        if cfg.data.train is None:
+            self._task_documents()
+        else:
+            self._data_documents()
+        self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
+        self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
+        mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
+
+        def loss(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+            logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
+            segments = mb["doc_sample_index"].shape[-1]
+            return sft_terms(
+                logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
+            )
+
+        self.session = Session(cfg, self.tokenizer.vocab_size, loss)
+        if self.session.primary:
+            for line in self.warnings:
+                self.session.console.print(line, soft_wrap=True, markup=False)
+        ranks = self.session.ranks
+        if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
+            raise ConfigError(
+                f"sft.batch_size={cfg.sft.batch_size} is invalid: it must be a multiple of the "
+                f"{ranks} data-parallel ranks (mesh.data × mesh.fsdp) so every rank gets "
+                "documents; use a multiple"
+            )
+        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
+
+    # -- documents --------------------------------------------------------------------------
+    def _task_documents(self) -> None:
+        """``[bos] prompt answer [eos]`` documents of the built-in task (held out: answers)."""
+        cfg, t = self.cfg, self.cfg.task
         self.task = build_task(cfg)
         self.tokenizer = char_tokenizer(self.task.alphabet)
         only = cfg.sft.completion_only_loss
@@ -66,26 +103,31 @@ class SFTTrainer:
                 f"a task document has {longest} tokens but sft.max_length={cfg.sft.max_length}; "
                 "raise sft.max_length (and schedule.max_tokens) or lower task.max_digits"
             )
-        self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
-        self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
-        mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
 
-        def loss(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-            logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
-            segments = mb["doc_sample_index"].shape[-1]
-            return sft_terms(
-                logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
-            )
-
-        self.session = Session(cfg, self.tokenizer.vocab_size, loss)
-        ranks = self.session.ranks
-        if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
-            raise ConfigError(
-                f"sft.batch_size={cfg.sft.batch_size} is invalid: it must be a multiple of the "
-                f"{ranks} data-parallel ranks (mesh.data × mesh.fsdp) so every rank gets "
-                "documents; use a multiple"
-            )
-        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
+    def _data_documents(self) -> None:
+        """Documents of ``data.train`` (and ``data.eval``) with the tokenizer and chat template
+        of ``model.path``; rows over ``sft.max_length`` are truncated and counted."""
+        cfg, data = self.cfg, self.cfg.data
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        kwargs = dict(
+            max_length=cfg.sft.max_length, completion_only_loss=cfg.sft.completion_only_loss
+        )
+        limit = f"sft.max_length={cfg.sft.max_length}"
+        self.eval_seqs, self.eval_masks = [], []
+        for split, source, name in (
+            ("train", data.train, data.split),
+            ("eval", data.eval, data.eval_split),
+        ):
+            if source is None:
+                continue
+            docs = sft_documents(read_dataset(source, "sft", split=name), self.tokenizer, **kwargs)
+            if split == "train":
+                self.train_seqs, self.train_masks = docs.sequences, docs.masks
+            else:
+                self.eval_seqs, self.eval_masks = docs.sequences, docs.masks
+            self.data_report.update(docs.report.metrics(split))
+            if (line := docs.report.warning(split, limit)) is not None:
+                self.warnings.append(line)
 
     # -- planning ---------------------------------------------------------------------------
     def plan_step(self) -> StepBatch:
@@ -106,13 +148,22 @@ class SFTTrainer:
         return batch
 
     # -- evaluation -------------------------------------------------------------------------
-    def evaluate(self) -> float:
-        """Held-out exact-match accuracy (teacher-forced argmax, equal to greedy decoding), from
-        the no-grad scorer on every device."""
+    def evaluate(self) -> dict[str, float]:
+        """Held-out ``eval/accuracy``: exact match (teacher-forced argmax over the loss-masked
+        tokens, equal to greedy decoding), from the no-grad scorer on every device; with real
+        data also ``eval/loss``, the token-mean cross-entropy over the same tokens. ``{}``
+        when there is no held-out data."""
+        if not self.eval_seqs:
+            return {}
         packed = pack_sequences(
             self.eval_seqs, loss_masks=self.eval_masks, row_len=self.cfg.schedule.max_tokens
         )
-        return self.scorer.documents(self.session.state.params, packed).exact_match()
+        scores = self.scorer.documents(self.session.state.params, packed)
+        out = {"eval/accuracy": scores.exact_match()}
+        if self.cfg.data.train is not None:
+            tokens = sum(float(m[1:].sum()) for m in self.eval_masks)  # token 0 is never predicted
+            out["eval/loss"] = -float(np.nansum(scores.logps)) / max(tokens, 1.0)
+        return out
 
     def _reached(self, accuracy: float | None) -> bool:
         target = self.stop_at_accuracy
@@ -125,20 +176,33 @@ class SFTTrainer:
         if host is not None:
             self.feed.load_state_dict(host["feed"])
         start = time.perf_counter()
+        report = dict(self.data_report)  # goes into the run's first metrics row
+
+        def step() -> dict[str, Any]:
+            row = session.train_on(self.plan_step())
+            row.update(report)
+            report.clear()
+            return row
+
         last = session.loop(
             "sft",
-            lambda: session.train_on(self.plan_step()),
+            step,
             host_state=lambda: {"feed": self.feed.state_dict()},
-            evaluate=lambda: {"eval/accuracy": self.evaluate()},
+            evaluate=self.evaluate,
             stop=lambda row: self._reached(row.get("eval/accuracy")),
         )
         export = session.export(self.tokenizer)
+        final = {k: v for k, v in last.items() if k.startswith("eval/")}
+        if not last:
+            final = self.evaluate()
         session.close()
         return {
             "steps": session.step,
             "stopped_at_target": self._reached(last.get("eval/accuracy")),
             "final_loss": last.get("loss"),
-            "eval/accuracy": last.get("eval/accuracy", self.evaluate() if not last else None),
+            "eval/accuracy": final.get("eval/accuracy"),
+            **final,
+            **self.data_report,
             "wall_s": round(time.perf_counter() - start, 1),
             "hf_export": str(export),
         }
