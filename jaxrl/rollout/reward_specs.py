@@ -104,7 +104,14 @@ def _attribute(where: str, spec: str, module: ModuleType, label: str, attr: str)
 def _builtin(where: str, name: str, params: Mapping[str, Any], max_completion_length: int | None):
     cls = BUILTIN_REWARDS[name]
     params = dict(params)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in params:
+        if key not in names:
+            known = f"its parameters: {', '.join(names)}" if names else "it has no parameters"
+            raise ConfigError(
+                f"{where}={name!r} is invalid: the built-in {name!r} has no parameter {key!r}"
+                f"{_suggest(str(key), names)}; {known}"
+            )
     if "max_completion_len" in names and "max_completion_len" not in params:
         if max_completion_length is not None:
             params["max_completion_len"] = max_completion_length

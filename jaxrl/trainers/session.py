@@ -160,7 +160,7 @@ class Session:
         line and the previous one is tried; when none is usable the run stops with an error."""
         steps = self.checkpointer.steps() if self.cfg.checkpoint.resume else []
         if not steps:
-            self.writer = MetricsWriter(self.output_dir, resume_step=None, enabled=self.primary)
+            self.writer = self._metrics_writer(None)
             return None
         problems = []
         for step in steps:
@@ -176,7 +176,7 @@ class Session:
                 self.console.print(f"checkpoint {problems[-1]}; trying an older one")
                 continue
             self.state = self.step_fn.place(state)
-            self.writer = MetricsWriter(self.output_dir, resume_step=step, enabled=self.primary)
+            self.writer = self._metrics_writer(step)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
             if step >= self.cfg.max_steps:
                 self.console.print(
@@ -190,6 +190,18 @@ class Session:
             + "; ".join(problems)
             + ". Delete the directory (or set checkpoint.resume=false, or use another "
             "output_dir) to start fresh"
+        )
+
+    def _metrics_writer(self, resume_step: int | None) -> MetricsWriter:
+        """metrics.jsonl (and the TensorBoard / W&B sinks of ``logging``) from ``resume_step``."""
+        log = self.cfg.logging
+        return MetricsWriter(
+            self.output_dir,
+            resume_step=resume_step,
+            enabled=self.primary,
+            tensorboard=log.tensorboard,
+            wandb=log.wandb,
+            run_config=to_dict(self.cfg),
         )
 
     def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
@@ -319,3 +331,5 @@ class Session:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if hasattr(self, "writer"):
+            self.writer.close()
