@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxrl.losses.advantages import compute_advantages, reward_metrics
 from jaxrl.config import ConfigError
+from jaxrl.losses.advantages import compute_advantages, reward_metrics
 from jaxrl.rollout.builtin_rewards import exact_answer_reward, format_reward
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import reward_name, score_completions
