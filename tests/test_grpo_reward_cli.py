@@ -114,3 +114,19 @@ def test_a_raising_reward_function_is_named_in_the_cli_error(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: reward function 'boom' raised ZeroDivisionError"), err
     assert "rows 0-7 of the generation batch" in err[0]
+
+
+def test_external_rewards_must_be_finite_and_of_sane_magnitude(tmp_path):
+    import pytest
+
+    from jaxrl.config import load_run_config
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    cfg = load_run_config("configs/grpo_tiny.yaml", [*TINY, f"output_dir={tmp_path}"])
+    trainer = GRPOTrainer(cfg)
+    prompts, completions, logps = [[1, 2]] * 8, [[3]] * 8, [[-0.5]] * 8
+    for bad, match in ((float("inf"), r"rewards\[5\]\[0\] = inf"), (1e31, r"= 1e\+31: \|reward\|")):
+        rewards = [0.0] * 5 + [bad] + [0.0] * 2
+        with pytest.raises(ValueError, match=match):
+            trainer.train_on_rollouts(prompts, completions, logps, rewards)
+    trainer.session.close()

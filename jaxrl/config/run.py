@@ -248,7 +248,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    """Console and file logging."""
+    """Console and file logging: metrics.jsonl, TensorBoard, W&B (docs/logging.md)."""
 
     progress: bool = True  # show a rich progress bar
     eval_every: int = 0  # evaluate every N steps; 0 = only at the end

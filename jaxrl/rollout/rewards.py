@@ -1,4 +1,5 @@
-"""Calling reward functions exactly as TRL's GRPOTrainer does, and checking what they return.
+"""Calling reward functions exactly as TRL's GRPOTrainer does, and checking what they return
+(docs/rewards.md).
 
 A reward function is a plain Python callable scored on the host. It is called by keyword, as
 TRL (``GRPOTrainer._calculate_rewards``, v0.20 and later, including 1.x) calls it::

@@ -1,4 +1,5 @@
-"""Where metrics rows go besides metrics.jsonl: TensorBoard event files and Weights & Biases.
+"""Where metrics rows go besides metrics.jsonl: TensorBoard event files and Weights & Biases
+(docs/logging.md).
 
 A sink mirrors metrics.jsonl: it is opened with the rows the file keeps (all of them on a fresh
 run: none; on resume: those up to the restored step) and replays them, then receives every new

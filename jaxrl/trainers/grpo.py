@@ -25,7 +25,7 @@ from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
-from jaxrl.rollout.rewards import RewardFunc, TrainerState
+from jaxrl.rollout.rewards import MAX_ABS_REWARD, RewardFunc, TrainerState
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
 from jaxrl.train.metrics import read_metrics
@@ -195,6 +195,13 @@ class GRPOTrainer:
             raise ValueError(
                 f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]}: rewards must be "
                 "finite (None or NaN marks a row as unscored)"
+            )
+        if (np.abs(np.nan_to_num(r_BF)) > MAX_ABS_REWARD).any():
+            row, col = np.argwhere(np.abs(np.nan_to_num(r_BF)) > MAX_ABS_REWARD)[0]
+            raise ValueError(
+                f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]:g}: |reward| must be "
+                f"at most {MAX_ABS_REWARD:g} (the group std of larger values overflows float64); "
+                "rescale the rewards"
             )
         if truncated is None:
             eos = self.tokenizer.eos_id
