@@ -112,7 +112,8 @@ def stage_jaxrl(job: dict[str, Any]) -> dict[str, Any]:
     import dataclasses
 
     from jaxrl.config import load_run_config, to_dict
-    from jaxrl.rollout.rewards import resolve_reward_funcs, reward_name
+    from jaxrl.rollout.reward_specs import resolve_reward_funcs
+    from jaxrl.rollout.rewards import reward_name
     from jaxrl.train.metrics import read_metrics
     from jaxrl.train.optimizer import learning_rate_schedule
     from jaxrl.trainers.grpo import DEFAULT_REWARD_FUNCS, GRPOTrainer
@@ -207,7 +208,7 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     from jaxrl.rollout.buffer import repeat_sampler_indices
-    from jaxrl.rollout.rewards import BUILTIN_REWARDS
+    from jaxrl.rollout.reward_specs import resolve_reward_funcs
 
     jx = json.loads((Path(job["seed_dir"]) / "jaxrl.json").read_text())
     s, g = jx["settings"], jx["settings"]["grpo"]
@@ -298,7 +299,7 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
     )
     assert args.steps_per_generation == g["steps_per_generation"], "TRL resolved another S"
     prompt_log: list[list[str]] = []
-    funcs = [BUILTIN_REWARDS[name] for name in s["reward_funcs"]]  # the same callables
+    funcs = resolve_reward_funcs(s["reward_funcs"])  # the same callables
     funcs[0] = recording(funcs[0], prompt_log, g["num_generations"])
     timer = Timer()
     trainer = PeerGRPOTrainer(

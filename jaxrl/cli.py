@@ -29,13 +29,15 @@ def _load_config(
         DistributedConfig,
         MeshConfig,
         RunConfig,
+        anchor_reward_paths,
         apply_overrides,
         from_dict,
         load_yaml,
     )
     from jaxrl.train import launch
 
-    raw = apply_overrides(load_yaml(args.config), args.set)
+    raw = anchor_reward_paths(load_yaml(args.config), os.path.dirname(args.config) or ".")
+    raw = apply_overrides(raw, args.set)
     mesh = from_dict(MeshConfig, raw.get("mesh") or {}, where="mesh")
     dist = DistributedConfig()
     if distributed:

@@ -5,14 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxrl.config import ConfigError
 from jaxrl.losses.advantages import compute_advantages, reward_metrics
-from jaxrl.rollout.rewards import (
-    exact_answer_reward,
-    format_reward,
-    resolve_reward_funcs,
-    reward_name,
-    score_completions,
-)
+from jaxrl.rollout.builtin_rewards import exact_answer_reward, format_reward
+from jaxrl.rollout.reward_specs import resolve_reward_funcs
+from jaxrl.rollout.rewards import reward_name, score_completions
 
 PROMPTS = ["12+39=", "12+39=", "05+05=", "05+05="]
 COMPLETIONS = ["15", " 15 ", "01", "x1"]
@@ -90,11 +87,11 @@ def test_numpy_numbers_are_accepted():
 
 
 def test_resolution_errors():
-    with pytest.raises(ValueError, match="unknown reward function 'exact'"):
+    with pytest.raises(ConfigError, match="not a built-in reward .*did you mean 'exact_answer'"):
         resolve_reward_funcs(["exact"])
-    with pytest.raises(TypeError, match="neither a callable"):
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\]=3 is invalid: use a built-in name"):
         resolve_reward_funcs([3])
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ConfigError, match="at least one"):
         resolve_reward_funcs([])
     with pytest.raises(ValueError, match="column 'answer' has 1 values"):
         score_completions([format_reward], PROMPTS, COMPLETIONS, {"answer": ["1"]})

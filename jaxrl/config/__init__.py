@@ -4,7 +4,7 @@ from pathlib import Path
 
 from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from jaxrl.config.dpo import DPOConfig
-from jaxrl.config.grpo import GRPOConfig
+from jaxrl.config.grpo import GRPOConfig, anchor_reward_paths
 from jaxrl.config.run import (
     CheckpointConfig,
     DataConfig,
@@ -21,8 +21,9 @@ from jaxrl.config.sft import SFTConfig
 
 
 def load_run_config(path: str | Path | None = None, overrides=()) -> RunConfig:
-    """``RunConfig`` from a YAML file (or the defaults) with ``key.path=value`` overrides."""
-    data = load_yaml(path) if path is not None else {}
+    """``RunConfig`` from a YAML file (or the defaults) with ``key.path=value`` overrides;
+    relative reward-function files in the YAML are relative to its directory."""
+    data = anchor_reward_paths(load_yaml(path), Path(path).parent) if path is not None else {}
     return from_dict(RunConfig, apply_overrides(data, list(overrides)))
 
 
@@ -41,6 +42,7 @@ __all__ = [
     "SFTConfig",
     "ScheduleConfig",
     "TaskConfig",
+    "anchor_reward_paths",
     "apply_overrides",
     "from_dict",
     "load_run_config",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from jaxrl.config.base import ConfigError, require, require_choice
@@ -23,6 +25,27 @@ from jaxrl.losses.loss_types import (
 
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 LR_SCHEDULER_TYPES = ("constant", "cosine", "linear")  # the GRPO stage's decay after warmup
+
+
+def reward_file_spec(spec: str) -> tuple[str, str] | None:
+    """``(path, function)`` of a ``"path/to/file.py:function"`` reward entry, else None."""
+    path, sep, func = spec.rpartition(":")
+    return (path, func) if sep and path.endswith(".py") else None
+
+
+def anchor_reward_paths(data: dict[str, Any], base_dir: str | Path) -> dict[str, Any]:
+    """Make the relative ``file.py:function`` entries of a YAML dict's ``grpo.reward_funcs``
+    relative to ``base_dir`` (the YAML file's directory), in place; returns ``data``. Entries
+    given later (``--set``) stay relative to the current directory."""
+    section = data.get("grpo")
+    funcs = section.get("reward_funcs") if isinstance(section, dict) else None
+    if not isinstance(funcs, list):
+        return data
+    for i, spec in enumerate(funcs):
+        parts = reward_file_spec(spec) if isinstance(spec, str) else None
+        if parts and not Path(parts[0]).is_absolute():
+            funcs[i] = f"{Path(base_dir) / parts[0]}:{parts[1]}"
+    return data
 
 
 def _positive_int(field: str, value: Any) -> None:
@@ -54,6 +77,8 @@ class GRPOConfig:
     loss_type: str = "dapo"  # grpo, bnpo, dr_grpo, dapo, seq_mean_token_sum
     importance_sampling_level: str = "token"  # token, or sequence (GSPO)
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
+    reward_funcs: tuple[str | dict[str, Any] | Callable[..., Any], ...] | None = None  # None →
+    # the trainer's default; built-in names, {name: ..., params}, "pkg.mod:fn", "file.py:fn"
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function; None → 1
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum
     mask_truncated_completions: bool = False  # completions without EOS get no loss
@@ -70,6 +95,9 @@ class GRPOConfig:
 
     _given: tuple[int | None, int | None] = dataclasses.field(
         init=False, repr=False, compare=False, default=(None, None)
+    )
+    _reward_callables: tuple[Callable[..., Any], ...] | None = dataclasses.field(
+        init=False, repr=False, compare=False, default=None
     )
 
     def __post_init__(self) -> None:
@@ -203,6 +231,19 @@ class GRPOConfig:
                 self.reward_weights,
                 "give one weight per reward function, or None for all 1",
             )
+        if self.reward_funcs is not None:
+            from jaxrl.rollout.reward_specs import resolve_reward_funcs
+
+            funcs = resolve_reward_funcs(
+                self.reward_funcs, max_completion_length=self.max_completion_length
+            )
+            set_("_reward_callables", tuple(funcs))
+            weights = self.reward_weights
+            if weights is not None and len(weights) != len(funcs):
+                raise ConfigError(
+                    f"reward_weights={list(weights)} has {len(weights)} entries but "
+                    f"reward_funcs has {len(funcs)}: give one weight per reward function"
+                )
 
         if (
             self.importance_sampling_level == "sequence"
@@ -227,6 +268,11 @@ class GRPOConfig:
         """
         window = self.steps_per_generation * self.num_iterations
         return self.gradient_accumulation_steps % window != 0
+
+    @property
+    def resolved_reward_funcs(self) -> tuple[Callable[..., Any], ...] | None:
+        """The callables ``reward_funcs`` names (loaded and checked at construction), or None."""
+        return self._reward_callables
 
     @property
     def prompts_per_generation(self) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 from typing import Any, Literal
 
 from jaxrl.config.base import ConfigError, config_error, require, require_choice
@@ -276,13 +278,27 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    """Console and file logging."""
+    """Console and file logging: metrics.jsonl, TensorBoard, W&B (docs/logging.md)."""
 
     progress: bool = True  # show a rich progress bar
     eval_every: int = 0  # evaluate every N steps; 0 = only at the end
     eval_samples: int = 8  # GRPO: samples per held-out prompt for eval/accuracy_sampled; 0 = off
+    tensorboard: bool = True  # mirror metrics.jsonl as event files in <output_dir>/tensorboard/
+    wandb: str | None = None  # Weights & Biases project to log the same rows to; None = off
 
     def __post_init__(self):
+        if self.wandb is not None:
+            require(
+                bool(self.wandb.strip()),
+                "logging.wandb",
+                self.wandb,
+                "name a W&B project, or leave it out (None) to not use W&B",
+            )
+            if not _importable("wandb"):
+                raise ConfigError(
+                    f"logging.wandb={self.wandb!r} needs the wandb package: pip install wandb "
+                    "(or leave logging.wandb out)"
+                )
         require(self.eval_every >= 0, "logging.eval_every", self.eval_every, "use >= 0")
         require(
             self.eval_samples >= 0,
@@ -290,6 +306,13 @@ class LoggingConfig:
             self.eval_samples,
             "use 0 (greedy eval/accuracy only) or k > 0 samples per held-out prompt",
         )
+
+
+def _importable(module: str) -> bool:
+    """``import module`` would work (a module injected into ``sys.modules`` counts)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def check_max_steps(value: int) -> None:

@@ -21,10 +21,12 @@ from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.advantages import compute_advantages, reward_metrics
 from jaxrl.models.transformer import ModelConfig
+from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import (
     RewardFunc,
-    resolve_reward_funcs,
-    reward_name,
+    TrainerState,
+    reward_inputs,
+    reward_names,
     score_completions,
 )
 from jaxrl.rollout.rollouts import Rollouts, documents_of
@@ -56,8 +58,10 @@ class RolloutGenerator:
         the sampler and the scorer split their rows over (None: where the parameters are)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.reward_funcs = resolve_reward_funcs(reward_funcs)
-        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        self.reward_funcs = resolve_reward_funcs(
+            reward_funcs, max_completion_length=config.max_completion_length
+        )
+        self.reward_names = reward_names(self.reward_funcs)
         weights = config.reward_weights
         if weights is not None and len(weights) != len(self.reward_funcs):
             raise ConfigError(
@@ -142,16 +146,31 @@ class RolloutGenerator:
         self,
         params: Any,
         prompt_ids: Sequence[np.ndarray],
-        prompts: Sequence[str],
+        prompts: Sequence[Any],
         columns: Mapping[str, Sequence[Any]],
         key: jax.Array,
+        *,
+        trainer_state: TrainerState | None = None,
     ) -> Rollouts:
-        """Sample one completion per prompt row with ``params``, score and build the batch."""
+        """Sample one completion per prompt row with ``params``, score and build the batch.
+
+        ``prompts`` (text, or lists of messages) and ``columns`` (the dataset's other fields,
+        one value per row) reach the reward functions as TRL passes them
+        (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
+        """
         self.sampler.load_params(params)  # the one weight sync, every generation
         res = self.sampler.generate(list(prompt_ids), key)
         completions = res.completions()
+        reward_prompts, texts = reward_inputs(
+            prompts, [self.tokenizer.decode(x) for x in completions]
+        )
         rewards_BF = score_completions(
-            self.reward_funcs, prompts, [self.tokenizer.decode(x) for x in completions], columns
+            self.reward_funcs,
+            reward_prompts,
+            texts,
+            columns,
+            completion_ids=completions,
+            trainer_state=trainer_state,
         )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
         return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BF)

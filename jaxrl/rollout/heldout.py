@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models.transformer import ModelConfig
-from jaxrl.rollout.rewards import RewardFunc, exact_answer_reward
+from jaxrl.rollout.builtin_rewards import exact_answer_reward
+from jaxrl.rollout.rewards import RewardFunc
 from jaxrl.rollout.sampler import Sampler, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

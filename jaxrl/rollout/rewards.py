@@ -1,18 +1,35 @@
-"""Reward functions: plain Python callables scored on the host (TRL's signature).
+"""Calling reward functions exactly as TRL's GRPOTrainer does, and checking what they return
+(docs/rewards.md).
 
-A reward function has TRL's signature::
+A reward function is a plain Python callable scored on the host. It is called by keyword, as
+TRL (``GRPOTrainer._calculate_rewards``, v0.20 and later, including 1.x) calls it::
 
-    reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)
 
-``columns`` are the dataset's other fields for the same rows (for the built-in task: ``answer``),
-passed by keyword, so a function names the ones it needs and takes ``**kwargs`` for the rest.
-It returns one value per completion; None means "cannot score this row" and becomes NaN (a row
-every function leaves unscored gets advantage 0). Several functions are combined with
+- ``prompts``: the dataset's prompts, text or (conversational data) lists of messages;
+- ``completions``: the decoded completions; for conversational prompts each is
+  ``[{"role": "assistant", "content": text}]`` and, as in TRL, a prompt ending in an assistant
+  message has that message removed from ``prompts`` and its content put before the text;
+- ``completion_ids``: each completion's token ids (a list of ints, EOS included);
+- ``trainer_state``: ``TrainerState`` (``global_step``, ``max_steps``; TRL passes transformers'
+  ``TrainerState``, whose fields of those names mean the same; TRL added it in v0.20);
+- every other dataset column (``answer``, ...) as a list in row order.
+
+So a TRL reward function runs unchanged: it names what it needs and takes ``**kwargs`` for the
+rest. It returns one value per completion; None means "cannot score this row" and becomes NaN
+(a row every function leaves unscored gets advantage 0). Several functions are combined with
 ``GRPOConfig.reward_weights`` by ``jaxrl.losses.advantages``.
+
+What is an error, naming the function and the rows: an exception inside the function
+(``RewardFunctionError``, the original chained), the wrong number of values, a non-number,
+±inf, and a magnitude above ``MAX_ABS_REWARD`` (1e30): such a value is finite but its square
+overflows float64, so the group std behind the advantages would be inf and every advantage 0
+or NaN; rescale the reward instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -20,67 +37,72 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.data.tasks import ArithmeticTask, Example
-
 RewardFunc = Callable[..., Sequence[float | None]]
+MAX_ABS_REWARD = 1e30  # larger finite rewards overflow the float64 group variance
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 __all__ = [
-    "BUILTIN_REWARDS",
+    "MAX_ABS_REWARD",
     "RewardFunc",
-    "exact_answer_reward",
-    "format_reward",
-    "resolve_reward_funcs",
+    "RewardFunctionError",
+    "TrainerState",
+    "reward_inputs",
     "reward_name",
+    "reward_names",
     "score_completions",
 ]
 
 
-def exact_answer_reward(
-    prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str], **_: Any
-) -> list[float]:
-    """1.0 when the completion is exactly the expected answer (surrounding spaces ignored)."""
-    return [
-        ArithmeticTask.correctness_reward(Example(p, a), c)
-        for p, c, a in zip(prompts, completions, answer, strict=True)
-    ]
+class RewardFunctionError(RuntimeError):
+    """A reward function raised; the message names it and the rows it was scoring."""
 
 
-def format_reward(prompts: Sequence[str], completions: Sequence[str], **_: Any) -> list[float]:
-    """1.0 when the completion is a bare integer (shape, not value)."""
-    pairs = zip(prompts, completions, strict=True)
-    return [ArithmeticTask.format_reward(Example(p, ""), c) for p, c in pairs]
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """What TRL's ``trainer_state`` argument offers reward functions (transformers' names)."""
 
-
-BUILTIN_REWARDS: dict[str, RewardFunc] = {
-    "exact_answer": exact_answer_reward,
-    "format": format_reward,
-}
-
-
-def resolve_reward_funcs(funcs: Sequence[str | RewardFunc]) -> list[RewardFunc]:
-    """Callables for a list of callables and/or built-in names (``BUILTIN_REWARDS``)."""
-    out = []
-    for f in funcs:
-        if isinstance(f, str):
-            if f not in BUILTIN_REWARDS:
-                raise ValueError(
-                    f"unknown reward function {f!r}: use one of {sorted(BUILTIN_REWARDS)} or pass "
-                    "a callable (prompts, completions, **columns) -> list[float | None]"
-                )
-            out.append(BUILTIN_REWARDS[f])
-        elif callable(f):
-            out.append(f)
-        else:
-            raise TypeError(f"reward function {f!r} is neither a callable nor a built-in name")
-    if not out:
-        raise ValueError("GRPO needs at least one reward function")
-    return out
+    global_step: int = 0  # optimizer steps done before this generation
+    max_steps: int = 0  # optimizer steps the run trains for
 
 
 def reward_name(func: RewardFunc) -> str:
-    """The name a function's metrics are logged under (``rewards/<name>/mean``)."""
+    """The name a function's metrics are logged under (``rewards/<name>/mean``): its
+    ``__name__`` without a ``_reward`` suffix."""
     name = getattr(func, "__name__", type(func).__name__)
     return name.removesuffix("_reward") if name.endswith("_reward") else name
+
+
+def reward_names(funcs: Sequence[RewardFunc]) -> list[str]:
+    """``reward_name`` of each function, made unique by a ``_2``, ``_3``, ... suffix (two
+    ``format`` entries with different patterns log ``format`` and ``format_2``)."""
+    out: list[str] = []
+    for func in funcs:
+        base, k = reward_name(func), 1
+        name = base
+        while name in out:
+            k += 1
+            name = f"{base}_{k}"
+        out.append(name)
+    return out
+
+
+def reward_inputs(prompts: Sequence[Any], texts: Sequence[str]) -> tuple[list[Any], list[Any]]:
+    """``(prompts, completions)`` as TRL hands them to reward functions: text stays text; a
+    conversational prompt (a list of messages) gives ``[{"role": "assistant", "content": ...}]``,
+    with a trailing assistant message moved from the prompt to the completion's start."""
+    out_prompts, out_completions = [], []
+    for prompt, text in zip(prompts, texts, strict=True):
+        if isinstance(prompt, str):
+            out_prompts.append(prompt)
+            out_completions.append(text)
+            continue
+        messages = list(prompt)
+        bootstrap = ""
+        if messages and messages[-1].get("role") == "assistant":
+            bootstrap = messages.pop()["content"]
+        out_prompts.append(messages)
+        out_completions.append([{"role": "assistant", "content": bootstrap + text}])
+    return out_prompts, out_completions
 
 
 def _as_float(value: Any, name: str, row: int) -> float:
@@ -97,32 +119,66 @@ def _as_float(value: Any, name: str, row: int) -> float:
             f"reward function {name!r} returned {value} for row {row}: rewards must be finite "
             "(return None or NaN for a row it cannot score)"
         )
+    if abs(value) > MAX_ABS_REWARD:
+        raise ValueError(
+            f"reward function {name!r} returned {value:g} for row {row}: |reward| must be at "
+            f"most {MAX_ABS_REWARD:g} (the group std of larger values overflows float64); "
+            "rescale the reward"
+        )
     return value
 
 
 def score_completions(
     funcs: Sequence[RewardFunc],
-    prompts: Sequence[str],
-    completions: Sequence[str],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
     columns: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    completion_ids: Sequence[Sequence[int]] | None = None,
+    trainer_state: TrainerState | None = None,
 ) -> np.ndarray:
     """float64 ``[B, F]``: function k's reward of row i at ``[i, k]``; None → NaN.
 
-    Raises ``ValueError`` when a function returns the wrong number of values or ±inf, and
-    ``TypeError`` when a value is not a number (bools included), naming the function and the
-    row.
+    ``prompts`` and ``completions`` as the functions receive them (``reward_inputs``); every
+    function is called with the keywords of the module docstring. Raises
+    ``RewardFunctionError`` when a function raises, ``ValueError`` when it returns the wrong
+    number of values, ±inf or a magnitude above ``MAX_ABS_REWARD``, and ``TypeError`` when a
+    value is not a number (bools included), naming the function and the row.
     """
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"{len(prompts)} prompts for {n} completions")
     columns = dict(columns or {})
     for key, values in columns.items():
+        if key in CALL_KEYWORDS:
+            raise ValueError(
+                f"dataset column {key!r} clashes with the reward functions' argument of that "
+                "name: rename the column"
+            )
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    if completion_ids is not None and len(completion_ids) != n:
+        raise ValueError(f"{len(completion_ids)} completion_ids for {n} completions")
+    ids = None if completion_ids is None else [[int(t) for t in x] for x in completion_ids]
     out = np.empty((n, len(funcs)), np.float64)
-    for k, func in enumerate(funcs):
-        name = reward_name(func)
-        values = func(list(prompts), list(completions), **columns)
+    for k, (func, name) in enumerate(zip(funcs, reward_names(funcs), strict=True)):
+        try:
+            values = func(
+                prompts=list(prompts),
+                completions=list(completions),
+                completion_ids=ids,
+                trainer_state=trainer_state,
+                **columns,
+            )
+        except Exception as e:
+            first = str(prompts[0])[:60] if n else ""
+            detail = (str(e).strip().splitlines() or [""])[0]
+            raise RewardFunctionError(
+                f"reward function {name!r} raised {type(e).__name__}: {detail} (scoring rows "
+                f"0-{n - 1} "
+                f"of the generation batch; the first prompt is {first!r}); fix the function, or "
+                "return None for rows it cannot score"
+            ) from e
         if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
             raise TypeError(
                 f"reward function {name!r} returned {type(values).__name__}: return a list with "

@@ -28,14 +28,24 @@ class MetricsWriter:
     """Append rows to metrics.jsonl (process 0 only); on resume, rows after the restored step
     are discarded.
 
-    That makes an interrupted and resumed run's file identical to an uninterrupted one.
+    That makes an interrupted and resumed run's file identical to an uninterrupted one. With
+    ``tensorboard`` and/or a ``wandb`` project the same rows also go to those sinks
+    (``jaxrl.train.log_sinks``), which replay the kept rows when opened.
     """
 
     def __init__(
-        self, output_dir: str | Path, *, resume_step: int | None = None, enabled: bool = True
+        self,
+        output_dir: str | Path,
+        *,
+        resume_step: int | None = None,
+        enabled: bool = True,
+        tensorboard: bool = False,
+        wandb: str | None = None,
+        run_config: dict[str, Any] | None = None,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = enabled  # False on every process but 0: nothing is written
+        self.sinks: list[Any] = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,12 +55,26 @@ class MetricsWriter:
         else:
             rows = [r for r in rows if r.get("step", 0) <= resume_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        from jaxrl.train.log_sinks import TensorBoardSink, WandbSink
+
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(self.path.parent / "tensorboard", rows))
+        if wandb is not None:
+            self.sinks.append(WandbSink(wandb, self.path.parent, run_config or {}, rows))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+        for sink in self.sinks:
+            sink.write(row)
+
+    def close(self) -> None:
+        """Flush and close the sinks (metrics.jsonl is complete after every ``write``)."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def json_safe(value: Any) -> Any:

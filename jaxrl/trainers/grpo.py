@@ -25,7 +25,7 @@ from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
-from jaxrl.rollout.rewards import RewardFunc
+from jaxrl.rollout.rewards import MAX_ABS_REWARD, RewardFunc, TrainerState
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
 from jaxrl.train.metrics import read_metrics
@@ -39,9 +39,11 @@ PLOT_NAME = "grpo_progress.png"
 class GRPOTrainer:
     """GRPO on a built-in task; ``run()`` trains ``max_steps`` and returns a summary.
 
-    ``reward_funcs``: callables ``(prompts, completions, **columns) -> list[float | None]`` or
-    built-in names (default: exact answer and format), weighted by ``grpo.reward_weights``.
-    The task's ``answer`` is passed as a column.
+    ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards``) or the
+    config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.reward_specs``); when not given,
+    ``grpo.reward_funcs``, and without that the built-in task's ``exact_answer`` and
+    ``format``. Weighted by ``grpo.reward_weights``. The task's ``answer`` is passed as a
+    column.
     """
 
     def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
@@ -69,7 +71,7 @@ class GRPOTrainer:
             self.session.model_config,
             self.session.graphdef,
             tok,
-            reward_funcs=reward_funcs or DEFAULT_REWARD_FUNCS,
+            reward_funcs=reward_funcs or config.resolved_reward_funcs or DEFAULT_REWARD_FUNCS,
             row_len=cfg.schedule.max_tokens,
             chunk_size=chunk,
             old_logprobs=self.computes_old_logprobs,
@@ -124,6 +126,7 @@ class GRPOTrainer:
             [e.prompt for e in examples],
             {"answer": [e.answer for e in examples]},
             jax.random.fold_in(jax.random.key(self.cfg.seed), n),
+            trainer_state=TrainerState(global_step=self.session.step, max_steps=self.cfg.max_steps),
         )
         self.current_id = self._keep(rollouts)
         return {"row": np.arange(len(idx)), "generation": np.asarray(self.current_id)}
@@ -192,6 +195,13 @@ class GRPOTrainer:
             raise ValueError(
                 f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]}: rewards must be "
                 "finite (None or NaN marks a row as unscored)"
+            )
+        if (np.abs(np.nan_to_num(r_BF)) > MAX_ABS_REWARD).any():
+            row, col = np.argwhere(np.abs(np.nan_to_num(r_BF)) > MAX_ABS_REWARD)[0]
+            raise ValueError(
+                f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]:g}: |reward| must be "
+                f"at most {MAX_ABS_REWARD:g} (the group std of larger values overflows float64); "
+                "rescale the rewards"
             )
         if truncated is None:
             eos = self.tokenizer.eos_id

@@ -208,7 +208,7 @@ class Session:
         steps = self.checkpointer.steps() if self.cfg.checkpoint.resume else []
         if not steps:
             self._write_config()
-            self.writer = MetricsWriter(self.output_dir, resume_step=None, enabled=self.primary)
+            self.writer = self._metrics_writer(None)
             return None
         problems = []
         for step in steps:
@@ -225,7 +225,7 @@ class Session:
                 continue
             self.state = self.step_fn.place(state)
             self._write_config()
-            self.writer = MetricsWriter(self.output_dir, resume_step=step, enabled=self.primary)
+            self.writer = self._metrics_writer(step)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
             if step >= self.cfg.max_steps:
                 self.console.print(
@@ -253,6 +253,18 @@ class Session:
         if self.primary:
             text = json.dumps(to_dict(self.cfg), indent=2)
             (self.output_dir / "config.json").write_text(text)
+
+    def _metrics_writer(self, resume_step: int | None) -> MetricsWriter:
+        """metrics.jsonl (and the TensorBoard / W&B sinks of ``logging``) from ``resume_step``."""
+        log = self.cfg.logging
+        return MetricsWriter(
+            self.output_dir,
+            resume_step=resume_step,
+            enabled=self.primary,
+            tensorboard=log.tensorboard,
+            wandb=log.wandb,
+            run_config=to_dict(self.cfg),
+        )
 
     def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
         """The step planner on this session's ranks: ``plan_device_batch(ids, **documents)``
@@ -381,3 +393,5 @@ class Session:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if hasattr(self, "writer"):
+            self.writer.close()

@@ -1,0 +1,213 @@
+"""Reward functions named in a config (``grpo.reward_funcs``) → callables, checked up front.
+
+An entry is one of (docs/rewards.md):
+
+- a built-in name: ``exact_answer``, ``format``, ``length_penalty``
+  (``jaxrl.rollout.builtin_rewards``), with its default parameters;
+- a mapping ``{name: <built-in>, <parameter>: <value>, ...}``, e.g.
+  ``{name: format, pattern: "<think>.*?</think>\\s*<answer>.*?</answer>"}``;
+  ``length_penalty``'s ``max_completion_len`` defaults to ``grpo.max_completion_length``;
+- ``"package.module:function"`` (or TRL's ``"package.module.function"``), imported;
+- ``"path/to/file.py:function"``, loaded from that file. In a YAML file a relative path is
+  relative to the directory of that YAML file (``anchor_reward_paths``); given any other way
+  (``--set``, Python) it is relative to the current directory;
+- from Python, any callable.
+
+Every failure is a ``ConfigError`` naming the entry, its value and what is wrong ("module 'x'
+has no function 'y'", "file '...' does not exist", ...), raised when the config is built, so a
+typo stops the run before any compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import inspect
+import sys
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from jaxrl.config.base import ConfigError, config_error, from_dict
+from jaxrl.config.grpo import reward_file_spec
+from jaxrl.rollout.builtin_rewards import BUILTIN_REWARDS
+from jaxrl.rollout.rewards import RewardFunc
+
+__all__ = ["load_reward_func", "resolve_reward_funcs"]
+
+_FILE_MODULES = "_jaxrl_reward_files"  # sys.modules prefix of functions loaded from files
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _load_file(where: str, spec: str, path: str) -> ModuleType:
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise config_error(
+            where,
+            spec,
+            f"file '{file}' does not exist (a relative path in a YAML file is relative to that "
+            "file's directory, anywhere else to the current directory)",
+        )
+    name = f"{_FILE_MODULES}.{file.stem}_{zlib.crc32(str(file).encode()):08x}"
+    if name in sys.modules:  # loaded once per process: the same function objects every time
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise config_error(
+            where, spec, f"executing file '{file}' raised {type(e).__name__}: {e}"
+        ) from e
+    return module
+
+
+def _import(where: str, spec: str, module_name: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise config_error(
+            where,
+            spec,
+            f"cannot import module {module_name!r} ({e}); install it, put it on PYTHONPATH, or "
+            "name a file: 'path/to/file.py:function'",
+        ) from e
+    except Exception as e:
+        raise config_error(
+            where, spec, f"importing module {module_name!r} raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def _attribute(where: str, spec: str, module: ModuleType, label: str, attr: str) -> Any:
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = [n for n in dir(module) if not n.startswith("_")]
+            raise config_error(
+                where, spec, f"{label} has no function {attr!r}{_suggest(attr, public)}"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def _builtin(where: str, name: str, params: Mapping[str, Any], max_completion_length: int | None):
+    cls = BUILTIN_REWARDS[name]
+    params = dict(params)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in params:
+        if key not in names:
+            known = f"its parameters: {', '.join(names)}" if names else "it has no parameters"
+            raise ConfigError(
+                f"{where}={name!r} is invalid: the built-in {name!r} has no parameter {key!r}"
+                f"{_suggest(str(key), names)}; {known}"
+            )
+    if "max_completion_len" in names and "max_completion_len" not in params:
+        if max_completion_length is not None:
+            params["max_completion_len"] = max_completion_length
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.name not in params
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        example = ", ".join(f"{m}: ..." for m in missing)
+        raise ConfigError(
+            f"{where}={name!r} is invalid: the built-in {name!r} needs {', '.join(missing)}: "
+            f"write {{name: {name}, {example}}}"
+        )
+    return from_dict(cls, params, where=where)
+
+
+def load_reward_func(
+    spec: Any, *, where: str = "reward_funcs", max_completion_length: int | None = None
+) -> RewardFunc:
+    """The callable an entry names (see the module docstring); ``where`` names the entry in
+    errors, ``max_completion_length`` is ``length_penalty``'s default length."""
+    if isinstance(spec, Mapping):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if name not in BUILTIN_REWARDS:
+            raise config_error(
+                where,
+                dict(spec),
+                "a mapping sets the parameters of a built-in reward: give 'name' as one of "
+                f"{', '.join(BUILTIN_REWARDS)}" + _suggest(str(name), list(BUILTIN_REWARDS)),
+            )
+        return _builtin(where, name, params, max_completion_length)
+    if isinstance(spec, str):
+        if spec in BUILTIN_REWARDS:
+            return _builtin(where, spec, {}, max_completion_length)
+        parts = reward_file_spec(spec)
+        if parts is not None:
+            module = _load_file(where, spec, parts[0])
+            func = _attribute(where, spec, module, f"file '{parts[0]}'", parts[1])
+        elif ":" in spec or "." in spec:
+            module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+            module = _import(where, spec, module_name)
+            func = _attribute(where, spec, module, f"module {module_name!r}", attr)
+        else:
+            raise config_error(
+                where,
+                spec,
+                f"not a built-in reward ({', '.join(BUILTIN_REWARDS)})"
+                + _suggest(spec, list(BUILTIN_REWARDS))
+                + "; for your own function write 'package.module:function' or "
+                "'path/to/file.py:function'",
+            )
+    elif callable(spec):
+        func = spec
+    else:
+        raise config_error(
+            where,
+            spec,
+            "use a built-in name, 'package.module:function', 'path/to/file.py:function', a "
+            "mapping {name: <built-in>, ...}, or (from Python) a callable",
+        )
+    if not callable(func):
+        raise config_error(where, spec, f"it names a {type(func).__name__}, not a function")
+    _check_signature(where, spec, func)
+    return func
+
+
+def _check_signature(where: str, spec: Any, func: Any) -> None:
+    """A reward function must take ``**kwargs``: TRL's call passes ``completion_ids``,
+    ``trainer_state`` and every dataset column by keyword."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # some callables have no signature to read
+        return
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise config_error(
+            where,
+            spec if not callable(spec) else getattr(spec, "__name__", spec),
+            "a reward function must accept **kwargs: it is called as f(prompts=..., "
+            "completions=..., completion_ids=..., trainer_state=..., <dataset columns>=...)",
+        )
+
+
+def resolve_reward_funcs(
+    specs: Sequence[Any], *, field: str = "reward_funcs", max_completion_length: int | None = None
+) -> list[RewardFunc]:
+    """``load_reward_func`` of every entry (``field[i]`` in errors); at least one."""
+    if isinstance(specs, str | Mapping) or not isinstance(specs, Sequence):
+        raise config_error(field, specs, "give a list of reward functions")
+    if not specs:
+        raise config_error(field, list(specs), "GRPO needs at least one reward function")
+    return [
+        load_reward_func(s, where=f"{field}[{i}]", max_completion_length=max_completion_length)
+        for i, s in enumerate(specs)
+    ]
