@@ -69,6 +69,7 @@ def main() -> None:
     )
     print("| layout | impl | fwd ms | fwd+bwd ms | flash/xla fwd | flash/xla fwd+bwd | visited |")
     print("|---|---|---|---|---|---|---|")
+    results = {}
     for name, seg_np in layouts:
         t = seg_np.shape[1]
         rng = np.random.default_rng(1)
@@ -83,7 +84,7 @@ def main() -> None:
         times = {}
         for impl, fn in impls.items():
 
-            def fwd(q, k, v, fn=fn):
+            def fwd(q, k, v, fn=fn, seg=seg, pos=pos):
                 return fn(q, k, v, seg, seg, pos, pos)
 
             def loss(q, k, v, fwd=fwd):
@@ -97,13 +98,18 @@ def main() -> None:
         b = min(args.block, t)
         vis = block_visibility(seg, seg, pos, pos, block_q=b, block_kv=b)
         visited = f"{int(vis.sum())}/{vis.size}"
-        for impl, (f, fb) in times.items():
-            ratio = ""
-            if impl == "flash":
-                ratio = f"{f / times['xla'][0]:.2f} | {fb / times['xla'][1]:.2f} | {visited}"
-            else:
-                ratio = " | | "
-            print(f"| {name} | {impl} | {f * 1e3:.2f} | {fb * 1e3:.2f} | {ratio} |")
+        results[name] = times
+        xf, xfb = times["xla"]
+        ff, ffb = times["flash"]
+        print(f"| {name} | xla | {xf * 1e3:.2f} | {xfb * 1e3:.2f} | | | |")
+        print(
+            f"| {name} | flash | {ff * 1e3:.2f} | {ffb * 1e3:.2f} | {ff / xf:.3g} | "
+            f"{ffb / xfb:.3g} | {visited} |"
+        )
+    sparse, short = results["T=4096 sparse (661 real)"], results["T=256 full"]
+    print("\nT=4096 sparse / T=256 full, fwd+bwd time:")
+    for impl in ("xla", "flash"):
+        print(f"  {impl}: {sparse[impl][1] / short[impl][1]:.1f}x")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ runs ``max_rows(count)`` steps and step ``n`` processes every row's ``n``-th pai
 list is shorter process a fully masked pair), so the work is ``B * max_b count_b`` block
 products: rows are batched, never sequential, and sharding over B partitions the loop.
 
+In float32 the forward is one pass of online softmax; with bf16/fp16 operands it takes a
+second pass so that, as in the dense reference, *normalised* probabilities are cast to the
+operands' dtype before the value product (results then do not depend on block boundaries, i.e.
+on where the packer put a document, beyond float32 rounding).
+
 Backward: ``jax.custom_vjp`` with the FlashAttention-2 backward (Dao 2023, Algorithm 2). The
 forward keeps only its output and the per-query log-sum-exp; the backward walks the same pair
 lists, recomputes each block's probabilities ``exp(s - lse)`` and accumulates
@@ -192,16 +197,26 @@ def _scores(q_BTKGDh: jax.Array, k_BLKDh: jax.Array) -> jax.Array:
 
 
 def _forward(operands, pairs, block_q, block_kv):
-    """Online-softmax forward: ``(out [B, T, K, G, Dh] in q's dtype, lse [B, T, K, G] f32)``."""
+    """Forward: ``(out [B, T, K, G, Dh] in q's dtype, lse [B, T, K, G] f32)``.
+
+    float32 operands: one pass of online softmax (running max ``m`` and sum ``l``, rescaled
+    accumulator). Lower-precision operands: two passes, the first for ``m`` and ``l``, the
+    second casting the *normalised* probabilities ``exp(s - m) / l`` to the operands' dtype
+    before the value product, as the dense reference does; casting unnormalised ones would make
+    bf16 results depend on where block boundaries fall, i.e. on the packing.
+    """
     q_BTKGDh, _, v_BLKDh = operands[:3]
     b, t, kh, g, dh = q_BTKGDh.shape
-    acc = jnp.zeros((b, t, kh, g, dh), jnp.float32)
-    m = jnp.full((b, t, kh, g), _MASKED, jnp.float32)
-    denom = jnp.zeros((b, t, kh, g), jnp.float32)
+    one_pass = v_BLKDh.dtype == jnp.float32
+    steps = jnp.max(pairs[2], initial=0)
 
-    def step(n, carry):
-        acc, m, denom = carry
-        q, k, v, vis, qs_B, ks_B = _block_inputs(n, pairs, operands, block_q, block_kv)
+    def value_product(p_BKGTL, v):
+        p_BKGTL = p_BKGTL.astype(v_BLKDh.dtype)
+        return jnp.einsum("bkgtl,blkd->btkgd", p_BKGTL, v, preferred_element_type=jnp.float32)
+
+    def online(n, carry):
+        m, denom = carry[0], carry[1]
+        q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
         s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
         m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, G]
         m_new = jnp.maximum(m_old, jnp.moveaxis(jnp.max(s_BKGTL, axis=-1), 3, 1))
@@ -209,25 +224,34 @@ def _forward(operands, pairs, block_q, block_kv):
         p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - m_new_BKGT1), 0.0)
         correction = jnp.exp(m_old - m_new)  # [B, bq, K, G]
         row_sum = jnp.moveaxis(jnp.sum(p_BKGTL, axis=-1), 3, 1)
-        pv = jnp.einsum(
-            "bkgtl,blkd->btkgd",
-            p_BKGTL.astype(v_BLKDh.dtype),
-            v,
-            preferred_element_type=jnp.float32,
-        )
-        acc_blk = _gather_block(acc, qs_B, block_q) * correction[..., None] + pv
         denom_blk = _gather_block(denom, qs_B, block_q) * correction + row_sum
-        return (
-            _set_block(acc, qs_B, acc_blk),
-            _set_block(m, qs_B, m_new),
-            _set_block(denom, qs_B, denom_blk),
-        )
+        new = (_set_block(m, qs_B, m_new), _set_block(denom, qs_B, denom_blk))
+        if not one_pass:
+            return new
+        acc_blk = _gather_block(carry[2], qs_B, block_q) * correction[..., None]
+        return new + (_set_block(carry[2], qs_B, acc_blk + value_product(p_BKGTL, v)),)
 
-    steps = jnp.max(pairs[2], initial=0)
-    acc, m, denom = lax.fori_loop(0, steps, step, (acc, m, denom))
+    m = jnp.full((b, t, kh, g), _MASKED, jnp.float32)
+    denom = jnp.zeros((b, t, kh, g), jnp.float32)
+    acc = jnp.zeros((b, t, kh, g, dh), jnp.float32)
+    carry = lax.fori_loop(0, steps, online, (m, denom, acc) if one_pass else (m, denom))
+    m, denom = carry[0], carry[1]
     seen = denom > 0  # a query that sees nothing: zero output, lse 0 (its p is masked anyway)
     safe = jnp.where(seen, denom, 1.0)
-    out = jnp.where(seen[..., None], acc / safe[..., None], 0.0).astype(q_BTKGDh.dtype)
+    if one_pass:
+        acc = carry[2] / safe[..., None]
+    else:
+
+        def normalised(n, acc):
+            q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
+            m_BKGT1 = jnp.moveaxis(_gather_block(m, qs_B, block_q), 1, 3)[..., None]
+            l_BKGT1 = jnp.moveaxis(_gather_block(safe, qs_B, block_q), 1, 3)[..., None]
+            s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
+            p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - m_BKGT1) / l_BKGT1, 0.0)
+            return _add_block(acc, qs_B, value_product(p_BKGTL, v))
+
+        acc = lax.fori_loop(0, steps, normalised, acc)
+    out = jnp.where(seen[..., None], acc, 0.0).astype(q_BTKGDh.dtype)
     lse = jnp.where(seen, m + jnp.log(safe), 0.0)
     return out, lse
 
