@@ -151,8 +151,9 @@ def pallas_gpu(
     """GPU (Triton) flash attention ``pallas.ops.gpu.attention.mha``, causal + segment ids.
 
     The kernel has no grouped-query support, so kv heads are repeated to H (their gradients
-    sum back through the repeat). Its forward blocks are ``min(block_size, T)``; T is padded
-    to a multiple of the block with tokens of segment -1 (each sees itself).
+    sum back through the repeat). Forward blocks are ``block_size`` rounded down to a multiple
+    of 32 (at most T rounded up to 32), backward blocks 32; T is padded to a multiple of the
+    block with tokens of segment -1 (each sees only itself).
     """
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
