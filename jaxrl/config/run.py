@@ -199,8 +199,17 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype; None = param_dtype
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
+    # attention kernel: auto = best for the backend (docs/attention.md)
+    attention_impl: Literal["xla", "flash", "splash", "pallas_gpu", "auto"] = "auto"
+    attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
 
     def __post_init__(self):
+        require(
+            self.attention_block_size >= 1,
+            "model.attention_block_size",
+            self.attention_block_size,
+            "use a positive block size (tokens), e.g. 128",
+        )
         require(
             self.logprob_chunk >= 0,
             "model.logprob_chunk",

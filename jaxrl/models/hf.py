@@ -43,8 +43,11 @@ def config_from_hf(
     param_dtype: str = "float32",
     dtype: str | None = None,
     fp32_lm_head: bool = False,
+    attention_impl: str = "auto",
+    attention_block_size: int = 128,
 ) -> ModelConfig:
-    """ModelConfig from a transformers ``config.json`` dict (v4 or v5 rope format)."""
+    """ModelConfig from a transformers ``config.json`` dict (v4 or v5 rope format); the
+    keyword arguments are run settings, which config.json does not hold."""
     archs = list(hf.get("architectures") or [])
     model_type = hf.get("model_type")
     known = [a for a in archs if a in ARCHITECTURES]
@@ -95,11 +98,14 @@ def config_from_hf(
         param_dtype=param_dtype,
         dtype=dtype,
         fp32_lm_head=fp32_lm_head,
+        attention_impl=attention_impl,
+        attention_block_size=attention_block_size,
     )
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """transformers ``config.json`` dict (legacy ``rope_theta``/``rope_scaling`` keys)."""
+    """transformers ``config.json`` dict (legacy ``rope_theta``/``rope_scaling`` keys); run
+    settings (dtypes aside from ``torch_dtype``, ``attention_impl``) are not written."""
     hf: dict[str, Any] = {
         "architectures": [_ARCH_OF[config.model_type]],
         "model_type": config.model_type,
@@ -238,11 +244,14 @@ def from_pretrained(
     dtype: str | None = None,
     fp32_lm_head: bool = False,
     mesh: Mesh | None = None,
+    attention_impl: str = "auto",
+    attention_block_size: int = 128,
 ) -> Transformer:
     """Load a local HF directory (config.json + safetensors, single or sharded).
 
     With ``mesh``, each tensor goes straight onto its shards (``jaxrl.models.sharding`` rules):
     the host holds one tensor at a time and every device receives only its own block.
+    ``attention_impl`` / ``attention_block_size``: see ``ModelConfig``.
     """
     root = Path(path)
     if not root.is_dir():
@@ -263,6 +272,8 @@ def from_pretrained(
             param_dtype=param_dtype,
             dtype=dtype,
             fp32_lm_head=fp32_lm_head,
+            attention_impl=attention_impl,
+            attention_block_size=attention_block_size,
         )
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None

@@ -28,7 +28,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import apply_rope, attention, positions_from_segments, rope_inv_freq
+from jaxrl.models.attention import (
+    ATTENTION_IMPLS,
+    apply_rope,
+    attention_fn,
+    positions_from_segments,
+    rope_inv_freq,
+)
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 
@@ -107,6 +113,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str | None = None  # compute dtype; None means param_dtype
     fp32_lm_head: bool = False  # fp32 x fp32 HIGHEST logits (docs/algorithms/accumulation.md §5)
+    # Run settings, not architecture (never written to config.json):
+    attention_impl: str = "auto"  # xla, flash, splash, pallas_gpu or auto (attention.py)
+    attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -161,6 +170,10 @@ class ModelConfig:
             object.__setattr__(self, "dtype", self.param_dtype)
         if self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"choose one of {DTYPES} or None (= param_dtype)")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            _fail("attention_impl", self.attention_impl, f"choose one of {ATTENTION_IMPLS}")
+        if not isinstance(self.attention_block_size, int) or self.attention_block_size < 1:
+            _fail("attention_block_size", self.attention_block_size, "must be a positive int")
 
     @classmethod
     def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
@@ -269,6 +282,9 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
         q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
         k_BTKDh = apply_rope(k_BTKDh, positions_BT, inv_freq)
+        attention = attention_fn(
+            cfg.attention_impl, self_attention=cache is None, block_size=cfg.attention_block_size
+        )
         if cache is None:
             out_BTHDh = attention(
                 q_BTHDh,

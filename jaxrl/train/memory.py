@@ -98,6 +98,8 @@ def model_shape(cfg: RunConfig) -> ModelConfig:
                 param_dtype=m.param_dtype,
                 dtype=m.dtype,
                 fp32_lm_head=m.fp32_lm_head,
+                attention_impl=m.attention_impl,
+                attention_block_size=m.attention_block_size,
             )
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.path={m.path!r}: {e}") from e

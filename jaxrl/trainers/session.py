@@ -26,6 +26,7 @@ from jaxrl.data.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
+from jaxrl.models.attention import resolve_attention_impl
 from jaxrl.models.hf import from_pretrained, save_pretrained
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
@@ -50,7 +51,11 @@ def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
             f"use at least {vocab_size} (or leave it out to take the tokenizer's size)"
         )
     init.update(
-        param_dtype=m.param_dtype, dtype=m.dtype or m.param_dtype, fp32_lm_head=m.fp32_lm_head
+        param_dtype=m.param_dtype,
+        dtype=m.dtype or m.param_dtype,
+        fp32_lm_head=m.fp32_lm_head,
+        attention_impl=m.attention_impl,
+        attention_block_size=m.attention_block_size,
     )
     return ModelConfig.tiny(vocab, **init)
 
@@ -60,6 +65,10 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any,
     on its shards, or a fresh model whose ``params`` is a function that initialises it (run under
     ``jit`` into its shardings by ``create_state``)."""
     m = cfg.model
+    try:
+        resolve_attention_impl(m.attention_impl)  # a kernel the backend lacks fails here
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if m.path is not None:
         model = from_pretrained(
             m.path,
@@ -67,6 +76,8 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any,
             dtype=m.dtype,
             fp32_lm_head=m.fp32_lm_head,
             mesh=mesh,
+            attention_impl=m.attention_impl,
+            attention_block_size=m.attention_block_size,
         )
         graphdef, params = nnx.split(model)
         return graphdef, params, model.config

@@ -1,0 +1,344 @@
+"""Blockwise (flash) attention in plain JAX that skips the blocks nothing in them can see.
+
+Same inputs, visibility rule and numerics contract as :func:`jaxrl.models.attention.attention`
+(scores, softmax statistics and accumulators in float32, matmuls in the operands' dtype), but
+the ``[T, L]`` score matrix is never materialised and, more to the point, most of it is never
+computed: the rows are cut into query blocks of ``block_q`` tokens and key blocks of
+``block_kv`` slots, and only the (query block, key block) pairs that can hold a visible pair
+are visited. A packed row of short documents then costs about ``sum_d blocks_d**2 / 2`` block
+products instead of ``(T / block)**2``; padding costs nothing (segment 0 sees nothing).
+
+Which pairs to visit (:func:`block_visibility`) is decided from per-block summaries on the
+device, never from the token-level mask: for a query block, the range ``[lo, hi]`` of its
+document ids, its last document and that document's largest position, and the largest position
+of its other documents; for a key block, the same range, its first document with that
+document's smallest position, and the smallest position of its other documents. A pair is
+visited when some document id in both ranges may have a key position ``<=`` a query position.
+The test is conservative (it never drops a visible pair, whatever the layout) and exact for
+the layout the packer produces (documents contiguous, ids increasing along the row, positions
+increasing within a document): no visited pair is empty of visible entries then.
+
+Each row gets its visible pairs as a list (row-major, sentinel-padded); a ``lax.fori_loop``
+runs ``max_rows(count)`` steps and step ``n`` processes every row's ``n``-th pair (rows whose
+list is shorter process a fully masked pair), so the work is ``B * max_b count_b`` block
+products: rows are batched, never sequential, and sharding over B partitions the loop.
+
+In float32 the forward is one pass of online softmax; with bf16/fp16 operands it takes a
+second pass so that, as in the dense reference, *normalised* probabilities are cast to the
+operands' dtype before the value product (results then do not depend on block boundaries, i.e.
+on where the packer put a document, beyond float32 rounding).
+
+Backward: ``jax.custom_vjp`` with the FlashAttention-2 backward (Dao 2023, Algorithm 2). The
+forward keeps only its output and the per-query log-sum-exp; the backward walks the same pair
+lists, recomputes each block's probabilities ``exp(s - lse)`` and accumulates
+``dv += p^T dO``, ``ds = p * (dO v^T - rowsum(dO * O))``, ``dq += ds k / sqrt(Dh)``,
+``dk += ds^T q / sqrt(Dh)`` in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+DEFAULT_BLOCK = 128  # tokens per query block and slots per key block (clamped to T and L)
+_BIG = 1 << 30  # larger than any segment id or position
+_MASKED = np.float32(-1e30)  # score of an invisible pair: finite, so no inf - inf
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad_to(x: jax.Array, length: int, value: int = 0) -> jax.Array:
+    """Pad axis 1 of ``x`` to ``length`` with ``value``."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, length - x.shape[1])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _block_edges(seg_BNb: jax.Array, pos_BNb: jax.Array, *, last: bool):
+    """Per-block summaries ``(lo, hi, edge_seg, edge_pos, other_pos)`` of [B, N, b] blocks.
+
+    ``edge_seg`` is the document of the block's last (``last=True``) or first real token;
+    ``edge_pos`` is that document's largest (last) or smallest (first) position in the block,
+    ``other_pos`` the largest / smallest position of the block's other documents. Entries with
+    no real token hold values that make every comparison fail (``lo > hi``, ``+-_BIG``).
+    """
+    real = seg_BNb > 0
+    lo = jnp.min(jnp.where(real, seg_BNb, _BIG), axis=-1)
+    hi = jnp.max(jnp.where(real, seg_BNb, -1), axis=-1)
+    idx = jnp.arange(seg_BNb.shape[-1], dtype=jnp.int32)
+    if last:
+        at = jnp.max(jnp.where(real, idx, 0), axis=-1)
+    else:
+        at = jnp.min(jnp.where(real, idx, seg_BNb.shape[-1] - 1), axis=-1)
+    edge_seg = jnp.take_along_axis(seg_BNb, at[..., None], axis=-1)[..., 0]
+    in_edge = real & (seg_BNb == edge_seg[..., None])
+    in_other = real & (seg_BNb != edge_seg[..., None])
+    if last:
+        edge_pos = jnp.max(jnp.where(in_edge, pos_BNb, -_BIG), axis=-1)
+        other_pos = jnp.max(jnp.where(in_other, pos_BNb, -_BIG), axis=-1)
+    else:
+        edge_pos = jnp.min(jnp.where(in_edge, pos_BNb, _BIG), axis=-1)
+        other_pos = jnp.min(jnp.where(in_other, pos_BNb, _BIG), axis=-1)
+    return lo, hi, edge_seg, edge_pos, other_pos
+
+
+def block_visibility(
+    q_segment_BT: jax.Array,
+    kv_segment_BL: jax.Array,
+    q_pos_BT: jax.Array,
+    kv_pos_BL: jax.Array,
+    *,
+    block_q: int,
+    block_kv: int,
+) -> jax.Array:
+    """Which (query block, key block) pairs flash attention visits: bool [B, T/bq, L/bk].
+
+    ``T`` and ``L`` must be multiples of the block sizes (``flash_attention`` pads). True for
+    every pair that holds a visible (query, key) entry; for contiguous documents with
+    increasing ids and positions, true for exactly those (see the module docstring).
+    """
+    b, t = q_segment_BT.shape
+    length = kv_segment_BL.shape[1]
+    if t % block_q or length % block_kv:
+        raise ValueError(
+            f"block_visibility: T={t} and L={length} must be multiples of block_q={block_q} "
+            f"and block_kv={block_kv}; flash_attention pads them, call it instead"
+        )
+    q_seg = q_segment_BT.astype(jnp.int32).reshape(b, t // block_q, block_q)
+    q_pos = q_pos_BT.astype(jnp.int32).reshape(q_seg.shape)
+    kv_seg = kv_segment_BL.astype(jnp.int32).reshape(b, length // block_kv, block_kv)
+    kv_pos = kv_pos_BL.astype(jnp.int32).reshape(kv_seg.shape)
+    q_lo, q_hi, q_last, q_last_max, q_other_max = (
+        x[:, :, None] for x in _block_edges(q_seg, q_pos, last=True)
+    )
+    k_lo, k_hi, k_first, k_first_min, k_other_min = (
+        x[:, None, :] for x in _block_edges(kv_seg, kv_pos, last=False)
+    )
+    lo, hi = jnp.maximum(q_lo, k_lo), jnp.minimum(q_hi, k_hi)  # candidate documents
+
+    def inside(s: jax.Array) -> jax.Array:
+        return (lo <= s) & (s <= hi)
+
+    # A candidate document s needs min kv position <= max q position; bound both per case.
+    first_in = inside(k_first)
+    q_max_of_first = jnp.where(k_first == q_last, q_last_max, q_other_max)
+    via_first = first_in & (k_first_min <= q_max_of_first)
+    last_in = inside(q_last) & (q_last != k_first)
+    via_last = last_in & (k_other_min <= q_last_max)
+    others = (hi - lo + 1) - first_in.astype(jnp.int32) - last_in.astype(jnp.int32)
+    via_other = (others > 0) & (k_other_min <= q_other_max)
+    return (lo <= hi) & (via_first | via_last | via_other)
+
+
+def _pair_lists(visible_BQK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per row: query-block and key-block index of its visible pairs (row-major order,
+    padded with pair 0) and their count: ``(q_blocks [B, N], kv_blocks [B, N], count [B])``."""
+    b, nq, nk = visible_BQK.shape
+    flat_BN = visible_BQK.reshape(b, nq * nk)
+    (idx_BN,) = jax.vmap(lambda row: jnp.nonzero(row, size=nq * nk, fill_value=0))(flat_BN)
+    return (idx_BN // nk).astype(jnp.int32), (idx_BN % nk).astype(jnp.int32), flat_BN.sum(-1)
+
+
+def _gather_block(x: jax.Array, start_B: jax.Array, size: int) -> jax.Array:
+    """Each row's ``x[b, start_B[b] : start_B[b] + size]`` (axis 1)."""
+    return jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, size, axis=0))(x, start_B)
+
+
+def _add_block(x: jax.Array, start_B: jax.Array, update: jax.Array) -> jax.Array:
+    """``x[b, start_B[b] : + update.shape[1]] += update[b]``, in place."""
+
+    def row(xr, s, u):
+        cur = lax.dynamic_slice_in_dim(xr, s, u.shape[0], axis=0)
+        return lax.dynamic_update_slice_in_dim(xr, cur + u, s, axis=0)
+
+    return jax.vmap(row)(x, start_B, update)
+
+
+def _set_block(x: jax.Array, start_B: jax.Array, update: jax.Array) -> jax.Array:
+    return jax.vmap(lambda xr, s, u: lax.dynamic_update_slice_in_dim(xr, u, s, axis=0))(
+        x, start_B, update
+    )
+
+
+def _block_inputs(n, pairs, operands, block_q, block_kv):
+    """Step ``n``'s blocks for every row: q, k, v, visibility [B, bq, bk] and block starts."""
+    q_blocks_BN, kv_blocks_BN, count_B = pairs
+    q_BTKGDh, k_BLKDh, v_BLKDh, q_seg_BT, kv_seg_BL, q_pos_BT, kv_pos_BL = operands
+    active_B = n < count_B
+    qs_B = q_blocks_BN[:, n] * block_q
+    ks_B = kv_blocks_BN[:, n] * block_kv
+    q_seg = _gather_block(q_seg_BT, qs_B, block_q)
+    kv_seg = _gather_block(kv_seg_BL, ks_B, block_kv)
+    q_pos = _gather_block(q_pos_BT, qs_B, block_q)
+    kv_pos = _gather_block(kv_pos_BL, ks_B, block_kv)
+    vis_BTL = (
+        (q_seg[:, :, None] == kv_seg[:, None, :])
+        & (q_seg[:, :, None] > 0)
+        & (kv_pos[:, None, :] <= q_pos[:, :, None])
+        & active_B[:, None, None]
+    )
+    q = _gather_block(q_BTKGDh, qs_B, block_q)
+    k = _gather_block(k_BLKDh, ks_B, block_kv)
+    v = _gather_block(v_BLKDh, ks_B, block_kv)
+    return q, k, v, vis_BTL[:, None, None], qs_B, ks_B
+
+
+def _scores(q_BTKGDh: jax.Array, k_BLKDh: jax.Array) -> jax.Array:
+    """``q k^T / sqrt(Dh)`` in float32: [B, K, G, bq, bk]."""
+    scale = np.float32(q_BTKGDh.shape[-1] ** -0.5)
+    s = jnp.einsum("btkgd,blkd->bkgtl", q_BTKGDh, k_BLKDh, preferred_element_type=jnp.float32)
+    return s * scale
+
+
+def _forward(operands, pairs, block_q, block_kv):
+    """Forward: ``(out [B, T, K, G, Dh] in q's dtype, lse [B, T, K, G] f32)``.
+
+    float32 operands: one pass of online softmax (running max ``m`` and sum ``l``, rescaled
+    accumulator). Lower-precision operands: two passes, the first for ``m`` and ``l``, the
+    second casting the *normalised* probabilities ``exp(s - m) / l`` to the operands' dtype
+    before the value product, as the dense reference does; casting unnormalised ones would make
+    bf16 results depend on where block boundaries fall, i.e. on the packing.
+    """
+    q_BTKGDh, _, v_BLKDh = operands[:3]
+    b, t, kh, g, dh = q_BTKGDh.shape
+    one_pass = v_BLKDh.dtype == jnp.float32
+    steps = jnp.max(pairs[2], initial=0)
+
+    def value_product(p_BKGTL, v):
+        p_BKGTL = p_BKGTL.astype(v_BLKDh.dtype)
+        return jnp.einsum("bkgtl,blkd->btkgd", p_BKGTL, v, preferred_element_type=jnp.float32)
+
+    def online(n, carry):
+        m, denom = carry[0], carry[1]
+        q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
+        s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
+        m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, G]
+        m_new = jnp.maximum(m_old, jnp.moveaxis(jnp.max(s_BKGTL, axis=-1), 3, 1))
+        m_new_BKGT1 = jnp.moveaxis(m_new, 1, 3)[..., None]
+        p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - m_new_BKGT1), 0.0)
+        correction = jnp.exp(m_old - m_new)  # [B, bq, K, G]
+        row_sum = jnp.moveaxis(jnp.sum(p_BKGTL, axis=-1), 3, 1)
+        denom_blk = _gather_block(denom, qs_B, block_q) * correction + row_sum
+        new = (_set_block(m, qs_B, m_new), _set_block(denom, qs_B, denom_blk))
+        if not one_pass:
+            return new
+        acc_blk = _gather_block(carry[2], qs_B, block_q) * correction[..., None]
+        return new + (_set_block(carry[2], qs_B, acc_blk + value_product(p_BKGTL, v)),)
+
+    m = jnp.full((b, t, kh, g), _MASKED, jnp.float32)
+    denom = jnp.zeros((b, t, kh, g), jnp.float32)
+    acc = jnp.zeros((b, t, kh, g, dh), jnp.float32)
+    carry = lax.fori_loop(0, steps, online, (m, denom, acc) if one_pass else (m, denom))
+    m, denom = carry[0], carry[1]
+    seen = denom > 0  # a query that sees nothing: zero output, lse 0 (its p is masked anyway)
+    safe = jnp.where(seen, denom, 1.0)
+    if one_pass:
+        acc = carry[2] / safe[..., None]
+    else:
+
+        def normalised(n, acc):
+            q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
+            m_BKGT1 = jnp.moveaxis(_gather_block(m, qs_B, block_q), 1, 3)[..., None]
+            l_BKGT1 = jnp.moveaxis(_gather_block(safe, qs_B, block_q), 1, 3)[..., None]
+            s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
+            p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - m_BKGT1) / l_BKGT1, 0.0)
+            return _add_block(acc, qs_B, value_product(p_BKGTL, v))
+
+        acc = lax.fori_loop(0, steps, normalised, acc)
+    out = jnp.where(seen[..., None], acc, 0.0).astype(q_BTKGDh.dtype)
+    lse = jnp.where(seen, m + jnp.log(safe), 0.0)
+    return out, lse
+
+
+def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
+    """FlashAttention-2 backward over the same pair lists: float32 ``(dq, dk, dv)``."""
+    q_BTKGDh, k_BLKDh, v_BLKDh = operands[:3]
+    scale = np.float32(q_BTKGDh.shape[-1] ** -0.5)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,T,K,G]
+    dq = jnp.zeros(q_BTKGDh.shape, jnp.float32)
+    dk = jnp.zeros(k_BLKDh.shape, jnp.float32)
+    dv = jnp.zeros(v_BLKDh.shape, jnp.float32)
+
+    def step(n, carry):
+        dq, dk, dv = carry
+        q, k, v, vis, qs_B, ks_B = _block_inputs(n, pairs, operands, block_q, block_kv)
+        lse_BKGT1 = jnp.moveaxis(_gather_block(lse, qs_B, block_q), 1, 3)[..., None]
+        s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
+        p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - lse_BKGT1), 0.0)
+        do = _gather_block(d_out, qs_B, block_q)  # [B, bq, K, G, Dh]
+        dv_blk = jnp.einsum(
+            "bkgtl,btkgd->blkd", p_BKGTL.astype(do.dtype), do, preferred_element_type=jnp.float32
+        )
+        dp = jnp.einsum("btkgd,blkd->bkgtl", do, v, preferred_element_type=jnp.float32)
+        delta_BKGT1 = jnp.moveaxis(_gather_block(delta, qs_B, block_q), 1, 3)[..., None]
+        ds = (p_BKGTL * (dp - delta_BKGT1)).astype(q.dtype)
+        dq_blk = jnp.einsum("bkgtl,blkd->btkgd", ds, k, preferred_element_type=jnp.float32)
+        dk_blk = jnp.einsum("bkgtl,btkgd->blkd", ds, q, preferred_element_type=jnp.float32)
+        return (
+            _add_block(dq, qs_B, dq_blk * scale),
+            _add_block(dk, ks_B, dk_blk * scale),
+            _add_block(dv, ks_B, dv_blk),
+        )
+
+    steps = jnp.max(pairs[2], initial=0)
+    return lax.fori_loop(0, steps, step, (dq, dk, dv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, meta, block_q, block_kv):
+    out, _ = _forward((q, k, v, *meta[:4]), meta[4:], block_q, block_kv)
+    return out
+
+
+def _flash_fwd(q, k, v, meta, block_q, block_kv):
+    out, lse = _forward((q, k, v, *meta[:4]), meta[4:], block_q, block_kv)
+    return out, (q, k, v, meta, out, lse)
+
+
+def _flash_bwd(block_q, block_kv, residuals, d_out):
+    q, k, v, meta, out, lse = residuals
+    dq, dk, dv = _backward((q, k, v, *meta[:4]), meta[4:], out, lse, d_out, block_q, block_kv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q_BTHDh: jax.Array,
+    k_BLKDh: jax.Array,
+    v_BLKDh: jax.Array,
+    q_segment_BT: jax.Array,
+    kv_segment_BL: jax.Array,
+    q_pos_BT: jax.Array,
+    kv_pos_BL: jax.Array,
+    *,
+    block_size: int = DEFAULT_BLOCK,
+) -> jax.Array:
+    """:func:`jaxrl.models.attention.attention`, blockwise, visiting only visible blocks.
+
+    ``block_size`` is clamped to T (query blocks) and L (key blocks); lengths that are not a
+    multiple are padded internally with padding tokens (segment 0), which cost nothing.
+    """
+    b, t, h, dh = q_BTHDh.shape
+    length, kv_heads = k_BLKDh.shape[1], k_BLKDh.shape[2]
+    if h % kv_heads:
+        raise ValueError(f"attention: {h} query heads are not a multiple of {kv_heads} kv heads")
+    if block_size < 1:
+        raise ValueError(f"flash_attention: block_size={block_size} must be >= 1")
+    block_q, block_kv = min(block_size, t), min(block_size, length)
+    tp, lp = _round_up(t, block_q), _round_up(length, block_kv)
+    q_seg, q_pos = _pad_to(q_segment_BT, tp), _pad_to(q_pos_BT, tp)
+    kv_seg, kv_pos = _pad_to(kv_segment_BL, lp), _pad_to(kv_pos_BL, lp)
+    meta_seg = tuple(x.astype(jnp.int32) for x in (q_seg, kv_seg, q_pos, kv_pos))
+    visible = block_visibility(*meta_seg, block_q=block_q, block_kv=block_kv)
+    meta = meta_seg + _pair_lists(visible)
+    q = _pad_to(q_BTHDh, tp).reshape(b, tp, kv_heads, h // kv_heads, dh)
+    out = _flash(q, _pad_to(k_BLKDh, lp), _pad_to(v_BLKDh, lp), meta, block_q, block_kv)
+    return out.reshape(b, tp, h, dh)[:, :t]
