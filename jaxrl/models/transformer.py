@@ -31,6 +31,7 @@ from flax import nnx
 from jaxrl.models.attention import apply_rope, attention, positions_from_segments, rope_inv_freq
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
+from jaxrl.models.layer_stack import check_remat, run_blocks, stack_blocks
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -107,6 +108,8 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str | None = None  # compute dtype; None means param_dtype
     fp32_lm_head: bool = False  # logits from an fp32 x fp32 HIGHEST matmul (spec fastllm 5)
+    scan_layers: bool = False  # layer parameters stacked [N, ...] and run by one lax.scan
+    remat: str = "none"  # "none", "block" or a jax.checkpoint_policies name (layer_stack.py)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -161,6 +164,9 @@ class ModelConfig:
             object.__setattr__(self, "dtype", self.param_dtype)
         if self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"choose one of {DTYPES} or None (= param_dtype)")
+        if not isinstance(self.scan_layers, bool):
+            _fail("scan_layers", self.scan_layers, "use true or false")
+        check_remat(self.remat, "ModelConfig.remat")
 
     @classmethod
     def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
@@ -346,7 +352,9 @@ class Transformer(nnx.Module):
         self.embedding = _param(
             rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
         )
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        # created one by one in both layouts, so a seed gives the same weights scanned or not
+        blocks = [Block(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, axis="embed", param_dtype=pd
         )
@@ -387,9 +395,15 @@ class Transformer(nnx.Module):
                 f"input_ids {input_ids_BT.shape}, positions {positions_BT.shape} and segment_ids "
                 f"{segment_ids_BT.shape} must all be [B, T]"
             )
-        x_BTD = self._embed(input_ids_BT)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, segment_ids_BT, positions_BT)
+        x_BTD = run_blocks(
+            self.layers,
+            lambda block, x_BTD, _, seg_BT, pos_BT: block(x_BTD, seg_BT, pos_BT),
+            self._embed(input_ids_BT),
+            segment_ids_BT,
+            positions_BT,
+            scanned=self.config.scan_layers,
+            remat=self.config.remat,
+        )
         return self.final_norm(x_BTD)
 
     def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
@@ -421,12 +435,21 @@ class Transformer(nnx.Module):
             )
         segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
         cache = cache.write_slots(segment_ids_BT, positions_BT)
-        x_BTD = self._embed(input_ids_BT)
-        layers = []
-        for i, layer in enumerate(self.layers):
-            x_BTD, kv = layer(x_BTD, segment_ids_BT, positions_BT, cache.layer(i))
-            layers.append(kv)
-        return self.final_norm(x_BTD), cache.advance(layers, input_ids_BT.shape[1])
+
+        def step(block, carry, i, seg_BT, pos_BT):
+            x_BTD, cache = carry
+            x_BTD, kv = block(x_BTD, seg_BT, pos_BT, cache.layer(i))
+            return x_BTD, cache.store(kv)
+
+        x_BTD, cache = run_blocks(
+            self.layers,
+            step,
+            (self._embed(input_ids_BT), cache),
+            segment_ids_BT,
+            positions_BT,
+            scanned=self.config.scan_layers,
+        )
+        return self.final_norm(x_BTD), cache.advance(input_ids_BT.shape[1])
 
     def head_kernel(self) -> jax.Array:
         """LM head kernel [D, V] in param dtype; the transposed embedding when tied."""
