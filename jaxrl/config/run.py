@@ -197,6 +197,8 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype; None = param_dtype
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
+    scan_layers: bool = False  # stack the layers' parameters and run them with one lax.scan
+    remat: str = "none"  # recompute in backward: "none", "block" or a jax.checkpoint_policies name
 
     def __post_init__(self):
         require(
@@ -205,6 +207,13 @@ class ModelSection:
             self.logprob_chunk,
             "use 0 (no chunking) or a positive chunk size",
         )
+        if self.remat not in ("none", "block"):  # a policy name: checked against jax's list
+            from jaxrl.models.layer_stack import check_remat
+
+            try:
+                check_remat(self.remat, "model.remat")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

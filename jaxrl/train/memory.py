@@ -98,6 +98,8 @@ def model_shape(cfg: RunConfig) -> ModelConfig:
                 param_dtype=m.param_dtype,
                 dtype=m.dtype,
                 fp32_lm_head=m.fp32_lm_head,
+                scan_layers=m.scan_layers,
+                remat=m.remat,
             )
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.path={m.path!r}: {e}") from e
