@@ -7,7 +7,7 @@ abstract shapes (``jax.ShapeDtypeStruct``), as ``jaxrl memory`` does.
    unrolled vs scanned side by side.
 2. Memory: ``jaxrl.train.memory.plan_memory`` (the real train step: shard_map accumulation,
    clipping, AdamW) of the same shape at ``--memory-tokens`` tokens per row, one device, remat
-   none vs block, unrolled and scanned; then fsdp=8 unrolled vs scanned.
+   none vs block, unrolled and scanned; then the same on fsdp=8.
 
     python benchmarks/compile_bench.py [--layers 28] [--tokens 2048] [--memory-tokens 8192]
 
@@ -110,7 +110,8 @@ def main() -> None:
         rows = [
             (["mesh.data=1"], scan, remat) for scan in (False, True) for remat in ("none", "block")
         ]
-        rows += [(["mesh.data=1", "mesh.fsdp=8"], scan, "none") for scan in (False, True)]
+        fsdp8 = ["mesh.data=1", "mesh.fsdp=8"]
+        rows += [(fsdp8, scan, remat) for scan in (False, True) for remat in ("none", "block")]
         for mesh, scan, remat in rows:
             plan = memory_plan(args.layers, args.memory_tokens, mesh, scan_layers=scan, remat=remat)
             name = "scanned" if scan else "unrolled"

@@ -8,6 +8,11 @@ written there, so decoding uses the same visibility rule as training (``attentio
 Unwritten slots hold segment ``EMPTY = -1``, which equals no query's segment (queries use 0 for
 padding and 1.. for documents), so they are invisible to every query without a separate mask.
 
+Keys and values are one stacked buffer per kind, ``[N, B, L, K, Dh]`` over the N layers, for the
+unrolled and the scanned layer stack alike: layer i writes its T new entries into slot
+``(i, :, index)`` with one ``dynamic_update_slice``, so a decode step updates the cache in place
+whether i is a Python int or the layer scan's counter.
+
 All rows write at the same slot ``index`` (a traced int32 scalar): a batch of prompts of
 different lengths is left-padded, with padding in segment 0 (invisible to the real tokens), so
 that every row's next token goes to slot ``P + step``. Writing past ``L`` is a caller error

@@ -8,6 +8,10 @@ Precision policy (DESIGN.md 2.4): parameters are stored in ``param_dtype`` and c
 compute ``dtype`` where used; RMSNorm statistics, attention scores and softmax are float32;
 ``fp32_lm_head`` computes logits as an fp32 x fp32 matmul at ``Precision.HIGHEST``.
 
+Layer stack (``layer_stack.py``): ``scan_layers`` stores the blocks' parameters stacked on a
+leading ``layers`` axis and runs them with one ``lax.scan`` (the compiled program holds the
+block once); ``remat`` wraps each block in ``jax.checkpoint``. Neither changes the numbers.
+
 Decoding: :meth:`Transformer.decode` runs new tokens against a preallocated KV cache
 (``kv_cache.py``) under the same attention visibility rule; the training path (``__call__``,
 ``hidden_states``) does not touch the cache code.
