@@ -199,6 +199,15 @@ def test_a_seed_gives_the_same_weights_in_both_layouts():
     )
 
 
+def test_scanned_model_runs_in_tree_mode():
+    model, want_logits, _ = _unrolled("qwen2")
+    scanned = _as(model, scan_layers=True, remat="block")
+    with nnx.set_graph_mode(False):
+        graphdef, state = nnx.split(scanned)
+        logits = jax.jit(lambda s: nnx.merge(graphdef, s)(IDS, segment_ids=SEGMENTS))(state)
+    np.testing.assert_allclose(np.asarray(logits), want_logits, atol=1e-5, rtol=1e-5)
+
+
 def test_the_layer_axis_is_never_sharded():
     mesh = make_mesh(2, 2, 2)
     config = dataclasses.replace(_config("qwen3"), scan_layers=True)
