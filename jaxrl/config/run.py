@@ -202,6 +202,8 @@ class ModelSection:
     # attention kernel: auto = best for the backend (docs/attention.md)
     attention_impl: Literal["xla", "flash", "splash", "pallas_gpu", "auto"] = "auto"
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
+    scan_layers: bool = False  # stack the layers' parameters and run them with one lax.scan
+    remat: str = "none"  # recompute in backward: "none", "block" or a jax.checkpoint_policies name
 
     def __post_init__(self):
         require(
@@ -216,6 +218,13 @@ class ModelSection:
             self.logprob_chunk,
             "use 0 (no chunking) or a positive chunk size",
         )
+        if self.remat not in ("none", "block"):  # a policy name: checked against jax's list
+            from jaxrl.models.layer_stack import check_remat
+
+            try:
+                check_remat(self.remat, "model.remat")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,13 +2,18 @@
 
 Tensor names map one to one onto the :class:`Transformer` state; HF ``nn.Linear`` weights are
 ``[out, in]`` and become ``[in, ...out]`` kernels (``q_proj.weight [H*Dh, D]`` ->
-``q_kernel [D, H, Dh]``, ``o_proj.weight [D, H*Dh]`` -> ``o_kernel [H, Dh, D]``).
+``q_kernel [D, H, Dh]``, ``o_proj.weight [D, H*Dh]`` -> ``o_kernel [H, Dh, D]``). A model with
+``scan_layers`` stacks the per-layer tensors ``model.layers.{i}.*`` on a leading layer axis
+(``layers.attn.q_kernel [N, D, H, Dh]``): on load each layer's tensor is written into its slot
+of the stacked device buffer, on save each slot is written back as its own tensor, so the
+files are the same in both layouts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -20,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -45,9 +51,12 @@ def config_from_hf(
     fp32_lm_head: bool = False,
     attention_impl: str = "auto",
     attention_block_size: int = 128,
+    scan_layers: bool = False,
+    remat: str = "none",
 ) -> ModelConfig:
     """ModelConfig from a transformers ``config.json`` dict (v4 or v5 rope format); the
-    keyword arguments are run settings, which config.json does not hold."""
+    keyword arguments are jaxrl's run settings (precision, attention kernel, layer stack;
+    ``ModelConfig``), which config.json does not hold."""
     archs = list(hf.get("architectures") or [])
     model_type = hf.get("model_type")
     known = [a for a in archs if a in ARCHITECTURES]
@@ -100,6 +109,8 @@ def config_from_hf(
         fp32_lm_head=fp32_lm_head,
         attention_impl=attention_impl,
         attention_block_size=attention_block_size,
+        scan_layers=scan_layers,
+        remat=remat,
     )
 
 
@@ -145,6 +156,7 @@ class _Tensor:
     path: tuple[str | int, ...]  # key path in the model state
     shape: tuple[int, ...]  # HF shape
     transpose: bool  # nn.Linear weight: [out, in] in HF, [in, ...out] in jaxrl
+    layer: int | None = None  # scan_layers: the slot of the stacked state path; else None
 
 
 def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
@@ -156,32 +168,37 @@ def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
     names["model.norm.weight"] = _Tensor(("final_norm", "scale"), (d,), False)
     if not config.tie_word_embeddings:
         names["lm_head.weight"] = _Tensor(("lm_head",), (v, d), True)
+
+    def layer_tensor(
+        i: int, path: tuple[str, ...], shape: tuple[int, ...], transpose: bool
+    ) -> _Tensor:
+        """Unrolled: state path ("layers", i, ...); scanned: ("layers", ...) at slot i."""
+        if config.scan_layers:
+            return _Tensor(("layers", *path), shape, transpose, layer=i)
+        return _Tensor(("layers", i, *path), shape, transpose)
+
     for i in range(config.num_hidden_layers):
-        hf, at = f"model.layers.{i}.", ("layers", i, "attn")
-        names[hf + "input_layernorm.weight"] = _Tensor(
-            ("layers", i, "input_norm", "scale"), (d,), False
-        )
-        names[hf + "post_attention_layernorm.weight"] = _Tensor(
-            ("layers", i, "post_attn_norm", "scale"), (d,), False
+        hf, tensor = f"model.layers.{i}.", functools.partial(layer_tensor, i)
+        names[hf + "input_layernorm.weight"] = tensor(("input_norm", "scale"), (d,), False)
+        names[hf + "post_attention_layernorm.weight"] = tensor(
+            ("post_attn_norm", "scale"), (d,), False
         )
         for proj, out in (("q", q), ("k", kv), ("v", kv)):
-            names[f"{hf}self_attn.{proj}_proj.weight"] = _Tensor(
-                at + (f"{proj}_kernel",), (out, d), True
+            names[f"{hf}self_attn.{proj}_proj.weight"] = tensor(
+                ("attn", f"{proj}_kernel"), (out, d), True
             )
             if config.attention_bias:
-                names[f"{hf}self_attn.{proj}_proj.bias"] = _Tensor(
-                    at + (f"{proj}_bias",), (out,), False
+                names[f"{hf}self_attn.{proj}_proj.bias"] = tensor(
+                    ("attn", f"{proj}_bias"), (out,), False
                 )
-        names[hf + "self_attn.o_proj.weight"] = _Tensor(at + ("o_kernel",), (d, q), True)
+        names[hf + "self_attn.o_proj.weight"] = tensor(("attn", "o_kernel"), (d, q), True)
         if config.qk_norm:
             for proj in ("q", "k"):
-                names[f"{hf}self_attn.{proj}_norm.weight"] = _Tensor(
-                    at + (f"{proj}_norm", "scale"), (dh,), False
+                names[f"{hf}self_attn.{proj}_norm.weight"] = tensor(
+                    ("attn", f"{proj}_norm", "scale"), (dh,), False
                 )
         for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-            names[f"{hf}mlp.{proj}_proj.weight"] = _Tensor(
-                ("layers", i, "mlp", f"{proj}_kernel"), shape, True
-            )
+            names[f"{hf}mlp.{proj}_proj.weight"] = tensor(("mlp", f"{proj}_kernel"), shape, True)
     return names
 
 
@@ -243,6 +260,8 @@ def from_pretrained(
     param_dtype: str = "float32",
     dtype: str | None = None,
     fp32_lm_head: bool = False,
+    scan_layers: bool = False,
+    remat: str = "none",
     mesh: Mesh | None = None,
     attention_impl: str = "auto",
     attention_block_size: int = 128,
@@ -252,6 +271,9 @@ def from_pretrained(
     With ``mesh``, each tensor goes straight onto its shards (``jaxrl.models.sharding`` rules):
     the host holds one tensor at a time and every device receives only its own block.
     ``attention_impl`` / ``attention_block_size``: see ``ModelConfig``.
+    ``scan_layers`` / ``remat``: the layer stack's layout and rematerialisation
+    (``ModelConfig``); a scanned model's stacked parameters are filled layer by layer on the
+    devices, so the host still holds one tensor at a time.
     """
     root = Path(path)
     if not root.is_dir():
@@ -274,6 +296,8 @@ def from_pretrained(
             fp32_lm_head=fp32_lm_head,
             attention_impl=attention_impl,
             attention_block_size=attention_block_size,
+            scan_layers=scan_layers,
+            remat=remat,
         )
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
@@ -304,19 +328,15 @@ def _build(
             f"{root}: tensors do not match {config.model_type} with "
             f"{config.num_hidden_layers} layers: missing {missing}, unexpected {unexpected}"
         )
-    by_path = {spec.path: (name, spec) for name, spec in expected.items()}
+    by_path: dict[tuple[str | int, ...], list[tuple[str, _Tensor]]] = {}
+    for name, spec in expected.items():  # one tensor per path, or one per layer slot (scanned)
+        by_path.setdefault(spec.path, []).append((name, spec))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     shardings = abstract if mesh is None else state_shardings(abstract, mesh)
+    dtype = jnp.dtype(config.param_dtype)
 
-    def place(array: np.ndarray, sharding: Any) -> jax.Array:
-        if mesh is None:
-            return jnp.asarray(array)
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-    def load(
-        key_path: tuple[Any, ...], variable: nnx.Variable, sharding: nnx.Variable
-    ) -> nnx.Variable:
-        name, spec = by_path[_key(key_path)]
+    def read(name: str, spec: _Tensor, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor, checked, in jaxrl's layout and dtype (the one host copy)."""
         array = tensors[name].get_tensor(name)
         if array.shape != spec.shape:
             raise ValueError(
@@ -328,14 +348,46 @@ def _build(
                 f"{root}: tensor {name} holds {int(finite.size - finite.sum())} non-finite values "
                 "(NaN or inf): the checkpoint is damaged; re-download or re-export it"
             )
-        array = (array.T if spec.transpose else array).reshape(variable.shape)
-        array = np.ascontiguousarray(array.astype(jnp.dtype(config.param_dtype)))
-        return variable.replace(place(array, sharding.get_value()))
+        array = (array.T if spec.transpose else array).reshape(shape)
+        return np.ascontiguousarray(array.astype(dtype))
+
+    def place(array: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
+        if sharding is None:
+            return jnp.asarray(array)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def load(
+        key_path: tuple[Any, ...], variable: nnx.Variable, sharding: nnx.Variable
+    ) -> nnx.Variable:
+        entries = by_path[_key(key_path)]
+        target = None if mesh is None else sharding.get_value()
+        if entries[0][1].layer is None:
+            name, spec = entries[0]
+            return variable.replace(place(read(name, spec, variable.shape), target))
+        # scanned: each layer's tensor goes onto its shards, then into its slot of the stacked
+        # buffer (donated, so the devices hold the stack plus one layer)
+        slot_sharding = None if target is None else NamedSharding(mesh, P(*target.spec[1:]))
+        stacked = _zeros(variable.shape, dtype, target)
+        for name, spec in entries:
+            layer = place(read(name, spec, variable.shape[1:]), slot_sharding)
+            stacked = _set_slot(stacked, layer, np.int32(spec.layer))
+        return variable.replace(stacked)
 
     state = jax.tree_util.tree_map_with_path(
         load, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
     return nnx.merge(graphdef, state)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None) -> jax.Array:
+    """A zero array created directly in ``sharding`` (default device when None)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_slot(stacked_N: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
+    """``stacked_N`` with slot ``i`` of its leading axis replaced by ``layer`` (in place)."""
+    return jax.lax.dynamic_update_index_in_dim(stacked_N, layer, i, 0)
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -367,7 +419,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, spec in _tensor_map(config).items():
-        value = values[spec.path]
+        value = values[spec.path] if spec.layer is None else values[spec.path][spec.layer]
         if spec.transpose:
             value = value.reshape(math.prod(spec.shape[1:]), spec.shape[0]).T
         tensors[name] = np.ascontiguousarray(value.reshape(spec.shape))

@@ -8,6 +8,11 @@ written there, so decoding uses the same visibility rule as training (``attentio
 Unwritten slots hold segment ``EMPTY = -1``, which equals no query's segment (queries use 0 for
 padding and 1.. for documents), so they are invisible to every query without a separate mask.
 
+Keys and values are one stacked buffer per kind, ``[N, B, L, K, Dh]`` over the N layers, for the
+unrolled and the scanned layer stack alike: layer i writes its T new entries into slot
+``(i, :, index)`` with one ``dynamic_update_slice``, so a decode step updates the cache in place
+whether i is a Python int or the layer scan's counter.
+
 All rows write at the same slot ``index`` (a traced int32 scalar): a batch of prompts of
 different lengths is left-padded, with padding in segment 0 (invisible to the real tokens), so
 that every row's next token goes to slot ``P + step``. Writing past ``L`` is a caller error
@@ -33,24 +38,38 @@ EMPTY = -1  # segment id of an unwritten slot
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerKV:
-    """One layer's view of the cache: its keys and values plus the shared slot metadata."""
+    """Layer ``layer``'s view of the cache: the stacked keys and values of every layer, the
+    shared slot metadata and the layer index (a Python int, or traced inside a layer scan)."""
 
-    keys_BLKDh: jax.Array  # compute dtype, after RoPE (and q/k norm)
-    values_BLKDh: jax.Array
+    keys_NBLKDh: jax.Array  # every layer's keys, compute dtype, after RoPE (and q/k norm)
+    values_NBLKDh: jax.Array
     segment_ids_BL: jax.Array  # int32, EMPTY on unwritten slots
     positions_BL: jax.Array  # int32
     index: jax.Array  # int32 scalar: first slot of the tokens being written
+    layer: jax.Array  # int32 scalar: which layer of the stack this view reads and writes
+
+    @property
+    def keys_BLKDh(self) -> jax.Array:
+        """This layer's keys [B, L, K, Dh]."""
+        return lax.dynamic_index_in_dim(self.keys_NBLKDh, self.layer, 0, keepdims=False)
+
+    @property
+    def values_BLKDh(self) -> jax.Array:
+        """This layer's values [B, L, K, Dh]."""
+        return lax.dynamic_index_in_dim(self.values_NBLKDh, self.layer, 0, keepdims=False)
 
     def append(self, k_BTKDh: jax.Array, v_BTKDh: jax.Array) -> LayerKV:
-        """Write T new keys and values at slots ``[index, index + T)`` (index unchanged)."""
-        start = (0, self.index, 0, 0)
+        """Write T new keys and values at this layer's slots ``[index, index + T)`` (in place:
+        one ``dynamic_update_slice`` into the stacked buffers; index unchanged)."""
+        zero = jnp.zeros((), jnp.int32)
+        start = (jnp.asarray(self.layer, jnp.int32), zero, self.index, zero, zero)
         return dataclasses.replace(
             self,
-            keys_BLKDh=lax.dynamic_update_slice(
-                self.keys_BLKDh, k_BTKDh.astype(self.keys_BLKDh.dtype), start
+            keys_NBLKDh=lax.dynamic_update_slice(
+                self.keys_NBLKDh, k_BTKDh[None].astype(self.keys_NBLKDh.dtype), start
             ),
-            values_BLKDh=lax.dynamic_update_slice(
-                self.values_BLKDh, v_BTKDh.astype(self.values_BLKDh.dtype), start
+            values_NBLKDh=lax.dynamic_update_slice(
+                self.values_NBLKDh, v_BTKDh[None].astype(self.values_NBLKDh.dtype), start
             ),
         )
 
@@ -58,10 +77,11 @@ class LayerKV:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer ``[B, L, K, Dh]``, slot segments/positions, write index."""
+    """Keys and values of every layer ``[N, B, L, K, Dh]`` (one stacked buffer each, for the
+    unrolled and the scanned layer stack alike), slot segments/positions, write index."""
 
-    keys: tuple[jax.Array, ...]  # per layer [B, L, K, Dh]
-    values: tuple[jax.Array, ...]  # per layer [B, L, K, Dh]
+    keys: jax.Array  # [N, B, L, K, Dh]: layer, row, slot, KV head, head dim
+    values: jax.Array  # [N, B, L, K, Dh]
     segment_ids_BL: jax.Array  # int32, EMPTY on unwritten slots
     positions_BL: jax.Array  # int32
     index: jax.Array  # int32 scalar: next slot to write
@@ -69,11 +89,16 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
         """An all-EMPTY cache of ``length`` slots in the model's compute dtype."""
-        shape = (batch, length, config.num_key_value_heads, config.head_dim)
-        zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_hidden_layers))
+        shape = (
+            config.num_hidden_layers,
+            batch,
+            length,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         return cls(
-            keys=zeros,
-            values=zeros,
+            keys=jnp.zeros(shape, config.dtype),
+            values=jnp.zeros(shape, config.dtype),
             segment_ids_BL=jnp.full((batch, length), EMPTY, jnp.int32),
             positions_BL=jnp.zeros((batch, length), jnp.int32),
             index=jnp.zeros((), jnp.int32),
@@ -97,17 +122,21 @@ class KVCache:
             ),
         )
 
-    def layer(self, i: int) -> LayerKV:
+    def layer(self, i: int | jax.Array) -> LayerKV:
         """Layer ``i``'s view (call after :meth:`write_slots`)."""
         return LayerKV(
-            self.keys[i], self.values[i], self.segment_ids_BL, self.positions_BL, self.index
+            self.keys,
+            self.values,
+            self.segment_ids_BL,
+            self.positions_BL,
+            self.index,
+            jnp.asarray(i, jnp.int32),
         )
 
-    def advance(self, layers: list[LayerKV], num_tokens: int) -> KVCache:
-        """The cache holding every layer's updated keys/values, index moved by ``num_tokens``."""
-        return dataclasses.replace(
-            self,
-            keys=tuple(kv.keys_BLKDh for kv in layers),
-            values=tuple(kv.values_BLKDh for kv in layers),
-            index=self.index + num_tokens,
-        )
+    def store(self, kv: LayerKV) -> KVCache:
+        """The cache holding a layer view's updated keys and values."""
+        return dataclasses.replace(self, keys=kv.keys_NBLKDh, values=kv.values_NBLKDh)
+
+    def advance(self, num_tokens: int) -> KVCache:
+        """The cache with its write index moved past ``num_tokens`` tokens."""
+        return dataclasses.replace(self, index=self.index + num_tokens)

@@ -3,8 +3,10 @@
 Parameters carry logical names in their ``out_sharding`` metadata (``transformer.py``);
 arrays in batches use ``batch``. The default table shards the model dimension (``embed``) over
 ``fsdp`` and heads, KV heads, MLP units and the vocabulary over ``tensor``; batches are split
-over ``data × fsdp``. fp32 optimizer moments inherit their parameter's names (optax maps over
-the same Variables), so they are sharded the same way.
+over ``data × fsdp``. The leading ``layers`` axis of a scanned layer stack
+(``layer_stack.py``) is never sharded: each device holds its block of every layer, and the
+scan slices layer i locally. fp32 optimizer moments inherit their parameter's names (optax
+maps over the same Variables), so they are sharded the same way.
 
 A dimension that the mesh axis size does not divide stays whole on that axis (e.g. 2 KV heads
 on ``tensor=4``): sharding it would need padding, and such parameters are small.
@@ -31,6 +33,7 @@ LOGICAL_AXIS_RULES: LogicalRules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
+    ("layers", None),  # the stacked layer axis of model.scan_layers: every device holds all N
 )
 
 

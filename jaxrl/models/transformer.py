@@ -8,6 +8,10 @@ Precision policy: parameters are stored in ``param_dtype`` and cast to the
 compute ``dtype`` where used; RMSNorm statistics, attention scores and softmax are float32;
 ``fp32_lm_head`` computes logits as an fp32 x fp32 matmul at ``Precision.HIGHEST``.
 
+Layer stack (``layer_stack.py``): ``scan_layers`` stores the blocks' parameters stacked on a
+leading ``layers`` axis and runs them with one ``lax.scan`` (the compiled program holds the
+block once); ``remat`` wraps each block in ``jax.checkpoint``. Neither changes the numbers.
+
 Decoding: :meth:`Transformer.decode` runs new tokens against a preallocated KV cache
 (``kv_cache.py``) under the same attention visibility rule; the training path (``__call__``,
 ``hidden_states``) does not touch the cache code.
@@ -37,6 +41,7 @@ from jaxrl.models.attention import (
 )
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
+from jaxrl.models.layer_stack import check_remat, run_blocks, stack_blocks
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -116,6 +121,8 @@ class ModelConfig:
     # Run settings, not architecture (never written to config.json):
     attention_impl: str = "auto"  # xla, flash, splash, pallas_gpu or auto (attention.py)
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
+    scan_layers: bool = False  # layer parameters stacked [N, ...] and run by one lax.scan
+    remat: str = "none"  # "none", "block" or a jax.checkpoint_policies name (layer_stack.py)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -174,6 +181,9 @@ class ModelConfig:
             _fail("attention_impl", self.attention_impl, f"choose one of {ATTENTION_IMPLS}")
         if not isinstance(self.attention_block_size, int) or self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size, "must be a positive int")
+        if not isinstance(self.scan_layers, bool):
+            _fail("scan_layers", self.scan_layers, "use true or false")
+        check_remat(self.remat, "ModelConfig.remat")
 
     @classmethod
     def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
@@ -362,7 +372,9 @@ class Transformer(nnx.Module):
         self.embedding = _param(
             rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
         )
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        # created one by one in both layouts, so a seed gives the same weights scanned or not
+        blocks = [Block(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, axis="embed", param_dtype=pd
         )
@@ -403,9 +415,15 @@ class Transformer(nnx.Module):
                 f"input_ids {input_ids_BT.shape}, positions {positions_BT.shape} and segment_ids "
                 f"{segment_ids_BT.shape} must all be [B, T]"
             )
-        x_BTD = self._embed(input_ids_BT)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, segment_ids_BT, positions_BT)
+        x_BTD = run_blocks(
+            self.layers,
+            lambda block, x_BTD, _, seg_BT, pos_BT: block(x_BTD, seg_BT, pos_BT),
+            self._embed(input_ids_BT),
+            segment_ids_BT,
+            positions_BT,
+            scanned=self.config.scan_layers,
+            remat=self.config.remat,
+        )
         return self.final_norm(x_BTD)
 
     def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
@@ -437,12 +455,21 @@ class Transformer(nnx.Module):
             )
         segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
         cache = cache.write_slots(segment_ids_BT, positions_BT)
-        x_BTD = self._embed(input_ids_BT)
-        layers = []
-        for i, layer in enumerate(self.layers):
-            x_BTD, kv = layer(x_BTD, segment_ids_BT, positions_BT, cache.layer(i))
-            layers.append(kv)
-        return self.final_norm(x_BTD), cache.advance(layers, input_ids_BT.shape[1])
+
+        def step(block, carry, i, seg_BT, pos_BT):
+            x_BTD, cache = carry
+            x_BTD, kv = block(x_BTD, seg_BT, pos_BT, cache.layer(i))
+            return x_BTD, cache.store(kv)
+
+        x_BTD, cache = run_blocks(
+            self.layers,
+            step,
+            (self._embed(input_ids_BT), cache),
+            segment_ids_BT,
+            positions_BT,
+            scanned=self.config.scan_layers,
+        )
+        return self.final_norm(x_BTD), cache.advance(input_ids_BT.shape[1])
 
     def head_kernel(self) -> jax.Array:
         """LM head kernel [D, V] in param dtype; the transposed embedding when tied."""

@@ -28,7 +28,13 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 2):
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            # named handlers let item_metadata read a checkpoint this process did not write
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "host": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def latest_step(self) -> int | None:
@@ -64,6 +70,16 @@ class Checkpointer:
             ),
         )
         return restored.state, dict(restored.host)
+
+    def stacked_layers(self, step: int) -> bool | None:
+        """Whether checkpoint ``step`` holds a scanned layer stack (``params.layers.attn...``,
+        ``model.scan_layers``) rather than one entry per layer (``params.layers.0...``); None
+        when its metadata cannot be read (the restore then reports the damage)."""
+        try:
+            layers = self._manager.item_metadata(step)["state"]["params"]["layers"]
+            return not any(str(key).isdigit() for key in layers.keys())  # noqa: SIM118
+        except Exception:  # missing or damaged metadata: orbax raises many kinds
+            return None
 
     def close(self) -> None:
         self._manager.close()

@@ -56,6 +56,8 @@ def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
         fp32_lm_head=m.fp32_lm_head,
         attention_impl=m.attention_impl,
         attention_block_size=m.attention_block_size,
+        scan_layers=m.scan_layers,
+        remat=m.remat,
     )
     return ModelConfig.tiny(vocab, **init)
 
@@ -75,6 +77,8 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any,
             param_dtype=m.param_dtype,
             dtype=m.dtype,
             fp32_lm_head=m.fp32_lm_head,
+            scan_layers=m.scan_layers,
+            remat=m.remat,
             mesh=mesh,
             attention_impl=m.attention_impl,
             attention_block_size=m.attention_block_size,
@@ -223,6 +227,7 @@ class Session:
             return None
         problems = []
         for step in steps:
+            self._check_layer_layout(step)
             try:
                 state, host = self.checkpointer.restore(self.state, step)
             except Exception as e:  # damaged files: orbax raises many kinds
@@ -275,6 +280,24 @@ class Session:
             tensorboard=log.tensorboard,
             wandb=log.wandb,
             run_config=to_dict(self.cfg),
+        )
+
+    def _check_layer_layout(self, step: int) -> None:
+        """A checkpoint keeps the layer layout of the run that wrote it (stacked ``[N, ...]``
+        parameters with ``model.scan_layers``, one entry per layer without); restoring it into
+        the other layout is refused with the fix."""
+        stacked = self.checkpointer.stacked_layers(step)
+        scanned = self.model_config.scan_layers
+        if stacked is None or stacked == scanned:
+            return
+        self.checkpointer.close()
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {self.checkpointer.directory} was written with "
+            f"model.scan_layers={str(stacked).lower()} but this run has "
+            f"model.scan_layers={str(scanned).lower()}: orbax checkpoints keep the layer layout "
+            f"of their run. Resume with model.scan_layers={str(stacked).lower()}, or start a "
+            "new output_dir from an exported HF directory (model.path; HF files are the same "
+            "in both layouts)"
         )
 
     def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:

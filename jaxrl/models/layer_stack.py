@@ -1,0 +1,149 @@
+"""The stack of transformer blocks: unrolled or scanned, with optional rematerialisation.
+
+Two layouts of the same blocks (``ModelConfig.scan_layers``):
+
+- unrolled: ``nnx.List`` of N blocks, parameters ``layers.{i}.attn.q_kernel [D, H, Dh]``; the
+  forward is a Python loop, so the compiled program holds N copies of the block (compile time
+  grows with N).
+- scanned: one block whose every parameter has a leading layer axis,
+  ``layers.attn.q_kernel [N, D, H, Dh]``, logical axis ``"layers"`` (never sharded:
+  ``sharding.py``); the forward is one ``lax.scan`` over it (split / merge of the block's state
+  in the body), so the program holds the block once.
+
+:func:`stack_blocks` builds the scanned layout from blocks created one by one, so a seed gives
+the same parameters in both layouts; :func:`unstack_blocks` is its inverse. Both layouts run
+through :func:`run_blocks`, which is the only place that knows the difference.
+
+Rematerialisation (``ModelConfig.remat``): ``"none"`` keeps every activation the backward
+pass needs; ``"block"`` wraps each block in ``jax.checkpoint`` (only its input is saved, the
+rest recomputed in the backward pass); any policy name of ``jax.checkpoint_policies`` (e.g.
+``dots_with_no_batch_dims_saveable``: keep the matmul outputs, recompute the rest) wraps each
+block in ``jax.checkpoint(policy=...)``. Scanned, the checkpoint is inside the scan body, so
+the saved residuals are one stacked buffer per saved value.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYER_AXIS = "layers"  # logical name of the stacked layer axis (unsharded)
+REMAT_OFF, REMAT_BLOCK = "none", "block"
+
+C = TypeVar("C")
+M = TypeVar("M", bound=nnx.Module)
+
+
+def remat_policy_names() -> tuple[str, ...]:
+    """Names in ``jax.checkpoint_policies`` that are policies themselves (not factories such
+    as ``save_only_these_names(*names)``, which need arguments)."""
+    names = []
+    for name in dir(jax.checkpoint_policies):
+        value = getattr(jax.checkpoint_policies, name)
+        if name.startswith("_") or not callable(value):
+            continue
+        params = inspect.signature(value).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            names.append(name)
+    return tuple(sorted(names))
+
+
+def check_remat(value: Any, field: str) -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is ``"none"``, ``"block"`` or a
+    policy name of :func:`remat_policy_names`."""
+    if value in (REMAT_OFF, REMAT_BLOCK):
+        return
+    names = remat_policy_names()
+    if value not in names:
+        raise ValueError(
+            f"{field}={value!r} is invalid: use 'none' (no rematerialisation), 'block' "
+            f"(jax.checkpoint around each block) or a jax.checkpoint_policies name: "
+            f"{', '.join(names)}"
+        )
+
+
+def remat_policy(remat: str) -> Callable[..., bool] | None:
+    """The ``jax.checkpoint`` policy of a valid ``remat`` other than ``"none"`` (None for
+    ``"block"``: save nothing but the block's inputs)."""
+    return None if remat == REMAT_BLOCK else getattr(jax.checkpoint_policies, remat)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def stack_blocks(blocks: Sequence[M]) -> M:
+    """One block holding the N blocks' parameters stacked on a new leading ``"layers"`` axis
+    (each Variable's ``out_sharding`` gains ``"layers"`` in front)."""
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
+
+    def relabel(v: nnx.Variable) -> nnx.Variable:
+        axes = v.get_metadata().get("out_sharding")
+        return v.replace(v.get_value(), out_sharding=(LAYER_AXIS, *axes) if axes else axes)
+
+    return nnx.merge(graphdef, jax.tree.map(relabel, stacked, is_leaf=_is_variable))
+
+
+def unstack_blocks(stacked: M) -> list[M]:
+    """The N blocks of a :func:`stack_blocks` block (its inverse)."""
+    graphdef, state = nnx.split(stacked)
+    n = jax.tree.leaves(state)[0].shape[0]
+
+    def layer(i: int, v: nnx.Variable) -> nnx.Variable:
+        axes = v.get_metadata().get("out_sharding")
+        return v.replace(v.get_value()[i], out_sharding=tuple(axes[1:]) if axes else axes)
+
+    return [
+        nnx.merge(graphdef, jax.tree.map(lambda v, i=i: layer(i, v), state, is_leaf=_is_variable))
+        for i in range(n)
+    ]
+
+
+def run_blocks(
+    layers: Any,
+    step: Callable[..., C],
+    carry: C,
+    *args: Any,
+    scanned: bool,
+    remat: str = REMAT_OFF,
+) -> C:
+    """``carry = step(block, carry, i, *args)`` for every block in order; the final carry.
+
+    ``layers``: an ``nnx.List`` of blocks (unrolled) or a :func:`stack_blocks` block
+    (``scanned``: one ``lax.scan``, ``i`` traced). ``args`` are loop-invariant arrays
+    (segment ids, positions). ``remat`` (``"none"``, ``"block"`` or a policy name) wraps each
+    step in ``jax.checkpoint``.
+    """
+    if remat == REMAT_OFF:
+        checkpoint = lambda f: f  # noqa: E731
+    else:
+        policy = remat_policy(remat)
+        # inside a scan the loop already keeps XLA from merging the recomputation away
+        checkpoint = lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not scanned)  # noqa: E731
+    if not scanned:
+        for i, block in enumerate(layers):
+            graphdef, state = nnx.split(block)
+
+            def one(state, carry, *args, graphdef=graphdef, i=i):
+                return step(nnx.merge(graphdef, state), carry, i, *args)
+
+            carry = checkpoint(one)(state, carry, *args)
+        return carry
+    graphdef, stacked = nnx.split(layers)
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+
+    def body(carry, xs, *args):
+        state, i = xs
+        return step(nnx.merge(graphdef, state), carry, i, *args)
+
+    def scan_body(carry, xs):
+        return checkpoint(body)(carry, xs, *args), None
+
+    carry, _ = jax.lax.scan(scan_body, carry, (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
+    return carry
