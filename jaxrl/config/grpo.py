@@ -67,6 +67,7 @@ class GRPOConfig:
     num_iterations: int = 1  # μ: passes over each generation buffer
     shuffle_dataset: bool = True  # permute the prompt order each epoch
     max_completion_length: int = 512  # generation cap; also Dr.GRPO's constant
+    max_prompt_length: int | None = 512  # longer prompts keep their last tokens; None = no cap
     temperature: float = 1.0  # sampling temperature; training logits are divided by it too
     top_k: int | None = None  # sample from the k most likely tokens; None or 0 = off
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = off
@@ -198,6 +199,8 @@ class GRPOConfig:
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
         require_choice("eval_strategy", self.eval_strategy, EVAL_STRATEGIES)
+        if self.max_prompt_length is not None:
+            _positive_int("max_prompt_length", self.max_prompt_length)
         for name in ("num_iterations", "max_completion_length", "per_device_eval_batch_size"):
             _positive_int(name, getattr(self, name))
         if self.num_generations_eval is not None:

@@ -189,6 +189,9 @@ class OptimizerConfig:
         )
 
 
+AttentionImpl = Literal["xla", "flash", "splash", "pallas_gpu", "auto"]  # docs/attention.md
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
     """Which model to train: a local HF directory, or a fresh model of the given shape."""
@@ -199,8 +202,7 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype; None = param_dtype
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
-    # attention kernel: auto = best for the backend (docs/attention.md)
-    attention_impl: Literal["xla", "flash", "splash", "pallas_gpu", "auto"] = "auto"
+    attention_impl: AttentionImpl = "auto"  # attention kernel; auto = best for the backend
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
     scan_layers: bool = False  # stack the layers' parameters and run them with one lax.scan
     remat: str = "none"  # recompute in backward: "none", "block" or a jax.checkpoint_policies name

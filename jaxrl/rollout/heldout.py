@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models.transformer import ModelConfig
 from jaxrl.rollout.builtin_rewards import exact_answer_reward
-from jaxrl.rollout.rewards import RewardFunc
+from jaxrl.rollout.rewards import RewardFunc, reward_inputs
 from jaxrl.rollout.sampler import Sampler, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -54,8 +54,10 @@ class HeldoutEvaluator:
 
     ``samples_per_prompt`` (k) completions per prompt are drawn with ``sampling`` (the training
     temperature / top-k / top-p); k = 0 measures greedy only. ``reward`` is a TRL-style reward
-    function called with the held-out ``answer`` column; a completion counts as correct when it
-    returns 1.0. ``mesh``: split the prompts over its batch axes (``Sampler``); the random bits,
+    function called with the held-out ``answer`` column (completions as messages when the
+    prompts are); a completion counts as correct when it returns 1.0. ``prompt_ids``: the
+    prompts' token ids when they are not plain text (chat-templated messages). ``mesh``: split
+    the prompts over its batch axes (``Sampler``); the random bits,
     hence the result, do not depend on it.
     """
 
@@ -71,6 +73,7 @@ class HeldoutEvaluator:
         samples_per_prompt: int,
         seed: int = 0,
         reward: RewardFunc = exact_answer_reward,
+        prompt_ids: Sequence[np.ndarray] | None = None,
         mesh: Mesh | None = None,
     ):
         if len(prompts) != len(answers) or not prompts:
@@ -81,7 +84,9 @@ class HeldoutEvaluator:
         if samples_per_prompt < 0:
             raise ValueError(f"samples_per_prompt={samples_per_prompt}: use >= 0 (0 = greedy)")
         self.prompts, self.answers = list(prompts), list(answers)
-        self.prompt_ids = [np.asarray(tokenizer.encode(p, add_bos=True), np.int32) for p in prompts]
+        if prompt_ids is None:  # text prompts of the built-in task
+            prompt_ids = [np.asarray(tokenizer.encode(p, add_bos=True), np.int32) for p in prompts]
+        self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer
         self.k = samples_per_prompt
         self.sampling = sampling
@@ -98,10 +103,11 @@ class HeldoutEvaluator:
 
     def _correct(self, prompt_ids: list[np.ndarray], repeat: int, s: SamplingParams) -> np.ndarray:
         res = self.sampler.generate(prompt_ids, self.key, s)
-        completions = [self.tokenizer.decode(x) for x in res.completions()]
+        texts = [self.tokenizer.decode(x) for x in res.completions()]
         prompts = [p for p in self.prompts for _ in range(repeat)]
         answers = [a for a in self.answers for _ in range(repeat)]
-        scores = self.reward(prompts, completions, answer=answers)
+        prompts, completions = reward_inputs(prompts, texts)  # messages for chat prompts
+        scores = self.reward(prompts=prompts, completions=completions, answer=answers)
         return (np.asarray(scores, np.float64) == 1.0).astype(np.float64)
 
     def __call__(self, params: Any) -> HeldoutResult:

@@ -11,6 +11,7 @@ step: the window's completions (g micro-steps of every rank, or ``docs_per_step`
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -21,13 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError, GRPOConfig, RunConfig
-from jaxrl.data.tokenizer import char_tokenizer
+from jaxrl.data.datasets import read_dataset
+from jaxrl.data.documents import grpo_prompts
+from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.rewards import MAX_ABS_REWARD, RewardFunc, TrainerState
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
+from jaxrl.train.mesh import is_primary
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.plots import plot_reward_and_accuracy
 from jaxrl.trainers.session import Session, build_task
@@ -37,7 +41,9 @@ PLOT_NAME = "grpo_progress.png"
 
 
 class GRPOTrainer:
-    """GRPO on a built-in task; ``run()`` trains ``max_steps`` and returns a summary.
+    """GRPO on a built-in task or on ``data.train`` (TRL's prompt-only format: ``prompt`` as text
+    or messages, every other column passed to the reward functions); ``run()`` trains
+    ``max_steps`` and returns a summary.
 
     ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards``) or the
     config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.reward_specs``); when not given,
@@ -50,13 +56,35 @@ class GRPOTrainer:
         config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.batch_ranks())
         cfg = _resolve_run_config(cfg, config)
         self.cfg, self.config = cfg, config
-        task = build_task(cfg)
-        self.tokenizer = tok = char_tokenizer(task.alphabet)
-        self.train_examples = task.examples(cfg.task.train_size)
-        self.eval_examples = task.examples(cfg.task.eval_size, split="eval")
-        encode = lambda exs: [np.asarray(tok.encode(e.prompt, add_bos=True), np.int32) for e in exs]
-        self.train_prompts = encode(self.train_examples)
-        self.eval_prompts = encode(self.eval_examples)
+        if cfg.data.train is None:  # the built-in task: rows of prompt and answer
+            task = build_task(cfg)
+            self.tokenizer = tok = char_tokenizer(task.alphabet)
+            self.train_examples = task.examples(cfg.task.train_size)
+            self.eval_examples = task.examples(cfg.task.eval_size, split="eval")
+            as_row = lambda e: {"prompt": e.prompt, "answer": e.answer}
+            self.train_rows = [as_row(e) for e in self.train_examples]
+            self.eval_rows = [as_row(e) for e in self.eval_examples]
+            encode = lambda rows: [
+                np.asarray(tok.encode(r["prompt"], add_bos=True), np.int32) for r in rows
+            ]
+            self.train_prompts, self.eval_prompts = encode(self.train_rows), encode(self.eval_rows)
+            self.data_report: dict[str, int] = {}  # prompts the length limit cut (real data)
+        else:
+            self.tokenizer = tok = load_tokenizer(cfg.model.path)
+            self.train_examples = self.eval_examples = None
+            self.data_report = {}
+            data = cfg.data
+            self.train_rows, self.train_prompts = self._read("train", data.train, data.split)
+            self.eval_rows, self.eval_prompts = [], []
+            if data.eval is not None:
+                self.eval_rows, self.eval_prompts = self._read("eval", data.eval, data.eval_split)
+                if any("answer" not in r for r in self.eval_rows):
+                    raise ConfigError(
+                        f"data.eval={data.eval!r} is invalid for GRPO: held-out accuracy scores "
+                        "completions against an 'answer' column, which its rows lack; add one "
+                        "(or leave data.eval out)"
+                    )
+        self.columns = list(dict.fromkeys(k for r in self.train_rows for k in r if k != "prompt"))
         longest = max(len(p) for p in self.train_prompts + self.eval_prompts)
         if longest + config.max_completion_length > cfg.schedule.max_tokens:
             raise ConfigError(
@@ -82,17 +110,20 @@ class GRPOTrainer:
             ),
             mesh=self.session.mesh,
         )
-        self.evaluator = HeldoutEvaluator(
-            self.session.model_config,
-            tok,
-            [e.prompt for e in self.eval_examples],
-            [e.answer for e in self.eval_examples],
-            max_new_tokens=config.max_completion_length,
-            sampling=self.generator.sampler.sampling,
-            samples_per_prompt=cfg.logging.eval_samples,
-            seed=cfg.seed,
-            mesh=self.session.mesh,
-        )
+        self.evaluator = None  # no held-out rows: no eval metrics
+        if self.eval_rows:
+            self.evaluator = HeldoutEvaluator(
+                self.session.model_config,
+                tok,
+                [r["prompt"] for r in self.eval_rows],
+                [r["answer"] for r in self.eval_rows],
+                prompt_ids=self.eval_prompts,
+                max_new_tokens=config.max_completion_length,
+                sampling=self.generator.sampler.sampling,
+                samples_per_prompt=cfg.logging.eval_samples,
+                seed=cfg.seed,
+                mesh=self.session.mesh,
+            )
         self.prompt_sampler = PromptSampler(
             len(self.train_prompts),
             prompts_per_generation=config.prompts_per_generation,
@@ -108,6 +139,18 @@ class GRPOTrainer:
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self._started = False
 
+    def _read(self, split: str, source: str, name: str) -> tuple[list[dict], list[np.ndarray]]:
+        """Rows and prompt ids of a GRPO dataset (chat template for conversational prompts);
+        prompts over ``grpo.max_prompt_length`` keep their last tokens, counted and reported."""
+        data = read_dataset(source, "grpo", split=name)
+        limit = self.config.max_prompt_length or 2**31 - 1
+        prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit)
+        self.data_report.update(prompts.report.metrics(split))
+        warning = prompts.report.warning(split, f"grpo.max_prompt_length={limit}")
+        if warning and is_primary():
+            print(warning, file=sys.stderr)
+        return data.rows, prompts.ids
+
     # -- generation ---------------------------------------------------------------------------
     @property
     def computes_old_logprobs(self) -> bool:
@@ -119,12 +162,12 @@ class GRPOTrainer:
         """Generate, score and keep the next generation batch; returns the buffer's fields."""
         n = self.prompt_sampler.generations
         idx = self.prompt_sampler.next_generation()
-        examples = [self.train_examples[i] for i in idx]
+        rows = [self.train_rows[i] for i in idx]
         rollouts = self.generator.generate(
             self.session.state.params,
             [self.train_prompts[i] for i in idx],
-            [e.prompt for e in examples],
-            {"answer": [e.answer for e in examples]},
+            [r["prompt"] for r in rows],
+            {k: [r.get(k) for r in rows] for k in self.columns},
             jax.random.fold_in(jax.random.key(self.cfg.seed), n),
             trainer_state=TrainerState(global_step=self.session.step, max_steps=self.cfg.max_steps),
         )
@@ -261,6 +304,8 @@ class GRPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval/accuracy`` (greedy) and ``eval/accuracy_sampled`` (k samples per prompt
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
+        if self.evaluator is None:
+            return {}
         return self.evaluator(self.session.state.params).metrics()
 
     def host_state(self) -> dict[str, Any]:
@@ -297,9 +342,17 @@ class GRPOTrainer:
         session = self.session
         self._start()
         start = time.perf_counter()
+        report = dict(self.data_report)  # goes into the run's first metrics row
+
+        def step() -> dict[str, Any]:
+            row = self.step()
+            row.update(report)
+            report.clear()
+            return row
+
         last = session.loop(
             "grpo",
-            self.step,
+            step,
             host_state=self.host_state,
             evaluate=self.evaluate,
             info=lambda row: f"reward {row['reward']:.3f}",
@@ -315,6 +368,7 @@ class GRPOTrainer:
             "final_loss": last.get("loss"),
             **{f"{k}_start": v for k, v in self.start_eval.items()},
             **final,
+            **self.data_report,
             "wall_s": round(time.perf_counter() - start, 1),
             "plot": str(plot),
             "hf_export": str(export),
