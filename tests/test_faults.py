@@ -85,6 +85,8 @@ CASES = [
     ),
     ("reward_weights", "grpo", ["grpo.reward_weights=[1.0]"], 2, "reward_weights"),
     ("dpo docs_per_step", "dpo", ["schedule.docs_per_step=3"], 2, "schedule.docs_per_step=3"),
+    ("step over the data", "sft", ["task.train_size=8"], 2, "holds 8 documents"),
+    ("dpo step over the data", "dpo", ["task.train_size=8"], 2, "training data holds"),
 ]
 CONFIGS = {
     "sft": ROOT / "configs/sft_tiny.yaml",
@@ -226,3 +228,11 @@ def test_a_bit_flipped_checkpoint_fails_its_checksum_and_falls_back(tmp_path, ca
     text = " ".join((out + " ".join(err)).split())
     assert "checkpoint step 2: unreadable (ChecksumError" in text and "changed since" in text
     assert "resumed from step 1" in text
+
+
+def test_the_data_wraps_into_logged_epochs(tmp_path, capsys):
+    code, err, _ = _train(tmp_path, "run", capsys, "task.train_size=24", "max_steps=3")
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # 16 documents per step out of 24: a new (reshuffled) epoch starts inside step 2
+    assert [r["epoch"] for r in rows] == pytest.approx([16 / 24, 32 / 24, 48 / 24])

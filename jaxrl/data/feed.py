@@ -64,6 +64,13 @@ class DocumentFeed:
             self.position += k
         return out
 
+    @property
+    def epochs(self) -> float:
+        """Passes over the data so far, as a float (``epoch`` in metrics rows): 1.5 = one full
+        pass and half of the next; ids given back do not count until they are taken again."""
+        taken = self.epoch * self.num_docs + self.position - len(self._returned)
+        return taken / self.num_docs
+
     def give_back(self, ids: list[int]) -> None:
         """Return unconsumed ids to the front, keeping their order."""
         self._returned.extendleft(reversed(ids))

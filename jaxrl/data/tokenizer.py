@@ -185,6 +185,7 @@ class TextTokenizer:
             special["bos_token"] = self._tok.id_to_token(self.bos_id)
         for key, value in special.items():
             config.setdefault(key, value)
+        config.setdefault("add_bos_token", self.add_bos_token)
         if self.chat_templates and not self._files and "chat_template" not in config:
             config["chat_template"] = (
                 self.chat_templates["default"]
@@ -312,4 +313,5 @@ def char_tokenizer(alphabet: str) -> TextTokenizer:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
-    return TextTokenizer(tok, eos_token=EOS, pad_token=PAD, bos_token=BOS)
+    # the built-in tasks start every document with bos, and an export says so for real-data runs
+    return TextTokenizer(tok, eos_token=EOS, pad_token=PAD, bos_token=BOS, add_bos_token=True)

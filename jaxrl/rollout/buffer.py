@@ -123,6 +123,11 @@ class PromptSampler:
         """Complete chunks of ``B_gen/G`` prompts per epoch (the incomplete last one is dropped)."""
         return self.num_prompts // self.prompts_per_generation
 
+    @property
+    def epochs(self) -> float:
+        """Passes over the prompts so far, as a float (``epoch`` in metrics rows)."""
+        return self.epoch + self.chunk / max(self.chunks_per_epoch, 1)
+
     def next_generation(self) -> np.ndarray:
         """int64 ``[B_gen]``: the next chunk's prompt indices, each repeated G times."""
         if self.chunk == self.chunks_per_epoch:

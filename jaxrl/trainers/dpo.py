@@ -93,6 +93,13 @@ class DPOTrainer:
             self._data_documents()
         else:
             self._pair_documents(train_pairs, eval_pairs)
+        if self.dpo.pairs_per_step > self.train.num_pairs:
+            raise ConfigError(
+                f"dpo.per_device_train_batch_size={self.dpo.per_device_train_batch_size} is "
+                f"invalid: a step takes {self.dpo.pairs_per_step} pairs (b × g × ranks) but the "
+                f"training data holds {self.train.num_pairs}, so a step would hold some twice; "
+                "lower the batch size or add data"
+            )
         self.feed = DocumentFeed(self.train.num_pairs, seed=cfg.seed)
         self.cache_dir = Path(dpo.reference_cache_dir or Path(cfg.output_dir) / "ref_cache")
         self.refs: dict[str, ReferenceCache] = {}
@@ -313,6 +320,7 @@ class DPOTrainer:
         last = session.loop(
             "dpo",
             step,
+            epoch=lambda: self.feed.epochs,
             host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
             evaluate=self.evaluate,
             info=lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",

@@ -124,6 +124,13 @@ class GRPOTrainer:
                 seed=cfg.seed,
                 mesh=self.session.mesh,
             )
+        if config.prompts_per_generation > len(self.train_prompts):
+            raise ConfigError(
+                f"grpo.generation_batch_size={config.generation_batch_size} is invalid: a "
+                f"generation takes {config.prompts_per_generation} prompts (× "
+                f"{config.num_generations} completions) but the training data holds "
+                f"{len(self.train_prompts)}; lower the batch size or add data"
+            )
         self.prompt_sampler = PromptSampler(
             len(self.train_prompts),
             prompts_per_generation=config.prompts_per_generation,
@@ -353,6 +360,7 @@ class GRPOTrainer:
         last = session.loop(
             "grpo",
             step,
+            epoch=lambda: self.prompt_sampler.epochs,
             host_state=self.host_state,
             evaluate=self.evaluate,
             info=lambda row: f"reward {row['reward']:.3f}",

@@ -378,13 +378,18 @@ class Session:
         evaluate: Callable[[], dict[str, Any]] | None = None,
         info: Callable[[dict[str, Any]], str] = lambda row: f"loss {row['loss']:.3f}",
         stop: Callable[[dict[str, Any]], bool] | None = None,
+        epoch: Callable[[], float] | None = None,
     ) -> dict[str, Any]:
         """The trainers' loop: step, evaluate when due, record (and checkpoint), until
-        ``max_steps`` or ``stop(row)``; returns the last row ({} when nothing was left)."""
+        ``max_steps`` or ``stop(row)``; returns the last row ({} when nothing was left).
+        ``epoch``: passes over the training data so far, logged as ``epoch`` in every row (the
+        data wraps into a new, reshuffled epoch when a step needs more than is left)."""
         last: dict[str, Any] = {}
         with self.progress(description) as advance:
             while self.step < self.cfg.max_steps:
                 row = step()
+                if epoch is not None:
+                    row["epoch"] = round(epoch(), 6)
                 if evaluate is not None and self.eval_due():
                     row.update(evaluate())
                 done = stop is not None and stop(row)

@@ -61,6 +61,14 @@ class SFTTrainer:
         else:
             self._data_documents()
         self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
+        need = cfg.schedule.docs_per_step or cfg.sft.batch_size
+        if need > len(self.train_seqs):
+            field = "schedule.docs_per_step" if cfg.schedule.docs_per_step else "sft.batch_size"
+            raise ConfigError(
+                f"{field}={need} is invalid: the training data holds {len(self.train_seqs)} "
+                "documents, so a step would hold some twice; lower it or add data (steps wrap "
+                "into a new epoch only between documents, never within one step)"
+            )
         self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
         mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
 
@@ -187,6 +195,7 @@ class SFTTrainer:
         last = session.loop(
             "sft",
             step,
+            epoch=lambda: self.feed.epochs,
             host_state=lambda: {"feed": self.feed.state_dict()},
             evaluate=self.evaluate,
             stop=lambda row: self._reached(row.get("eval/accuracy")),
