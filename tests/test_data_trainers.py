@@ -166,9 +166,9 @@ def test_data_and_task_are_alternatives_and_data_needs_a_model(tmp_path, model_d
     assert load_run_config(config, []).task is None
     with pytest.raises(ConfigError, match=r"sft_warmup_steps=5 is invalid with data.train"):
         load_run_config(config, ["algorithm=dpo", "sft_warmup_steps=5"])
-    # GRPO reads the built-in task only, for now: a clear error, not a silent task run
+    # GRPO reads data.train too: SFT rows (no prompt) are an error naming the file and line
     assert _train(config, "algorithm=grpo") == 2
-    assert "algorithm='grpo' does not read data.train=" in capsys.readouterr().err
+    assert "train.jsonl:1: missing 'prompt'" in capsys.readouterr().err
 
 
 def test_a_bad_row_fails_the_run_naming_file_and_line(tmp_path, model_dir, capsys):

@@ -141,7 +141,7 @@ TINY_SFT = [
 def _scripted(monkeypatch, accuracies):
     """SFTTrainer.evaluate returns the scripted accuracies in turn (held-out quality on cue)."""
     seq = iter(accuracies)
-    monkeypatch.setattr(SFTTrainer, "evaluate", lambda self: next(seq))
+    monkeypatch.setattr(SFTTrainer, "evaluate", lambda self: {"eval/accuracy": next(seq)})
 
 
 def test_sft_stops_at_the_first_eval_reaching_the_target(tmp_path, monkeypatch):

@@ -99,8 +99,8 @@ def build_task(cfg: RunConfig) -> ArithmeticTask:
     t = cfg.task
     if t is None:
         raise ConfigError(
-            f"algorithm={cfg.algorithm!r} does not read data.train={cfg.data.train!r} yet: it "
-            "trains on the built-in task; remove data.train (sft and dpo read real data)"
+            f"data.train={cfg.data.train!r} is set, so there is no built-in task to build "
+            "(internal: a trainer asked for the task on real data)"
         )
     return ArithmeticTask(
         min_digits=t.min_digits,
