@@ -236,3 +236,22 @@ def test_the_data_wraps_into_logged_epochs(tmp_path, capsys):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # 16 documents per step out of 24: a new (reshuffled) epoch starts inside step 2
     assert [r["epoch"] for r in rows] == pytest.approx([16 / 24, 32 / 24, 48 / 24])
+
+
+def test_text_the_tokenizer_cannot_represent_is_named_with_its_row(tmp_path):
+    from jaxrl.data.datasets import DataError, read_dataset
+    from jaxrl.data.documents import dpo_documents
+    from jaxrl.data.tokenizer import UnknownTextError, char_tokenizer
+
+    tok = char_tokenizer("0123456789+= ")
+    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}]
+    rows.append({"prompt": "1+2=", "chosen": "3", "rejected": "three €"})  # not in the alphabet
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = read_dataset(path, "dpo")
+    with pytest.raises(DataError, match=r"pairs.jsonl:2: text .* cannot represent .*'€'"):
+        dpo_documents(data, tok, max_length=32)
+    with pytest.raises(UnknownTextError, match="would silently become '<unk>'"):
+        tok.encode("1+x")
+    tok.allow_unknown = True  # opted in: encoded as <unk>, and counted
+    assert tok.encode("1+x")[-1] == tok.unk_id and tok.unknown_count == 1

@@ -125,14 +125,19 @@ def spy(prompts, completions, completion_ids, answer, question, **kwargs):
         f.write(json.dumps({"prompts": prompts, "completions": completions,
                             "answer": answer, "question": question,
                             "ids": completion_ids}) + "\\n")
-    return [float(len(c[0]["content"]) % 3) for c in completions]
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(len(t) % 3) for t in texts]
 """
 
 
-def test_grpo_gsm8k_qwen_config_with_a_user_reward(tmp_path, model_dir, monkeypatch):
+@pytest.mark.parametrize("conversational", [True, False], ids=["messages", "text"])
+def test_grpo_gsm8k_qwen_config_with_a_user_reward(
+    tmp_path, model_dir, monkeypatch, conversational
+):
+    prompt = _messages if conversational else (lambda q: q)
     rows = [
-        {"prompt": _messages(q), "answer": a, "question": q} for q, a in QA
-    ]  # conversational prompts; `answer` and `question` are extra columns
+        {"prompt": prompt(q), "answer": a, "question": q} for q, a in QA
+    ]  # conversational or text prompts; `answer` and `question` are extra columns
     data = _jsonl(tmp_path / "gsm.jsonl", rows)
     (tmp_path / "spy.py").write_text(SPY)
     monkeypatch.setenv("JAXRL_SPY", str(tmp_path / "calls.jsonl"))
@@ -168,5 +173,8 @@ def test_grpo_gsm8k_qwen_config_with_a_user_reward(tmp_path, model_dir, monkeypa
         assert len(call["completions"]) == len(call["answer"]) == len(call["ids"]) == 8
         for p, c, a, q in zip(call["prompts"], call["completions"], call["answer"],
                               call["question"], strict=True):  # fmt: skip
-            assert p == _messages(q) and by_question[q] == a  # row order matches completions
-            assert c[0]["role"] == "assistant"
+            assert p == prompt(q) and by_question[q] == a  # row order matches completions
+            if conversational:  # completions as messages, as TRL hands them over
+                assert c[0]["role"] == "assistant"
+            else:
+                assert isinstance(c, str)

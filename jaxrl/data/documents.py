@@ -27,7 +27,7 @@ import numpy as np
 from jaxrl.data.chat_template import ChatTemplateError
 from jaxrl.data.datasets import DataError, Dataset
 from jaxrl.data.preference import PairDocuments
-from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.data.tokenizer import TextTokenizer, UnknownTextError
 
 __all__ = [
     "LengthReport",
@@ -86,7 +86,7 @@ def _in_row(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``fn``; a chat-template error gets the row's location."""
     try:
         return fn(*args, **kwargs)
-    except ChatTemplateError as e:
+    except (ChatTemplateError, UnknownTextError) as e:
         raise DataError(f"{where}: {e}") from None
 
 

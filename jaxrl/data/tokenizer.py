@@ -42,6 +42,10 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 __all__ = ["ChatTemplateError", "TextTokenizer", "char_tokenizer", "load_tokenizer"]
 
 
+class UnknownTextError(ValueError):
+    """Text holds characters the tokenizer's vocabulary cannot represent."""
+
+
 class TextTokenizer:
     """Encode/decode text with explicit ``eos_id``/``pad_id``/``bos_id`` (``None`` if absent),
     and render conversations with the tokenizer's chat template(s).
@@ -81,6 +85,10 @@ class TextTokenizer:
             probe = self._tok.encode("a", add_special_tokens=True).ids
             add_bos_token = self.bos_id is not None and probe[:1] == [self.bos_id]
         self.add_bos_token = bool(add_bos_token)
+        unk = getattr(self._tok.model, "unk_token", None)
+        self.unk_id = self._tok.token_to_id(unk) if unk else None  # None: every text encodes
+        self.allow_unknown = False  # True: unrepresentable text becomes unk (counted) instead
+        self.unknown_count = 0  # unk tokens produced while allow_unknown is True
 
     def _require(self, token: str, role: str) -> int:
         idx = self._tok.token_to_id(token)
@@ -94,8 +102,26 @@ class TextTokenizer:
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         """Token ids of ``text`` without special tokens; ``add_bos`` prepends ``bos_id``."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._ids(text)
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def _ids(self, text: str) -> list[int]:
+        """Token ids of ``text``; text the vocabulary cannot represent (it would become the unk
+        token) raises ``UnknownTextError`` naming the characters, unless ``allow_unknown``."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        if self.unk_id is None or self.unk_id not in enc.ids:
+            return enc.ids
+        spans = [o for i, o in zip(enc.ids, enc.offsets, strict=True) if i == self.unk_id]
+        if self.allow_unknown:
+            self.unknown_count += len(spans)
+            return enc.ids
+        pieces = sorted({text[a:b] for a, b in spans})
+        shown = ", ".join(repr(x) for x in pieces[:5]) + (" ..." if len(pieces) > 5 else "")
+        raise UnknownTextError(
+            f"text {text[:60]!r} holds {len(spans)} piece(s) the tokenizer cannot represent "
+            f"({shown}); they would silently become {self._tok.id_to_token(self.unk_id)!r}: "
+            "remove them from the data, or use a tokenizer that covers them"
+        )
 
     def decode(self, ids, *, stop_at_eos: bool = True) -> str:
         ids = [int(i) for i in ids]
@@ -154,7 +180,7 @@ class TextTokenizer:
         add_generation_prompt=..., tokenize=True)``. Note the default ``add_generation_prompt``
         is True here (a prompt for generation), False in transformers."""
         text = self.render_chat(messages, add_generation_prompt, tools, **template_kwargs)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._ids(text)
 
     def chat_assistant_mask(
         self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any
