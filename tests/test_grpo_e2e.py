@@ -118,7 +118,7 @@ def test_fp32_sampler_and_trainer_logprobs_agree(tmp_path):
 def test_cli_smoke_run_writes_every_metric_key_and_plot(tmp_path):
     out = tmp_path / "cli"
     args = ["train", CONFIG, "--set", f"output_dir={out}"]
-    for o in (*TINY, "sft_warmup_steps=2", "max_steps=2", "grpo.beta=0.04",
+    for o in (*TINY, "sft_warmup_steps=2", "sft.batch_size=32", "max_steps=2", "grpo.beta=0.04",
               "grpo.top_entropy_quantile=0.5", "logging.eval_every=1"):  # fmt: skip
         args += ["--set", o]
     assert main(args) == 0

@@ -257,6 +257,7 @@ def test_step_zero_accuracy_is_strictly_zero(tmp_path):
             "sft_warmup_steps=0",
             "task.train_size=24",
             "task.eval_size=24",
+            "dpo.per_device_train_batch_size=8",  # a step may not hold a pair twice
             "model.init.num_hidden_layers=1",
             "model.init.hidden_size=32",
             "model.init.intermediate_size=64",
@@ -280,6 +281,7 @@ def test_simpo_builds_no_cache(tmp_path):
             "sft_warmup_steps=0",
             "dpo.loss_type=simpo",
             "task.train_size=16",
+            "dpo.per_device_train_batch_size=8",
             "model.init.num_hidden_layers=1",
         ],
     )
