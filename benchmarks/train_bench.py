@@ -84,8 +84,10 @@ def documents(cfg: Any, args: argparse.Namespace) -> tuple[list, list, int]:
 
 def matmul_params(mc: Any) -> int:
     """N: parameters that take part in a matmul per token (layers + LM head, not the lookup)."""
-    d, f, dh = mc.hidden_size, mc.intermediate_size, mc.head_dim or mc.hidden_size // (
-        mc.num_attention_heads
+    d, f, dh = (
+        mc.hidden_size,
+        mc.intermediate_size,
+        mc.head_dim or mc.hidden_size // (mc.num_attention_heads),
     )
     attn = 2 * d * mc.num_attention_heads * dh + 2 * d * mc.num_key_value_heads * dh
     return mc.num_hidden_layers * (attn + 3 * d * f) + mc.vocab_size * d
@@ -285,11 +287,11 @@ def main() -> None:
         cells += [f"{rows[0]['loss']:.5f}", f"{rows[-1]['loss']:.5f}"]
         extra = f" compiles={rows[-1]['compiles']}" if "compiles" in rows[-1] else ""
         print("| " + " | ".join(cells) + " |" + extra)
+    small, large = min(args.max_tokens), max(args.max_tokens)
     for impl in args.attention:
-        lo, hi = (f"jaxrl {impl} max_tokens={t}" for t in (min(args.max_tokens), max(args.max_tokens)))
+        lo, hi = (f"jaxrl {impl} max_tokens={t}" for t in (small, large))
         if lo != hi and lo in medians and hi in medians:
-            print(f"{impl}: max_tokens {max(args.max_tokens)} / {min(args.max_tokens)} "
-                  f"= {medians[hi] / medians[lo]:.2f}x")  # fmt: skip
+            print(f"{impl}: max_tokens {large} / {small} = {medians[hi] / medians[lo]:.2f}x")
     for t in args.max_tokens:
         j, p = f"jaxrl {args.attention[0]} max_tokens={t}", f"torch sdpa max_tokens={t}"
         if j in medians and p in medians:
