@@ -22,7 +22,8 @@ positions), gradient accumulation over the rows, clipping, AdamW with jaxrl's de
 eps and learning-rate schedule. Step 1's loss must agree with jaxrl's (same weights and data).
 
 Model FLOPs per step = 6 N tokens + 6 L H Dh sum(len^2) (causal attention, forward + backward),
-N the matmul parameters (the layers and the LM head), tokens the real (unpadded) ones.
+N the matmul parameters (the layers and the LM head), tokens the real (unpadded) ones: padding
+is not counted as work. ``fill`` = real tokens / (rows x T) computed (torch rows are unpadded).
 """
 
 from __future__ import annotations
@@ -259,7 +260,9 @@ def main() -> None:
         import torch
 
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    header = "| variant | rows x T | timed steps | s/step median (min-max) | tokens/s | GFLOP/s |"
+    header = (
+        "| variant | rows x T | fill | timed steps | s/step median (min-max) | tokens/s | GFLOP/s |"
+    )
     print(header + (" MFU |" if args.peak_flops else "") + " loss step 1 | loss last |")
     medians = {}
     for name in variants:
@@ -277,9 +280,11 @@ def main() -> None:
         toks = statistics.mean(sum(lengths[i]) for i in keep)
         flops = statistics.mean(step_flops(mc, lengths[i]) for i in keep)
         shapes = sorted({(r["rows"], r["T"]) for r in rows})
+        slots = statistics.mean(rows[i]["rows"] * rows[i]["T"] for i in keep)  # torch: unpadded
         cells = [
             name,
             ", ".join(f"{k}x{t}" for k, t in shapes),
+            f"{toks / slots:.0%}",
             str(len(ts)),
             f"{med:.4f} ({min(ts):.4f}-{max(ts):.4f})",
             f"{toks / med:,.0f}",
