@@ -188,7 +188,8 @@ class TorchVariant:
             group["lr"] = float(self.lr(self.count))
         self.opt.step()
         self.count += 1
-        return {"loss": total, "rows": len(rows), "T": max(t.shape[1] for t, _, _ in rows)}
+        lengths = [t.shape[1] for t, _, _ in rows]
+        return {"loss": total, "rows": len(rows), "T": max(lengths), "slots": sum(lengths)}
 
 
 def main() -> None:
@@ -280,7 +281,7 @@ def main() -> None:
         toks = statistics.mean(sum(lengths[i]) for i in keep)
         flops = statistics.mean(step_flops(mc, lengths[i]) for i in keep)
         shapes = sorted({(r["rows"], r["T"]) for r in rows})
-        slots = statistics.mean(rows[i]["rows"] * rows[i]["T"] for i in keep)  # torch: unpadded
+        slots = statistics.mean(rows[i].get("slots", rows[i]["rows"] * rows[i]["T"]) for i in keep)
         cells = [
             name,
             ", ".join(f"{k}x{t}" for k, t in shapes),
