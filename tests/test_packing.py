@@ -230,4 +230,8 @@ def test_row_buckets_follow_the_budget():
     assert row_buckets(256) == (64, 128, 256)
     assert row_buckets(300) == (64, 128, 256, 300)
     assert row_buckets(40) == (40,)
-    assert pick_bucket(661, row_buckets(4096), "T") == 1024  # the longest row, not the budget
+    assert row_buckets(4096) == (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    assert all(t % 128 == 0 for t in row_buckets(8192) if t >= 128)  # the kernels' block
+    assert pick_bucket(661, row_buckets(4096), "T") == 768  # the longest row, not the budget
+    for needed in range(65, 4097):  # a row is always at least 2/3 full (past the smallest)
+        assert needed / pick_bucket(needed, row_buckets(4096), "T") > 0.5

@@ -115,12 +115,15 @@ def pick_bucket(needed: int, spec: BucketSpec, name: str) -> int:
 
 
 def row_buckets(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
-    """Row lengths T a step may use under a ``max_tokens`` budget: powers of two from
-    ``smallest`` up to below the budget, then the budget itself.
+    """Row lengths T a step may use under a ``max_tokens`` budget: ``smallest``, then powers of
+    two and their 1.5 multiples (64, 128, 256, 384, 512, 768, 1024, 1536, ...) below the
+    budget, then the budget itself.
 
     Trainers pack with ``row_len=row_buckets(max_tokens)``, so T is the smallest bucket that
     holds the step's longest row, not the budget: raising the budget to pack better does not
-    pad every row to it. Each bucket is one compiled program (the step counts them).
+    pad every row to it. From 256 up the 1.5 steps keep a row over 2/3 full (661 tokens → 768, not
+    1024), and every bucket from 128 up is a multiple of 128, the block of the TPU and GPU
+    attention kernels. Each bucket is one compiled program (the step counts them).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be positive")
@@ -128,6 +131,8 @@ def row_buckets(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     size = smallest
     while size < max_tokens:
         sizes.append(size)
+        if size >= 256 and size * 3 // 2 < max_tokens:
+            sizes.append(size * 3 // 2)
         size *= 2
     return (*sizes, max_tokens)
 
