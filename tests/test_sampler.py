@@ -273,6 +273,22 @@ def test_compiles_once_per_batch_and_prompt_bucket(tiny):
     assert sampler.compiles == before + 1
 
 
+def test_batch_sizes_share_a_bucket_and_padding_changes_no_completion(tiny):
+    from jaxrl.rollout.sampler import batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 7, 9, 13, 60, 64, 65)] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 64, 64, 96,
+    ]  # fmt: skip
+    _, sampler = tiny
+    prompts = [[2, 4], [5], [6, 7, 8], [4, 4], [2], [3, 5]]
+    full = sampler.generate(prompts, jax.random.key(0))  # a bucket of 6
+    before = sampler.compiles
+    part = sampler.generate(prompts[:5], jax.random.key(0))  # 5 rows, padded to 6
+    assert sampler.compiles == before
+    np.testing.assert_array_equal(part.tokens, full.tokens[:5])
+    np.testing.assert_array_equal(part.logprobs, full.logprobs[:5])
+
+
 def test_load_params_copies_and_casts_and_is_required(tiny):
     model, _ = tiny
     config = model.config

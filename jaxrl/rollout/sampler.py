@@ -209,6 +209,20 @@ def sample_tokens(
     return tokens_B, token_logit_B - jax.nn.logsumexp(z_BV, axis=-1)
 
 
+def batch_bucket(b: int) -> int:
+    """The batch size a call of ``b`` prompts is padded to: the smallest power of two or 1.5 times
+    a power of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) that holds it, so at most a third of the
+    rows are empty and calls of nearby sizes share one compiled program. Empty rows are stopped
+    from the start, and every row's random bits depend on its index only (threefry
+    partitionable), so the padding changes no completion."""
+    size = 1
+    while size < b:
+        if size >= 2 and size * 3 // 2 >= b:
+            return size * 3 // 2
+        size *= 2
+    return size
+
+
 class Sampler:
     """Batched sampling from a :class:`Transformer` with a KV cache; weights via ``load_params``.
 
@@ -317,7 +331,8 @@ class Sampler:
         s = sampling or self.sampling
         length = pick_bucket(max(len(p) for p in prompts), self.prompt_buckets, "prompt length P")
         b = len(prompts)
-        padded = -(-b // row_ranks(self.mesh)) * row_ranks(self.mesh)
+        ranks = row_ranks(self.mesh)
+        padded = -(-batch_bucket(b) // ranks) * ranks  # one program per batch bucket
         rows = list(prompts) + [[]] * (padded - b)  # empty rows: stopped from the start
         tokens_BP, lengths_B = left_pad(rows, pad_id=self.pad_id, length=length)
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
