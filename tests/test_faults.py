@@ -14,19 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_reliability import SMALL as RELIABILITY_SMALL
 
 from jaxrl.cli import main
 from jaxrl.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [
-    "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
-    "num_key_value_heads: 1, intermediate_size: 64}",
-    "sft.batch_size=16",
-    "task.eval_size=8",
-    "logging.progress=false",
-    "mesh.data=1",
-]
+SMALL = [*RELIABILITY_SMALL, "mesh.data=1"]  # a one-layer D=32 model, 16 documents per step
 # orbax's background thread may report its closed event loop after a failed restore
 _ORBAX_NOISE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
