@@ -46,7 +46,8 @@ def test_field_comments_read_the_source():
 
 def test_no_reference_outside_the_repository():
     this = Path(__file__).resolve()
-    pattern = re.compile(r"\.\./shared|shared/specs|shared/DESIGN|DESIGN\.md|\bspecs?/\w+\.md")
+    outside = "shared"  # the folder beside the repository, which users do not have
+    pattern = re.compile(rf"\.\./{outside}|{outside}/(specs|DESIGN)|DESIGN\.md|\bspecs?/\w+\.md")
     bad = [
         f"{p.relative_to(ROOT)}:{i}"
         for p in SOURCES

@@ -19,6 +19,7 @@ import re
 import sys
 import textwrap
 import tokenize
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -46,18 +47,18 @@ def field_comments(cls: type) -> dict[str, str]:
     comments: dict[str, str] = {}
     current: str | None = None
     depth = 0  # bracket depth: a field's default may span lines
-    line_of_field: dict[int, str] = {}
+    field_lines: set[int] = set()  # lines that declare a field
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.OP and tok.string in "([{":
             depth += 1
         elif tok.type == tokenize.OP and tok.string in ")]}":
             depth -= 1
         elif tok.type == tokenize.NAME and depth == 0 and tok.start[1] == 4 and tok.string in names:
-            line_of_field[tok.start[0]] = tok.string
+            field_lines.add(tok.start[0])
             current = tok.string
         elif tok.type == tokenize.COMMENT and current is not None:
             text = tok.string.lstrip("#").strip()
-            if tok.start[0] in line_of_field or tok.line.strip().startswith("#"):
+            if tok.start[0] in field_lines or tok.line.strip().startswith("#"):
                 comments[current] = f"{comments.get(current, '')} {text}".strip()
         elif tok.type == tokenize.NAME and tok.start[1] == 4 and tok.string == "def":
             break  # methods: no more fields
@@ -70,7 +71,7 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return " \\| ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, __import__("types").UnionType):
+    if origin in (typing.Union, types.UnionType):
         return " \\| ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "None"

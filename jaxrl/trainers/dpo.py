@@ -129,9 +129,7 @@ class DPOTrainer:
             )
 
         self.session = Session(cfg, self.tokenizer.vocab_size, loss)
-        if self.session.primary:
-            for line in self.warnings:
-                self.session.console.print(line, soft_wrap=True, markup=False)
+        self.session.say(self.warnings)
         # reference values and held-out evaluation: the no-grad scorer on every device
         self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk or 0)
 
@@ -309,17 +307,10 @@ class DPOTrainer:
         self.doc_fields = {}
         if self.dpo.needs_reference:
             self.doc_fields[REF_FIELD] = self.refs["train"].document_values()
-        report = dict(self.data_report)  # goes into the run's first step row
-
-        def step() -> dict[str, Any]:
-            row = session.train_on(self.plan_step())
-            row.update(report)
-            report.clear()
-            return row
-
         last = session.loop(
             "dpo",
-            step,
+            lambda: session.train_on(self.plan_step()),
+            first_row=self.data_report,  # rows the length limits touched
             epoch=lambda: self.feed.epochs,
             host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
             evaluate=self.evaluate,

@@ -11,7 +11,6 @@ step: the window's completions (g micro-steps of every rank, or ``docs_per_step`
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -31,7 +30,6 @@ from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.rewards import MAX_ABS_REWARD, RewardFunc, TrainerState
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
-from jaxrl.train.mesh import is_primary
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.plots import plot_reward_and_accuracy
 from jaxrl.trainers.session import Session, build_task
@@ -56,6 +54,8 @@ class GRPOTrainer:
         config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.batch_ranks())
         cfg = _resolve_run_config(cfg, config)
         self.cfg, self.config = cfg, config
+        self.data_report: dict[str, int] = {}  # prompts the length limit cut (real data)
+        self.warnings: list[str] = []  # printed once the session (process 0's console) exists
         if cfg.data.train is None:  # the built-in task: rows of prompt and answer
             task = build_task(cfg)
             self.tokenizer = tok = char_tokenizer(task.alphabet)
@@ -68,11 +68,9 @@ class GRPOTrainer:
                 np.asarray(tok.encode(r["prompt"], add_bos=True), np.int32) for r in rows
             ]
             self.train_prompts, self.eval_prompts = encode(self.train_rows), encode(self.eval_rows)
-            self.data_report: dict[str, int] = {}  # prompts the length limit cut (real data)
         else:
             self.tokenizer = tok = load_tokenizer(cfg.model.path)
             self.train_examples = self.eval_examples = None
-            self.data_report = {}
             data = cfg.data
             self.train_rows, self.train_prompts = self._read("train", data.train, data.split)
             self.eval_rows, self.eval_prompts = [], []
@@ -94,6 +92,7 @@ class GRPOTrainer:
             )
         chunk = cfg.model.logprob_chunk
         self.session = Session(cfg, tok.vocab_size, grpo_loss(config, chunk_size=chunk))
+        self.session.say(self.warnings)
         self.generator = RolloutGenerator(
             config,
             self.session.model_config,
@@ -153,9 +152,8 @@ class GRPOTrainer:
         limit = self.config.max_prompt_length or 2**31 - 1
         prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit)
         self.data_report.update(prompts.report.metrics(split))
-        warning = prompts.report.warning(split, f"grpo.max_prompt_length={limit}")
-        if warning and is_primary():
-            print(warning, file=sys.stderr)
+        if (line := prompts.report.warning(split, f"grpo.max_prompt_length={limit}")) is not None:
+            self.warnings.append(line)
         return data.rows, prompts.ids
 
     # -- generation ---------------------------------------------------------------------------
@@ -349,17 +347,10 @@ class GRPOTrainer:
         session = self.session
         self._start()
         start = time.perf_counter()
-        report = dict(self.data_report)  # goes into the run's first metrics row
-
-        def step() -> dict[str, Any]:
-            row = self.step()
-            row.update(report)
-            report.clear()
-            return row
-
         last = session.loop(
             "grpo",
-            step,
+            self.step,
+            first_row=self.data_report,  # rows the length limits touched
             epoch=lambda: self.prompt_sampler.epochs,
             host_state=self.host_state,
             evaluate=self.evaluate,

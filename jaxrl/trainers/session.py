@@ -263,6 +263,12 @@ class Session:
             "directory) to start fresh"
         )
 
+    def say(self, lines: list[str]) -> None:
+        """Print lines (warnings gathered before the session existed) on process 0's console."""
+        if self.primary:
+            for line in lines:
+                self.console.print(line, soft_wrap=True, markup=False)
+
     def _write_config(self) -> None:
         """``config.json`` of this run, once it is known to go ahead (a run refused for an
         incompatible checkpoint leaves the previous run's file, which the error compares to)."""
@@ -379,15 +385,21 @@ class Session:
         info: Callable[[dict[str, Any]], str] = lambda row: f"loss {row['loss']:.3f}",
         stop: Callable[[dict[str, Any]], bool] | None = None,
         epoch: Callable[[], float] | None = None,
+        first_row: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The trainers' loop: step, evaluate when due, record (and checkpoint), until
         ``max_steps`` or ``stop(row)``; returns the last row ({} when nothing was left).
         ``epoch``: passes over the training data so far, logged as ``epoch`` in every row (the
-        data wraps into a new, reshuffled epoch when a step needs more than is left)."""
+        data wraps into a new, reshuffled epoch when a step needs more than is left).
+        ``first_row``: fields added to the first row this loop writes (e.g. the data's
+        length report)."""
         last: dict[str, Any] = {}
+        extra = dict(first_row or {})
         with self.progress(description) as advance:
             while self.step < self.cfg.max_steps:
                 row = step()
+                row.update(extra)
+                extra.clear()
                 if epoch is not None:
                     row["epoch"] = round(epoch(), 6)
                 if evaluate is not None and self.eval_due():

@@ -80,9 +80,7 @@ class SFTTrainer:
             )
 
         self.session = Session(cfg, self.tokenizer.vocab_size, loss)
-        if self.session.primary:
-            for line in self.warnings:
-                self.session.console.print(line, soft_wrap=True, markup=False)
+        self.session.say(self.warnings)
         ranks = self.session.ranks
         if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
             raise ConfigError(
@@ -184,17 +182,10 @@ class SFTTrainer:
         if host is not None:
             self.feed.load_state_dict(host["feed"])
         start = time.perf_counter()
-        report = dict(self.data_report)  # goes into the run's first metrics row
-
-        def step() -> dict[str, Any]:
-            row = session.train_on(self.plan_step())
-            row.update(report)
-            report.clear()
-            return row
-
         last = session.loop(
             "sft",
-            step,
+            lambda: session.train_on(self.plan_step()),
+            first_row=self.data_report,  # rows the length limits touched
             epoch=lambda: self.feed.epochs,
             host_state=lambda: {"feed": self.feed.state_dict()},
             evaluate=self.evaluate,
