@@ -44,6 +44,7 @@ CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
 __all__ = [
     "MAX_ABS_REWARD",
     "RewardFunc",
+    "check_reward",
     "RewardFunctionError",
     "TrainerState",
     "reward_inputs",
@@ -105,6 +106,20 @@ def reward_inputs(prompts: Sequence[Any], texts: Sequence[str]) -> tuple[list[An
     return out_prompts, out_completions
 
 
+def check_reward(value: float, where: str) -> None:
+    """Raise ``ValueError`` (``where`` names the value) unless ``value`` is a usable reward:
+    NaN (unscored) or finite with ``|value| <= MAX_ABS_REWARD``."""
+    if math.isinf(value):
+        raise ValueError(
+            f"{where}: rewards must be finite (return None or NaN for a row that cannot be scored)"
+        )
+    if abs(value) > MAX_ABS_REWARD:
+        raise ValueError(
+            f"{where}: |reward| must be at most {MAX_ABS_REWARD:g} (the group std of larger "
+            "values overflows float64); rescale the reward"
+        )
+
+
 def _as_float(value: Any, name: str, row: int) -> float:
     if value is None:
         return math.nan
@@ -114,17 +129,7 @@ def _as_float(value: Any, name: str, row: int) -> float:
             f"{row}: return a float (or None for a row it cannot score)"
         )
     value = float(value)
-    if math.isinf(value):
-        raise ValueError(
-            f"reward function {name!r} returned {value} for row {row}: rewards must be finite "
-            "(return None or NaN for a row it cannot score)"
-        )
-    if abs(value) > MAX_ABS_REWARD:
-        raise ValueError(
-            f"reward function {name!r} returned {value:g} for row {row}: |reward| must be at "
-            f"most {MAX_ABS_REWARD:g} (the group std of larger values overflows float64); "
-            "rescale the reward"
-        )
+    check_reward(value, f"reward function {name!r} returned {value:g} for row {row}")
     return value
 
 

@@ -27,7 +27,7 @@ from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
-from jaxrl.rollout.rewards import MAX_ABS_REWARD, RewardFunc, TrainerState
+from jaxrl.rollout.rewards import RewardFunc, TrainerState, check_reward
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
 from jaxrl.train.metrics import read_metrics
@@ -238,19 +238,8 @@ class GRPOTrainer:
             [[np.nan if v is None else v for v in np.atleast_1d(row)] for row in rewards],
             np.float64,
         )
-        if np.isinf(r_BF).any():
-            row, col = np.argwhere(np.isinf(r_BF))[0]
-            raise ValueError(
-                f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]}: rewards must be "
-                "finite (None or NaN marks a row as unscored)"
-            )
-        if (np.abs(np.nan_to_num(r_BF)) > MAX_ABS_REWARD).any():
-            row, col = np.argwhere(np.abs(np.nan_to_num(r_BF)) > MAX_ABS_REWARD)[0]
-            raise ValueError(
-                f"train_on_rollouts: rewards[{row}][{col}] = {r_BF[row, col]:g}: |reward| must be "
-                f"at most {MAX_ABS_REWARD:g} (the group std of larger values overflows float64); "
-                "rescale the rewards"
-            )
+        for (row, col), value in np.ndenumerate(r_BF):
+            check_reward(value, f"train_on_rollouts: rewards[{row}][{col}] = {value:g}")
         if truncated is None:
             eos = self.tokenizer.eos_id
             truncated = [len(c) == 0 or int(c[-1]) != eos for c in completion_tokens]
