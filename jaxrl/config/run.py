@@ -156,6 +156,10 @@ class OptimizerConfig:
     eps: float = 1e-8  # Adam epsilon
     max_grad_norm: float = 1.0  # global-norm clip; 0 = off
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row (skipped)
+    # how an update is written into a bf16 master (model.param_dtype: bfloat16 only; an fp32
+    # master needs none): "stochastic" (unbiased rounding, keeps updates in expectation) or
+    # "nearest" (updates under half a bf16 ulp are lost; the lost fraction is warned about)
+    master_rounding: Literal["stochastic", "nearest"] | None = None
 
     def __post_init__(self):
         require(
@@ -198,8 +202,11 @@ class ModelSection:
 
     path: str | None = None  # local HF checkpoint directory; None = initialise from `init`
     init: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig.tiny overrides
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # parameter storage dtype
-    dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype; None = param_dtype
+    # master weights: what the optimizer updates and checkpoints store (docs/precision.md);
+    # bfloat16 needs optimizer.master_rounding
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # compute dtype of the forward, the sampler and the scorer; None = param_dtype
+    dtype: Literal["float32", "bfloat16"] | None = None
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
     attention_impl: AttentionImpl = "auto"  # attention kernel; auto = best for the backend
@@ -297,6 +304,15 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """The HF export ``<output_dir>/hf`` written at the end of a run (docs/precision.md)."""
+
+    # dtype of the exported weights; None = the dtype of the model.path checkpoint (its
+    # config.json torch_dtype), or model.param_dtype for a fresh model
+    dtype: Literal["float32", "bfloat16"] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Console and file logging: metrics.jsonl, TensorBoard, W&B (docs/logging.md)."""
 
@@ -350,6 +366,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "DistributedConfig",
+    "ExportConfig",
     "RunConfig",
     "ConfigError",
     "LoggingConfig",
@@ -380,6 +397,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)  # real data (or `task`)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     sft_warmup_steps: int = 0  # grpo/dpo: first run this many SFT steps (output_dir/sft)
     sft_warmup_target: float = 0.0  # stop the warm start once held-out accuracy >= this; 0 = off
@@ -397,6 +415,7 @@ class RunConfig:
         check_algorithm(self.algorithm)
         check_max_steps(self.max_steps)
         self._check_data_source()
+        self._check_precision()
         require(
             0 <= self.seed < 2**32,
             "seed",
@@ -443,6 +462,26 @@ class RunConfig:
                 f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
                 f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
                 "schedule.max_tokens or lower sft.max_length"
+            )
+
+    def _check_precision(self) -> None:
+        """A bf16 master keeps AdamW's updates only with an explicit rounding choice; the
+        choice means nothing for an fp32 master."""
+        rounding = self.optimizer.master_rounding
+        if self.model.param_dtype != "float32" and rounding is None:
+            raise ConfigError(
+                f"model.param_dtype={self.model.param_dtype!r} stores the master weights in "
+                "bf16, where AdamW updates smaller than half a bf16 ulp (most updates at "
+                "learning rates below ~1e-4) round away. Use model.param_dtype=float32 with "
+                "model.dtype=bfloat16 (fp32 master, bf16 compute), or opt in with "
+                "optimizer.master_rounding=stochastic (unbiased) or =nearest (updates lost, "
+                "warned)"
+            )
+        if self.model.param_dtype == "float32" and rounding is not None:
+            raise ConfigError(
+                f"optimizer.master_rounding={rounding!r} is invalid with "
+                "model.param_dtype='float32': an fp32 master keeps every update; remove "
+                "optimizer.master_rounding (it applies to a bfloat16 master only)"
             )
 
     def _check_data_source(self) -> None:
