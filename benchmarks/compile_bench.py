@@ -67,8 +67,12 @@ def compile_forward_backward(config: ModelConfig, tokens: int) -> tuple[float, f
 def memory_plan(layers: int, tokens: int, mesh: list[str], **model: object) -> dict:
     init = {k: v for k, v in QWEN25_1_5B.items()} | {"num_hidden_layers": layers}
     shape = "{" + ", ".join(f"{k}: {v}" for k, v in init.items()) + "}"
-    sets = [f"model.init={shape}", "model.param_dtype=bfloat16",
-            "optimizer.master_rounding=stochastic", f"schedule.max_tokens={tokens}"]
+    sets = [
+        f"model.init={shape}",
+        "model.param_dtype=bfloat16",
+        "optimizer.master_rounding=stochastic",
+        f"schedule.max_tokens={tokens}",
+    ]
     sets += [f"model.{k}={str(v).lower()}" for k, v in model.items()] + mesh
     return plan_memory(load_run_config("configs/sft_tiny.yaml", sets))
 
