@@ -27,7 +27,12 @@ from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.models.attention import resolve_attention_impl
-from jaxrl.models.hf import from_pretrained, save_pretrained
+from jaxrl.models.hf import (
+    checkpoint_dtype,
+    from_pretrained,
+    read_generation_config,
+    save_pretrained,
+)
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
@@ -481,9 +486,24 @@ class Session:
 
     def export(self, tokenizer: TextTokenizer) -> Path:
         """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``
-        (parameters gathered by every process, written by process 0)."""
+        (parameters gathered by every process, written by process 0).
+
+        The weights are written in ``export.dtype`` (None: the dtype of the ``model.path``
+        checkpoint, or ``model.param_dtype`` for a fresh model), so fp32 masters of a bf16
+        checkpoint go back as bf16 and an fp32 checkpoint stays fp32 whatever the compute
+        dtype. generation_config.json (the source's, with the tokenizer's ids) makes
+        transformers' ``generate()`` stop where jaxrl's sampler does.
+        """
         path = self.output_dir / "hf"
-        save_pretrained(self.model, path)
+        source = self.cfg.model.path
+        dtype = self.cfg.export.dtype or (source and checkpoint_dtype(source))
+        base = read_generation_config(source) if source else {}
+        save_pretrained(
+            self.model,
+            path,
+            dtype=dtype or self.cfg.model.param_dtype,
+            generation_config=tokenizer.generation_config(base),
+        )
         if self.primary:
             tokenizer.save(path)
         barrier("export")  # other processes may read the export next (e.g. after a warm start)
