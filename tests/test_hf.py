@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,11 +13,23 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_fixtures import CASES, LLAMA3_SCALING, hf_config, hf_logits, random_hf_model, write_case
+from hf_fixtures import (
+    CASES,
+    LLAMA3_SCALING,
+    hf_config,
+    hf_logits,
+    random_hf_model,
+    write_case,
+    write_chat_checkpoint,
+    write_tiny_tokenizer,
+)
 from safetensors.numpy import load_file, save_file
 
+from jaxrl.config import load_run_config
+from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
 from jaxrl.models.hf import config_from_hf, config_to_hf
+from jaxrl.trainers.session import Session
 
 IDS = np.random.default_rng(0).integers(0, 256, (2, 16))
 
@@ -184,3 +198,106 @@ def test_a_malformed_index_is_named(tmp_path):
     (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(ValueError, match="is not a safetensors index"):
         from_pretrained(path)
+
+
+def test_save_pretrained_writes_the_token_ids_transformers_generates_with(tmp_path):
+    src, _ = write_case("qwen2", tmp_path)
+    generation = {"bos_token_id": 5, "eos_token_id": [7, 3], "pad_token_id": 3, "top_k": 20}
+    save_pretrained(from_pretrained(src), tmp_path / "out", generation_config=generation)
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
+        "bos_token_id": 5,
+        "eos_token_id": [7, 3],
+        "pad_token_id": 3,
+    }
+    assert "top_k" not in config  # sampling settings live in generation_config.json only
+    assert json.loads((tmp_path / "out/generation_config.json").read_text()) == generation
+    reloaded = _load_hf(tmp_path / "out")
+    gc = reloaded.generation_config
+    assert (gc.bos_token_id, gc.eos_token_id, gc.pad_token_id, gc.top_k) == (5, [7, 3], 3, 20)
+
+
+def test_tokenizer_generation_config_leads_with_the_sampler_eos(tmp_path):
+    """The id jaxrl's sampler stops on comes first; the source's other stop ids follow."""
+    assert char_tokenizer("0123456789+=").generation_config() == {
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+    }
+    tok = load_tokenizer(write_tiny_tokenizer(tmp_path, "qwen2.5"))  # eos <|im_end|>
+    end, text = tok.eos_id, tok.pad_id  # <|im_end|>, <|endoftext|>
+    assert tok.generation_config() == {"eos_token_id": end, "pad_token_id": text}
+    instruct = {"bos_token_id": text, "eos_token_id": [end, text], "temperature": 0.7}
+    assert tok.generation_config(instruct) == {**instruct, "pad_token_id": text}
+    base = {"bos_token_id": text, "eos_token_id": text}  # a base model stops on <|endoftext|>
+    assert tok.generation_config(base)["eos_token_id"] == [end, text]
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-style fp32 checkpoint whose generation_config.json is Instruct-like."""
+    path = write_chat_checkpoint(tmp_path_factory.mktemp("chat") / "qwen")
+    tok = load_tokenizer(path)
+    generation = {
+        "bos_token_id": tok.pad_id,
+        "eos_token_id": [tok.eos_id, tok.pad_id],
+        "pad_token_id": tok.pad_id,
+        "do_sample": True,
+        "temperature": 0.7,
+        "transformers_version": "4.37.0",
+    }
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    return path
+
+
+def _export(tmp_path: Path, path: Path | None, *sets: str) -> Path:
+    """``Session.export`` of a session that has not trained (the model as loaded or built)."""
+    model = [f"model.path={path}"] if path else []
+    cfg = load_run_config(
+        "configs/sft_qwen.yaml" if path else "configs/sft_tiny.yaml",
+        [*model, f"output_dir={tmp_path / 'run'}", "mesh.data=1", "model.scan_layers=false",
+         "model.remat=none", *sets],
+    )  # fmt: skip
+    tokenizer = load_tokenizer(path) if path else char_tokenizer("0123456789+=")
+    session = Session(cfg, tokenizer.vocab_size, loss=None)
+    try:
+        return session.export(tokenizer)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize(
+    ("source", "sets", "want"),
+    [
+        ("float32", ["model.dtype=bfloat16"], "float32"),  # fp32 checkpoint, bf16 compute
+        ("float32", ["model.dtype=bfloat16", "export.dtype=bfloat16"], "bfloat16"),
+        ("bfloat16", [], "bfloat16"),  # fp32 masters of a bf16 checkpoint go back as bf16
+        (None, ["model.dtype=bfloat16"], "float32"),  # a fresh model: model.param_dtype
+    ],
+)
+def test_export_keeps_the_checkpoint_dtype(tmp_path, chat_checkpoint, source, sets, want):
+    path = chat_checkpoint if source == "float32" else None
+    if source == "bfloat16":  # in transformers v4's key (v5 writes "dtype")
+        path = Path(shutil.copytree(chat_checkpoint, tmp_path / "bf16"))
+        config = json.loads((path / "config.json").read_text())
+        config.pop("dtype")
+        (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    out = _export(tmp_path, path, "model.param_dtype=float32", *sets)
+    assert {str(t.dtype) for t in load_file(out / "model.safetensors").values()} == {want}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == want
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert reloaded.dtype == getattr(torch, want)
+
+
+def test_export_carries_the_sources_generation_config(tmp_path, chat_checkpoint):
+    out = _export(tmp_path, chat_checkpoint)
+    tok = load_tokenizer(chat_checkpoint)
+    ids = {"bos_token_id": tok.pad_id, "eos_token_id": [tok.eos_id, tok.pad_id]}
+    ids["pad_token_id"] = tok.pad_id
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        **ids,
+        "do_sample": True,
+        "temperature": 0.7,
+    }  # transformers' own version stamp is not carried
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in ids} == ids

@@ -21,7 +21,7 @@ from jaxrl.trainers.session import build_model, build_task
 
 TINY = "configs/sft_tiny.yaml"
 TINY_8 = ["mesh.data=2", "mesh.fsdp=4"]
-PARTS = ("params_bytes", "optimizer_bytes", "grads_bytes", "temp_bytes")
+PARTS = ("params_bytes", "optimizer_bytes", "grads_bytes", "compute_copy_bytes", "temp_bytes")
 QWEN25_7B = {  # Qwen2.5-7B's config.json shape
     "model_type": "qwen2",
     "vocab_size": 152064,
@@ -62,7 +62,7 @@ def qwen7b():
     before = {id(x) for x in jax.live_arrays()}
     plans = {}
     for name, mesh in (("fsdp", ["mesh.data=1", "mesh.fsdp=8"]), ("data", ["mesh.data=8"])):
-        sets = _overrides(QWEN25_7B, **{"model.param_dtype": "bfloat16"})
+        sets = _overrides(QWEN25_7B, **{"model.dtype": "bfloat16"})  # fp32 master, bf16 compute
         scan = "model.scan_layers=true"  # one compiled layer: a quarter of the compile time
         cfg = load_run_config(TINY, [*sets, *mesh, scan, "schedule.max_tokens=256"])
         plans[name] = plan_memory(cfg)
@@ -77,8 +77,8 @@ def test_qwen25_7b_fits_the_plan_and_fsdp_divides_the_state(qwen7b):
     n = _qwen_params(152064, 3584, 28, 28, 4, 128, 18944)
     assert fsdp["num_params"] == data["num_params"] == n
     assert abs(n - 7.6e9) / 7.6e9 < 0.01  # Qwen2.5-7B: 7.61B parameters
-    # data=8: every device holds the whole state: bf16 parameters, two fp32 moments (+ counts)
-    assert data["params_bytes"] == 2 * n == data["unsharded_params_bytes"]
+    # data=8: every device holds the whole state: fp32 masters, two fp32 moments (+ counts)
+    assert data["params_bytes"] == 4 * n == data["unsharded_params_bytes"]
     assert 0 <= data["optimizer_bytes"] - 8 * n < 1024
     assert data["grads_bytes"] == 4 * n
     # fsdp=8: parameters and moments split eight ways (norms and biases may stay whole)
@@ -91,7 +91,7 @@ def test_qwen25_7b_fits_the_plan_and_fsdp_divides_the_state(qwen7b):
         assert plan["total_bytes"] == sum(plan[k] for k in PARTS)
     assert fsdp["total_bytes"] < data["total_bytes"]
     # nothing was allocated: no new live array beyond a few bytes, and the process never held
-    # even one bf16 copy of the parameters (15 GB; the replicated state would be 76 GB)
+    # even one fp32 copy of the parameters (30 GB; the replicated state would be 91 GB)
     assert sum(x.nbytes for x in new_arrays) < 1 << 20
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     assert peak_rss < data["unsharded_params_bytes"]
@@ -113,8 +113,25 @@ def test_json_has_int_parts_that_sum_to_the_total(capsys):
 def test_table_names_the_parts_and_the_total(capsys):
     assert main(["memory", TINY, *[a for s in TINY_8 for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out
-    for word in ("parameters", "optimizer", "gradients", "temporaries", "total", "fsdp=4"):
+    for word in ("master weights", "optimizer", "gradients", "temporaries", "total", "fsdp=4"):
         assert word in out
+
+
+def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference():
+    """fp32 masters + bf16 compute: the master is 4 bytes a parameter, the sampler's copy and
+    (β > 0) the reference's copy 2 bytes each, and all of them are in the total."""
+    sets = ["model.dtype=bfloat16", "algorithm=grpo", *TINY_8]
+    plans = {
+        beta: plan_memory(load_run_config(TINY, [*sets, f"grpo.beta={beta}"]))
+        for beta in (0.0, 0.04)
+    }
+    for beta, copies in ((0.0, 1), (0.04, 2)):
+        plan = plans[beta]
+        assert plan["compute_copies"] == copies
+        assert plan["compute_copy_bytes"] == copies * plan["params_bytes"] // 2
+        assert plan["total_bytes"] == sum(plan[k] for k in PARTS)
+    sft = plan_memory(load_run_config(TINY, ["model.dtype=bfloat16", *TINY_8]))
+    assert sft["compute_copy_bytes"] == 0 and sft["params_bytes"] == plans[0.0]["params_bytes"]
 
 
 def test_a_mesh_that_does_not_match_the_devices_exits_2_naming_both_counts(capsys):

@@ -156,10 +156,9 @@ class OptimizerConfig:
     eps: float = 1e-8  # Adam epsilon
     max_grad_norm: float = 1.0  # global-norm clip; 0 = off
     max_nonfinite_steps: int = 3  # stop after this many non-finite steps in a row (skipped)
-    # how an update is written into a bf16 master (model.param_dtype: bfloat16 only; an fp32
-    # master needs none): "stochastic" (unbiased rounding, keeps updates in expectation) or
-    # "nearest" (updates under half a bf16 ulp are lost; the lost fraction is warned about)
-    master_rounding: Literal["stochastic", "nearest"] | None = None
+    master_rounding: Literal["stochastic", "nearest"] | None = None  # bf16 master only:
+    # "stochastic" (unbiased, keeps updates in expectation) or "nearest" (updates under half a
+    # bf16 ulp are lost; warned at start-up); an fp32 master needs none (docs/precision.md)
 
     def __post_init__(self):
         require(
@@ -202,11 +201,10 @@ class ModelSection:
 
     path: str | None = None  # local HF checkpoint directory; None = initialise from `init`
     init: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig.tiny overrides
-    # master weights: what the optimizer updates and checkpoints store (docs/precision.md);
-    # bfloat16 needs optimizer.master_rounding
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    # compute dtype of the forward, the sampler and the scorer; None = param_dtype
-    dtype: Literal["float32", "bfloat16"] | None = None
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights: what AdamW
+    # updates and checkpoints store; bfloat16 needs optimizer.master_rounding (docs/precision.md)
+    dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype of the forward, the
+    # sampler and the scorer; None = param_dtype
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
     attention_impl: AttentionImpl = "auto"  # attention kernel; auto = best for the backend
@@ -307,9 +305,8 @@ class CheckpointConfig:
 class ExportConfig:
     """The HF export ``<output_dir>/hf`` written at the end of a run (docs/precision.md)."""
 
-    # dtype of the exported weights; None = the dtype of the model.path checkpoint (its
-    # config.json torch_dtype), or model.param_dtype for a fresh model
-    dtype: Literal["float32", "bfloat16"] | None = None
+    dtype: Literal["float32", "bfloat16"] | None = None  # exported weights' dtype; None = the
+    # model.path checkpoint's own (config.json torch_dtype), or model.param_dtype when fresh
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from jaxrl.data.chat_template import (
     ChatTemplateError,
@@ -195,6 +195,21 @@ class TextTokenizer:
 
         return assistant_mask(encode_chat, messages, eos_id=self.eos_id, origin=template.origin)
 
+    def generation_config(self, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """generation_config.json fields for a model exported with this tokenizer: ``base`` (the
+        source checkpoint's, sampling defaults kept) with ``eos_token_id`` listing the id jaxrl's
+        sampler stops on first, then ``base``'s other stop ids (e.g. Qwen2.5-Instruct's
+        ``<|endoftext|>`` after ``<|im_end|>``), and this tokenizer's pad and bos ids."""
+        out = dict(base or {})
+        stops = out.get("eos_token_id")
+        stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+        eos = list(dict.fromkeys([self.eos_id, *stops]))
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        out["pad_token_id"] = self.pad_id
+        if self.bos_id is not None:
+            out["bos_token_id"] = self.bos_id
+        return out
+
     # -- files ------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Write ``tokenizer.json``, ``tokenizer_config.json`` and the chat-template files (HF
@@ -339,5 +354,9 @@ def char_tokenizer(alphabet: str) -> TextTokenizer:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
-    # the built-in tasks start every document with bos, and an export says so for real-data runs
+    # the built-in tasks start every document with bos, and an export says so for real-data runs;
+    # the post-processor makes transformers add it too (as Llama tokenizers ship)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
     return TextTokenizer(tok, eos_token=EOS, pad_token=PAD, bos_token=BOS, add_bos_token=True)

@@ -41,6 +41,9 @@ ARCHITECTURES = {
 }
 _ARCH_OF = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SAVE_DTYPES = ("float32", "bfloat16", "float16")  # dtypes save_pretrained writes
+# the special token ids transformers keeps in both config.json and generation_config.json
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def config_from_hf(
@@ -114,9 +117,10 @@ def config_from_hf(
     )
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
     """transformers ``config.json`` dict (legacy ``rope_theta``/``rope_scaling`` keys); run
-    settings (dtypes aside from ``torch_dtype``, ``attention_impl``) are not written."""
+    settings (dtypes aside from ``torch_dtype``, ``attention_impl``) are not written.
+    ``dtype``: the dtype of the written tensors (``torch_dtype``); None = ``param_dtype``."""
     hf: dict[str, Any] = {
         "architectures": [_ARCH_OF[config.model_type]],
         "model_type": config.model_type,
@@ -133,7 +137,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling.to_hf() if config.rope_scaling else None,
         "tie_word_embeddings": config.tie_word_embeddings,
-        "torch_dtype": config.param_dtype,
+        "torch_dtype": dtype or config.param_dtype,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -254,6 +258,16 @@ def _weight_files(root: Path) -> list[Path]:
     )
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): repair or re-export it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def from_pretrained(
     path: str | os.PathLike[str],
     *,
@@ -284,10 +298,7 @@ def from_pretrained(
     config_path = root / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a HF model directory needs it")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON ({e}): repair or re-export it") from None
+    hf_config = _read_json(config_path)
     try:
         config = config_from_hf(
             hf_config,
@@ -399,14 +410,27 @@ def _atomic_write(path: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
+def save_pretrained(
+    model: Transformer,
+    path: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    generation_config: Mapping[str, Any] | None = None,
+) -> None:
     """Write config.json and model.safetensors (atomically) that transformers can load.
 
+    ``dtype``: the dtype of the written tensors and of ``torch_dtype`` (float32, bfloat16 or
+    float16; None = the model's ``param_dtype``). ``generation_config``: the fields of
+    generation_config.json (written when given); its special token ids (``bos_token_id``,
+    ``eos_token_id``, ``pad_token_id``) also go into config.json, as transformers writes them.
     Sharded parameters are gathered; with several processes every process must call this
     (the gather is collective) and only process 0 writes.
     """
     root = Path(path)
     config = model.config
+    dtype = dtype or config.param_dtype
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_pretrained: dtype={dtype!r}; use one of {list(SAVE_DTYPES)}")
     state = nnx.state(model)
     values = {
         _key(p): to_host(v[...])
@@ -422,10 +446,44 @@ def save_pretrained(model: Transformer, path: str | os.PathLike[str]) -> None:
         value = values[spec.path] if spec.layer is None else values[spec.path][spec.layer]
         if spec.transpose:
             value = value.reshape(math.prod(spec.shape[1:]), spec.shape[0]).T
-        tensors[name] = np.ascontiguousarray(value.reshape(spec.shape))
+        value = value.reshape(spec.shape).astype(jnp.dtype(dtype), copy=False)
+        tensors[name] = np.ascontiguousarray(value)
     _atomic_write(
         root / "model.safetensors",
         lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
     )
-    text = json.dumps(config_to_hf(config), indent=2, sort_keys=True) + "\n"
-    _atomic_write(root / "config.json", lambda tmp: tmp.write_text(text))
+    hf = config_to_hf(config, dtype=dtype)
+    if generation_config is not None:
+        hf.update({k: v for k, v in generation_config.items() if k in TOKEN_ID_KEYS})
+        _write_json(root / "generation_config.json", generation_config)
+    _write_json(root / "config.json", hf)
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    _atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def checkpoint_dtype(path: str | os.PathLike[str]) -> str | None:
+    """The dtype a HF directory's config.json gives its weights (``torch_dtype``, or
+    transformers v5's ``dtype``), when it is one ``save_pretrained`` writes; else None."""
+    file = Path(path) / "config.json"
+    hf = _read_json(file) if file.is_file() else {}
+    value = str(hf.get("torch_dtype") or hf.get("dtype") or "").removeprefix("torch.")
+    return value if value in SAVE_DTYPES else None
+
+
+def read_generation_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A HF directory's generation settings: its generation_config.json without transformers'
+    bookkeeping (``transformers_version``, ``_``-prefixed keys), or else the special token ids
+    its config.json names; ``{}`` when it has neither."""
+    root = Path(path)
+    file = root / "generation_config.json"
+    if file.is_file():
+        data = _read_json(file)
+        return {
+            k: v for k, v in data.items() if k != "transformers_version" and not k.startswith("_")
+        }
+    file = root / "config.json"
+    hf = _read_json(file) if file.is_file() else {}
+    return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}

@@ -34,8 +34,9 @@ jax; the sampler refuses a mesh without it) the bits drawn for row b, vocabulary
 function of the key and the position (b, v) only, not of how the rows are split or how many
 padding rows follow. So one key gives the same completions on one device and on eight.
 
-Weights enter only through :meth:`Sampler.load_params`, which copies (and casts to the
-sampler's ``param_dtype``) a trainer's parameters, so a trainer that donates its buffers
+Weights enter only through :meth:`Sampler.load_params`, which copies a trainer's
+parameters and casts them to the compute dtype (``ModelConfig.dtype``; fp32 masters are never
+copied as fp32), so a trainer that donates its buffers
 cannot invalidate the sampler's.
 """
 
@@ -256,6 +257,9 @@ class Sampler:
                 raise ValueError(f"Sampler: {name}={ids} must be in [0, {config.vocab_size})")
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"Sampler: max_new_tokens={max_new_tokens} must be a positive int")
+        # the sampler holds its weights in the compute dtype: one cast per weight sync, never
+        # an fp32 master copy (docs/precision.md)
+        config = dataclasses.replace(config, param_dtype=config.dtype or config.param_dtype)
         self.config = config
         self.max_new_tokens = max_new_tokens
         self.eos_ids = tuple(int(i) for i in eos_ids)
@@ -274,7 +278,7 @@ class Sampler:
         """Copy a trainer's parameters in (the only way weights enter the sampler).
 
         ``params``: a :class:`Transformer` or its ``nnx.State`` of parameters (e.g.
-        ``TrainState.params``). Each leaf is copied and cast to the sampler's ``param_dtype``
+        ``TrainState.params``). Each leaf is copied and cast to the compute dtype (``dtype``)
         where it lies (a jitted copy keeps every leaf's sharding, so a sharded state is never
         gathered onto one device); with a mesh, leaves not on its devices are first replicated
         over it. The architecture must match the sampler's config.

@@ -34,7 +34,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.losses.normalize import LossTerms, num_documents
-from jaxrl.train.mesh import BATCH_AXES, DATA_AXIS, FSDP_AXIS
+from jaxrl.train.mesh import DATA_AXIS, FSDP_AXIS
+from jaxrl.train.spmd import manual_batch_axes
 
 LossFn = Callable[[Any, dict[str, jax.Array]], LossTerms]
 
@@ -50,6 +51,7 @@ class StepSums(NamedTuple):
     tokens: jax.Array  # int32: real (non-padding) tokens consumed
     micro_batches: jax.Array  # int32: non-empty micro-batches consumed, over all ranks
     end: jax.Array  # int32: cursor after the last consumed round
+    loss_tokens: jax.Array  # int32: consumed tokens with loss_mask > 0 (all real tokens without)
 
 
 def fsdp_dim(spec: P) -> int | None:
@@ -108,7 +110,11 @@ def _rank_sums(
     """One rank's accumulation (inside shard_map); returns sums over every rank."""
     docs_K = num_documents(batch_KT["segment_ids"]).astype(jnp.int32)
     global_docs_K = comm.psum(docs_K)
-    tokens_K = jnp.sum(batch_KT["segment_ids"] > 0, axis=-1).astype(jnp.int32)
+    real_KT = batch_KT["segment_ids"] > 0
+    tokens_K = jnp.sum(real_KT, axis=-1).astype(jnp.int32)
+    if "loss_mask" in batch_KT:
+        real_KT = real_KT & (batch_KT["loss_mask"] > 0)
+    loss_tokens_K = jnp.sum(real_KT, axis=-1).astype(jnp.int32)
     num_slots = docs_K.shape[0]
     start, stop = bounds[0], jnp.minimum(bounds[1], num_slots)
 
@@ -123,7 +129,7 @@ def _rank_sums(
     zero_grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shard_shapes)
 
     def add(carry, i, active):
-        grads, terms, total, mbs, toks = carry
+        grads, terms, total, mbs, toks, loss_toks = carry
         (_, t), g = grad_fn(params, micro_batch(i))
         w = active.astype(jnp.float32)
         g = comm.grads_over_fsdp(jax.tree.map(lambda b: w * b.astype(jnp.float32), g))
@@ -132,13 +138,14 @@ def _rank_sums(
         total = total + jnp.where(active, global_docs_K[i], 0)
         mbs = mbs + jnp.where(active & (docs_K[i] > 0), 1, 0)
         toks = toks + jnp.where(active, tokens_K[i], 0)
-        return grads, terms, total, mbs, toks
+        loss_toks = loss_toks + jnp.where(active, loss_tokens_K[i], 0)
+        return grads, terms, total, mbs, toks, loss_toks
 
-    init = (zero_grads, zero_terms, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+    init = (zero_grads, zero_terms, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0))
     if loop == "while":
 
         def cond(state):
-            i, (_, _, total, _, _) = state
+            i, (_, _, total, _, _, _) = state
             below = (docs_per_step == 0) | (total < docs_per_step)
             return (i < stop) & below
 
@@ -154,10 +161,12 @@ def _rank_sums(
 
         carry, _ = jax.lax.scan(scan_body, init, jnp.arange(num_slots))
         end = stop
-    grads, terms, total, mbs, toks = carry
+    grads, terms, total, mbs, toks, loss_toks = carry
     grads = comm.psum(grads, (DATA_AXIS,))  # already summed over fsdp, round by round
-    terms, mbs, toks = comm.psum((terms, mbs, toks))
-    return StepSums(grads, terms.numerator, terms.denominator, terms.metrics, total, toks, mbs, end)
+    terms, mbs, toks, loss_toks = comm.psum((terms, mbs, toks, loss_toks))
+    return StepSums(
+        grads, terms.numerator, terms.denominator, terms.metrics, total, toks, mbs, end, loss_toks
+    )
 
 
 def _numerator(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]):
@@ -181,9 +190,7 @@ def make_accumulate(
     (``state_partition_specs(params, mesh=mesh)``); gradients come back split over fsdp as the
     parameters are (without it they come back whole).
     """
-    manual = tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
-    if not manual and mesh.size == 1:
-        manual = (DATA_AXIS,)  # one device: the same shard_map program as data parallelism
+    manual = manual_batch_axes(mesh)
     comm = _Collectives(manual, grad_specs)
 
     def per_rank(params, batch, bounds):
@@ -201,7 +208,7 @@ def make_accumulate(
             grad_specs,
             is_leaf=lambda x: isinstance(x, P),
         )
-    out_specs = StepSums(grads_spec, P(), P(), P(), P(), P(), P(), P())
+    out_specs = StepSums(grads_spec, P(), P(), P(), P(), P(), P(), P(), P())
     return jax.shard_map(
         per_rank,
         mesh=mesh,

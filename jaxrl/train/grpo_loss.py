@@ -22,6 +22,7 @@ from jaxrl.models.transformer import Transformer
 from jaxrl.train.forward import micro_batch_logprobs
 
 MISMATCH = "sampler/logprob_mismatch"
+OFF_POLICY = "policy/abs_log_ratio"
 
 
 def grpo_loss(
@@ -30,7 +31,9 @@ def grpo_loss(
     """``loss(model, mb) -> LossTerms`` for the engine.
 
     Adds ``sampler/logprob_mismatch`` = (Σ |logp − sampler_logp|·m, Σ m) over loss tokens, so the
-    step reports the mean absolute gap between the trainer's and the sampler's log-probs.
+    step reports the mean absolute gap between the trainer's and the sampler's log-probs; with
+    scored old log-probs also ``policy/abs_log_ratio`` = the mean |log ρ| = |logp − old_logp|,
+    which is exactly 0 at a batch's first use (the scorer runs the train step's forward).
     """
     use_entropy_mask = config.top_entropy_quantile < 1.0
 
@@ -61,6 +64,12 @@ def grpo_loss(
             jnp.sum(jnp.where(m_BT, gap_BT, 0.0)),
             jnp.sum(m_BT.astype(jnp.float32)),
         )
+        if "old_logp" in mb:
+            log_ratio_BT = jnp.abs(jax.lax.stop_gradient(logp_BT) - mb["old_logp"])
+            terms.metrics[OFF_POLICY] = (
+                jnp.sum(jnp.where(m_BT, log_ratio_BT, 0.0)),
+                jnp.sum(m_BT.astype(jnp.float32)),
+            )
         return terms
 
     return loss

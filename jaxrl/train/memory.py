@@ -10,8 +10,9 @@ mesh needs).
 
 Numbers are bytes on the largest device:
 
-- ``params_bytes`` / ``optimizer_bytes``: the train state's parameters (``param_dtype``) and
-  AdamW state (two fp32 moments + a step count), each under its sharding (``embed`` over
+- ``params_bytes`` / ``optimizer_bytes``: the train state's master weights (``param_dtype``,
+  fp32 unless a bf16 master is opted into; docs/precision.md) and AdamW state (two fp32
+  moments + a step count), each under its sharding (``embed`` over
   ``fsdp``; heads, MLP units, vocabulary over ``tensor``; replicated over ``data``).
 - ``grads_bytes``: one fp32 gradient per parameter in the parameters' sharding, the engine's
   accumulator (each round is reduce-scattered over ``fsdp`` into it, ``accumulate.py``).
@@ -22,7 +23,11 @@ Numbers are bytes on the largest device:
   whole model, not its shard, so ``fsdp`` divides the state but not this part. XLA counts the
   accumulator (a loop-carried buffer) among its temporaries, so it is taken out once here and
   shown as ``grads_bytes`` instead of being counted twice.
-- ``total_bytes`` = params + optimizer + grads + temp: the step's peak on the device (the
+- ``compute_copy_bytes``: the compute-dtype (``model.dtype``) copies held between steps: GRPO's
+  sampler copy and, with β > 0, its frozen reference (0 for SFT and DPO: the step casts each
+  weight where it is used, inside its temporaries; DPO's reference is a cache of log-probs).
+- ``total_bytes`` = params + optimizer + grads + compute copies + temp: the peak on the device
+  (the
   arguments stay live throughout, the temporaries peak on top). The batch (a few int32 rows of
   ``max_tokens``) is left out, and so are the outputs: the state is donated, so the new state
   is written over the old one (``output_bytes`` / ``alias_bytes`` give XLA's view).
@@ -30,7 +35,7 @@ Numbers are bytes on the largest device:
 Every algorithm is planned with the SFT loss (``loss: "sft"``): GRPO and DPO run the same
 forward and backward through the same engine and only add a few per-token / per-document fp32
 fields. What the plan does not cover is reported in ``notes`` (e.g. GRPO's generation: the
-sampler's copy of the parameters, in their sharding, and its KV cache). The compiler's
+sampler's KV cache). The compiler's
 temporaries are
 the CPU backend's: a GPU or TPU compile fuses and schedules differently, so treat
 ``temp_bytes`` as an estimate and leave headroom.
@@ -187,6 +192,11 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     num_params = sum(math.prod(p.shape) for p in leaves)
     unsharded = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in leaves)
 
+    copies = _compute_copies(cfg)
+    compute_dtype = jnp.dtype(config.dtype or config.param_dtype)
+    compute32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), state.params)
+    compute_copy_bytes = copies * bytes_per_device(compute32, shardings.params)
+
     analysis, lower_s, compile_s = _compile_step(cfg, mesh, graphdef, tx, state, shardings)
     compiled_temp = int(analysis.temp_size_in_bytes)
     temp_bytes = max(compiled_temp - grads_bytes, 0)  # the accumulator is one of XLA's temps
@@ -205,16 +215,28 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "params_bytes": int(params_bytes),
         "optimizer_bytes": int(optimizer_bytes),
         "grads_bytes": int(grads_bytes),
+        "compute_copy_bytes": int(compute_copy_bytes),
+        "compute_copies": copies,
         "temp_bytes": int(temp_bytes),
-        "total_bytes": int(params_bytes + optimizer_bytes + grads_bytes + temp_bytes),
+        "total_bytes": int(
+            params_bytes + optimizer_bytes + grads_bytes + compute_copy_bytes + temp_bytes
+        ),
         "compiled_temp_bytes": compiled_temp,
         "argument_bytes": int(analysis.argument_size_in_bytes),
         "output_bytes": int(analysis.output_size_in_bytes),
         "alias_bytes": int(analysis.alias_size_in_bytes),
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),
-        "notes": _notes(cfg, platform, int(params_bytes)),
+        "notes": _notes(cfg, platform),
     }
+
+
+def _compute_copies(cfg: RunConfig) -> int:
+    """Compute-dtype copies of the weights a run holds between steps: GRPO's sampler, plus its
+    frozen reference when β > 0."""
+    if cfg.algorithm != "grpo":
+        return 0
+    return 2 if cfg.grpo_config.beta != 0.0 else 1
 
 
 _MODEL_FIELDS = (
@@ -245,6 +267,7 @@ def _compile_step(
         max_grad_norm=cfg.optimizer.max_grad_norm,
         docs_per_step=cfg.schedule.docs_per_step,
         state_shardings=shardings,
+        master_rounding=cfg.optimizer.master_rounding,
     )
     batch = abstract_batch(mesh, cfg.schedule.max_tokens)
     bounds = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated(mesh))
@@ -257,7 +280,7 @@ def _compile_step(
     return compiled.memory_analysis(), lowered_at - started, done - lowered_at
 
 
-def _notes(cfg: RunConfig, platform: str, params: int) -> list[str]:
+def _notes(cfg: RunConfig, platform: str) -> list[str]:
     """What the numbers leave out, in words."""
     notes = []
     for axis, size in zip(("data", "fsdp", "tensor"), cfg.mesh.sizes, strict=True):
@@ -272,12 +295,8 @@ def _notes(cfg: RunConfig, platform: str, params: int) -> list[str]:
             "optimizer step; its extra per-token / per-document fp32 fields are not counted"
         )
     if cfg.algorithm == "grpo":
-        copies = 2 if cfg.grpo_config.beta != 0.0 else 1
-        what = "the parameters" + (" and the reference parameters" if copies == 2 else "")
         notes.append(
-            f"grpo generation keeps a copy of {what} in their sharding "
-            f"({_size(copies * params)} per device) and a KV cache for its batch share, on top "
-            "of the total"
+            "grpo generation also needs a KV cache for its batch share, on top of the total"
         )
     if platform == "cpu":
         notes.append(
@@ -324,10 +343,19 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
     table.add_column("share", justify="right")
     table.add_column("what")
     total = max(plan["total_bytes"], 1)
+    compute = m["dtype"] or m["param_dtype"]
+    copies = plan["compute_copies"]
     rows = (
-        ("parameters", "params_bytes", m["param_dtype"]),
+        ("master weights", "params_bytes", f"{m['param_dtype']}, what AdamW updates"),
         ("optimizer", "optimizer_bytes", "AdamW fp32 moments"),
         ("gradients", "grads_bytes", "fp32 accumulator"),
+        (
+            "compute copies",
+            "compute_copy_bytes",
+            f"{copies} × {compute} (sampler" + (", reference)" if copies == 2 else ")")
+            if copies
+            else f"none kept: the step casts to {compute} where used",
+        ),
         ("temporaries", "temp_bytes", "activations, gathered weights, ..."),
     )
     for name, key, what in rows:

@@ -13,10 +13,13 @@ consumers:
 
 Layout. The rows are cut into calls of a fixed ``rows_per_call`` C (a multiple of the mesh's
 row ranks R = data × fsdp; the last call is padded with empty rows), split over the batch axes,
-so every device holds C / R rows. Inside, ``lax.map`` walks the C / R rows of every device in
-step: each step is one ``[R, T]`` batch, one ``[1, T]`` row per device, the shape of the train
-step's micro-batches, so values equal the train step's forward. Parameters stay in their own
-sharding (``jaxrl.train.spmd``). The temperature is a traced argument: one compiled program per
+so every device holds C / R rows. The program has the train step's structure
+(``jaxrl.train.accumulate``): ``shard_map`` manual over the batch axes, parameters replicated
+over them (``tensor`` stays automatic), and ``lax.map`` over the rank's rows, one ``[1, T]``
+row at a time, the shape of a micro-batch. Values therefore equal the train step's forward bit
+for bit, in bf16 compute too (a GSPMD-partitioned program rounds differently): a DPO reference
+equals the policy at step 1, and a GRPO ratio against scored old log-probs starts at exactly
+1. The temperature is a traced argument: one compiled program per
 ``(C, T)`` bucket (``Scorer.compiles`` counts them). Rows without any token (segment 0 only, as
 bucket padding slots) are not run; their values are 0 (``correct`` False).
 """
@@ -31,19 +34,14 @@ import flax.nnx as nnx
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import PackedBatch, pack_sequences
 from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
 from jaxrl.train.forward import micro_batch_scores
 from jaxrl.train.mesh import to_host
-from jaxrl.train.spmd import (
-    constrain_rows,
-    on_mesh,
-    put_replicated,
-    put_rows,
-    row_ranks,
-)
+from jaxrl.train.spmd import manual_batch_axes, on_mesh, put_replicated, put_rows, row_ranks
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
 
@@ -116,23 +114,33 @@ class Scorer:
 
     def _rows(self, params: Any, rows_CT: dict[str, jax.Array], temperature: jax.Array):
         model = nnx.merge(self.graphdef, params)
-        c, t = rows_CT["tokens"].shape
-        r = row_ranks(self.mesh)
-        m = c // r
 
-        def steps(x_CT: jax.Array) -> jax.Array:  # [C, T] → [M, R, T]: step i = row i of a rank
-            x_MRT = x_CT.reshape(r, m, t).swapaxes(0, 1)
-            return constrain_rows(x_MRT, self.mesh, axis=1)
+        def per_rank(rows_MT: dict[str, jax.Array]):  # this rank's rows, one at a time
+            def one(row_T: dict[str, jax.Array]):
+                mb_1T = {k: v[None] for k, v in row_T.items()}
+                scores = micro_batch_scores(
+                    model, mb_1T, chunk_size=self.chunk_size, temperature=temperature
+                )
+                return tuple(x[0] for x in scores)
 
-        def one(mb_RT: dict[str, jax.Array]):
-            return micro_batch_scores(
-                model, mb_RT, chunk_size=self.chunk_size, temperature=temperature
-            )
+            return jax.lax.map(one, rows_MT)
 
-        outs = jax.lax.map(one, {k: steps(v) for k, v in rows_CT.items()})
-        return tuple(
-            constrain_rows(x_MRT.swapaxes(0, 1).reshape(c, t), self.mesh) for x_MRT in outs
-        )
+        if self.mesh is None:
+            return per_rank(rows_CT)
+        manual = manual_batch_axes(self.mesh)
+        if not manual:  # one rank over several tensor devices: XLA partitions the program
+            return per_rank(rows_CT)
+        # the train step's structure (jaxrl.train.accumulate): manual over the batch axes,
+        # parameters replicated over them, one [1, T] row per rank at a time; the same
+        # program shape gives the same values as the train step's forward, also in bf16
+        return jax.shard_map(
+            per_rank,
+            mesh=self.mesh,
+            in_specs=(P(manual),),
+            out_specs=P(manual),
+            axis_names=set(manual),
+            check_vma=False,
+        )(rows_CT)
 
     # -- rows -------------------------------------------------------------------------------
     def score(

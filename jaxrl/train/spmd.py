@@ -28,6 +28,16 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.train.mesh import BATCH_AXES, batch_ranks, batch_sharding, put_global
 
 
+def manual_batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The batch axes a per-rank program is manual over (``shard_map``): those of size > 1,
+    or ``data`` alone on a one-device mesh (the same program as data parallelism); empty when
+    only ``tensor`` has several devices (XLA then partitions the whole program)."""
+    manual = tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
+    if not manual and mesh.size == 1:
+        manual = (BATCH_AXES[0],)
+    return manual
+
+
 def row_ranks(mesh: Mesh | None) -> int:
     """Row shards: data × fsdp (``jaxrl.train.mesh.batch_ranks``); 1 without a mesh."""
     return 1 if mesh is None else batch_ranks(mesh)

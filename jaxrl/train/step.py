@@ -1,9 +1,10 @@
 """The train step ``(state, batch, bounds) -> (state, metrics)``: one jit per bucket.
 
 accumulate (shard_map + while_loop, psum'd sums) → one division by the step's global
-denominator → global-norm clip → AdamW on fp32 views of the parameters → cast back to each
-parameter's dtype. A non-finite loss or gradient skips the update but still counts the
-documents (the trainer counts such steps and stops after too many in a row).
+denominator → global-norm clip → AdamW on fp32 views of the master weights → written back into
+the masters (fp32: exactly; a bf16 master by ``master_rounding``, ``jaxrl.train.precision``).
+A non-finite loss or gradient skips the update but still counts the documents (the trainer
+counts such steps and stops after too many in a row).
 
 With ``state_shardings`` the state stays in them (parameters and fp32 moments sharded by the
 logical rules over fsdp/tensor; the optimizer update runs on the shards) and the gradients are
@@ -25,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.losses.normalize import finalize
 from jaxrl.train.accumulate import LossFn, make_accumulate
 from jaxrl.train.mesh import make_mesh, put_batch, replicated
+from jaxrl.train.precision import Rounding, write_master
 from jaxrl.train.state import TrainState
 
 __all__ = ["TrainStep", "make_mesh"]
@@ -45,6 +47,7 @@ class TrainStep:
         loop: Literal["while", "scan"] = "while",
         donate: bool = True,
         state_shardings: Any | None = None,
+        master_rounding: Rounding | None = None,
     ):
         self.mesh = mesh
         self.compiles = 0
@@ -62,6 +65,7 @@ class TrainStep:
         self._tx = tx
         self._lr = learning_rate
         self._max_grad_norm = float(max_grad_norm)
+        self._rounding = master_rounding
         out = None if state_shardings is None else (state_shardings, replicated(mesh))
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
@@ -101,9 +105,9 @@ class TrainStep:
             grads = jax.tree.map(lambda g: g * scale, grads)
         params32 = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)
         updates, opt_state = self._tx.update(grads, state.opt_state, params32)
-        new_params = jax.tree.map(
-            lambda p, p32, u: (p32 + u).astype(p.dtype), state.params, params32, updates
-        )
+        new32 = jax.tree.map(jnp.add, params32, updates)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        new_params = write_master(state.params, new32, key, self._rounding)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         new_state = state.replace(
@@ -119,6 +123,7 @@ class TrainStep:
             "num_documents": sums.documents,
             "documents_seen": new_state.documents_seen,
             "num_tokens": sums.tokens,
+            "num_loss_tokens": sums.loss_tokens,
             "num_micro_batches": sums.micro_batches,
             "denominator": sums.denominator,
             "update_skipped": jnp.logical_not(finite),

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError, GRPOConfig, RunConfig
@@ -32,6 +31,7 @@ from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.plots import plot_reward_and_accuracy
+from jaxrl.train.precision import compute_copy
 from jaxrl.trainers.session import Session, build_task
 
 DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
@@ -103,9 +103,11 @@ class GRPOTrainer:
             chunk_size=chunk,
             old_logprobs=self.computes_old_logprobs,
             # β > 0: the frozen initial parameters, a real copy in the same sharding (the train
-            # step donates its buffers)
+            # step donates its buffers), in the compute dtype (docs/precision.md)
             ref_params=(
-                jax.tree.map(jnp.copy, self.session.state.params) if config.beta != 0.0 else None
+                compute_copy(self.session.state.params, self.session.compute_dtype)
+                if config.beta != 0.0
+                else None
             ),
             mesh=self.session.mesh,
         )
@@ -143,6 +145,8 @@ class GRPOTrainer:
         self.next_id = 0  # generation ids (internal and external batches)
         self.current_id: int | None = None  # the generation in the buffer
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
+        self.zero_advantage_steps = 0  # steps whose advantages were all 0 (no policy gradient)
+        self.warned_zero_advantage = False
         self._started = False
 
     def _read(self, split: str, source: str, name: str) -> tuple[list[dict], list[np.ndarray]]:
@@ -287,12 +291,47 @@ class GRPOTrainer:
                 self.session.state.params, arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
-        row = self.session.train_on(batch)
+        row = self.session.train_on(batch, empty_cause=self._empty_cause([rows[i] for i in used]))
         gens = sorted({rows[i][0] for i in used})  # the batches this step's rows came from
         row.update(self.generator.metrics([self.rollouts[g] for g in gens]))
+        self._count_zero_advantages(row, docs.advantages[np.asarray(used, np.int64)])
         keep = {g for g, _ in self.pending} | {self.current_id}
         self.rollouts = {g: r for g, r in self.rollouts.items() if g in keep}
         return row
+
+    def _empty_cause(self, rows: list[tuple[int, int]]) -> str:
+        """Why a step's completions may carry no loss token, and the fix."""
+        c = self.config
+        truncated = sum(bool(self.rollouts[g].truncated[r]) for g, r in rows)
+        if c.mask_truncated_completions and truncated == len(rows):
+            return (
+                f"All {len(rows)} completions were truncated at grpo.max_completion_length="
+                f"{c.max_completion_length}, and grpo.mask_truncated_completions=true leaves "
+                "truncated completions out of the loss: raise grpo.max_completion_length, or set "
+                "grpo.mask_truncated_completions=false"
+            )
+        return "Every completion of the step is empty"
+
+    def _count_zero_advantages(self, row: dict[str, Any], advantages: np.ndarray) -> None:
+        """Count (``zero_advantage_steps``) and warn once about a step whose advantages are all
+        zero: every group's rewards were equal, so the policy gradient is zero."""
+        zero = advantages.size > 0 and not np.any(advantages)
+        self.zero_advantage_steps += zero
+        row["zero_advantage_steps"] = self.zero_advantage_steps
+        if zero and not self.warned_zero_advantage:
+            self.warned_zero_advantage = True
+            rewards = f" (reward {row['reward']:g})" if "reward" in row else ""
+            self.session.say(
+                [
+                    f"warning: step {self.session.step}: every completion's advantage is 0, "
+                    f"because the rewards within each group of {self.config.num_generations} "
+                    f"were all equal{rewards}, so the policy gradient is zero "
+                    "(zero_advantage_steps counts such steps). The rewards give this model no "
+                    "signal: check that it can earn them (e.g. that it writes the answer format "
+                    "the reward functions parse; state the format in the prompt), or raise "
+                    "grpo.num_generations or grpo.temperature"
+                ]
+            )
 
     # -- evaluation, state, the loop ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

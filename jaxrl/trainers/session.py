@@ -27,13 +27,19 @@ from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.models.attention import resolve_attention_impl
-from jaxrl.models.hf import from_pretrained, save_pretrained
+from jaxrl.models.hf import (
+    checkpoint_dtype,
+    from_pretrained,
+    read_generation_config,
+    save_pretrained,
+)
 from jaxrl.models.transformer import ModelConfig, Transformer
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.mesh import barrier, batch_ranks, is_primary, local_ranks, mesh_from_config
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxrl.train.precision import lost_update_fraction
 from jaxrl.train.state import create_state
 from jaxrl.train.step import TrainStep
 
@@ -143,6 +149,18 @@ def model_changes(previous: dict[str, Any] | None, current: dict[str, Any]) -> s
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
 
 
+def lost_updates_warning(params: Any, learning_rate: float) -> str:
+    """The start-up warning of a bf16 master rounded to nearest: how many elements lose their
+    update at the peak learning rate."""
+    lost = lost_update_fraction(params, learning_rate)
+    return (
+        f"warning: model.param_dtype=bfloat16 with optimizer.master_rounding=nearest: at "
+        f"learning rate {learning_rate:g}, an AdamW update is under half a bf16 ulp, and is "
+        f"lost, for {lost:.1%} of the parameter elements; use model.param_dtype=float32 (an "
+        "fp32 master) or optimizer.master_rounding=stochastic to keep them"
+    )
+
+
 def make_output_dir(path: Path) -> None:
     """Create the run directory, or raise a ``ConfigError`` naming ``output_dir`` when a file
     stands where it (or one of its parents) should be, or it cannot be written."""
@@ -192,11 +210,16 @@ class Session:
             max_grad_norm=cfg.optimizer.max_grad_norm,
             docs_per_step=cfg.schedule.docs_per_step,
             state_shardings=shardings,
+            master_rounding=cfg.optimizer.master_rounding,
         )
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.console = Console(stderr=True)
+        if cfg.optimizer.master_rounding == "nearest":
+            self.say([lost_updates_warning(self.state.params, cfg.optimizer.learning_rate)])
         self.nonfinite_steps = 0  # steps whose update was skipped (non-finite loss/gradient)
         self.nonfinite_in_row = 0
+        self.empty_steps = 0  # steps with no loss token (or a zero denominator): no gradient
+        self.warned_empty = False
         self.started = time.perf_counter()
 
     def _bind(self, loss: Any) -> LossFn:
@@ -206,6 +229,11 @@ class Session:
             return loss(nnx.merge(graphdef, params), mb)
 
         return loss_fn
+
+    @property
+    def compute_dtype(self) -> str:
+        """The forward's dtype (``model.dtype``, default ``model.param_dtype``)."""
+        return self.model_config.dtype or self.model_config.param_dtype
 
     @property
     def model(self) -> Transformer:
@@ -314,17 +342,27 @@ class Session:
             ids, ranks=self.ranks, schedule=self.cfg.schedule, local_ranks=local, **documents
         )
 
-    def train_on(self, batch: StepBatch) -> dict[str, Any]:
-        """One optimizer step on a planned batch; its metrics row."""
-        return self.run_step(batch.arrays, batch.num_documents, rounds=batch.rounds)
+    def train_on(self, batch: StepBatch, *, empty_cause: str = "") -> dict[str, Any]:
+        """One optimizer step on a planned batch; its metrics row. ``empty_cause``: why the
+        batch may hold no loss token, and the fix (for the warning of an empty step)."""
+        return self.run_step(
+            batch.arrays, batch.num_documents, rounds=batch.rounds, empty_cause=empty_cause
+        )
 
     def run_step(
-        self, arrays: dict[str, np.ndarray], expected_documents: int, rounds: int | None = None
+        self,
+        arrays: dict[str, np.ndarray],
+        expected_documents: int,
+        rounds: int | None = None,
+        *,
+        empty_cause: str = "",
     ) -> dict[str, Any]:
         """Shard, step, and check the device's document count against the host's plan.
 
         ``rounds`` (the packed batch's real micro-batches per rank) bounds the device loop, so
-        bucket padding slots cost nothing; ``None`` runs every slot.
+        bucket padding slots cost nothing; ``None`` runs every slot. A step with no loss token
+        or a zero denominator has a zero gradient: it is counted (``empty_steps``) and the
+        first one is warned about with ``empty_cause``.
         """
         batch = self.step_fn.shard_batch(arrays)
         self.state, metrics = self.step_fn(self.state, batch, 0, rounds)
@@ -339,6 +377,20 @@ class Session:
         self.nonfinite_steps += skipped
         self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
         row["nonfinite_steps"] = self.nonfinite_steps
+        if row["num_loss_tokens"] == 0 or row["denominator"] == 0:
+            self.empty_steps += 1
+            if not self.warned_empty:
+                self.warned_empty = True
+                self.say(
+                    [
+                        f"warning: step {self.step} had no loss token "
+                        f"({row['num_documents']} documents, denominator "
+                        f"{row['denominator']:g}): its gradient is zero and only the "
+                        "optimizer's momentum moved the weights (empty_steps counts such steps). "
+                        + (empty_cause or "Check that the data's loss masks select tokens")
+                    ]
+                )
+        row["empty_steps"] = self.empty_steps
         row["step"] = self.step
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.step_fn.compiles
@@ -434,9 +486,24 @@ class Session:
 
     def export(self, tokenizer: TextTokenizer) -> Path:
         """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``
-        (parameters gathered by every process, written by process 0)."""
+        (parameters gathered by every process, written by process 0).
+
+        The weights are written in ``export.dtype`` (None: the dtype of the ``model.path``
+        checkpoint, or ``model.param_dtype`` for a fresh model), so fp32 masters of a bf16
+        checkpoint go back as bf16 and an fp32 checkpoint stays fp32 whatever the compute
+        dtype. generation_config.json (the source's, with the tokenizer's ids) makes
+        transformers' ``generate()`` stop where jaxrl's sampler does.
+        """
         path = self.output_dir / "hf"
-        save_pretrained(self.model, path)
+        source = self.cfg.model.path
+        dtype = self.cfg.export.dtype or (source and checkpoint_dtype(source))
+        base = read_generation_config(source) if source else {}
+        save_pretrained(
+            self.model,
+            path,
+            dtype=dtype or self.cfg.model.param_dtype,
+            generation_config=tokenizer.generation_config(base),
+        )
         if self.primary:
             tokenizer.save(path)
         barrier("export")  # other processes may read the export next (e.g. after a warm start)

@@ -1,0 +1,95 @@
+"""Master weights and their compute-dtype copies (docs/precision.md).
+
+The optimizer updates the master weights (``model.param_dtype``, fp32 by default) in fp32;
+the forward casts them to the compute dtype (``model.dtype``) where each weight is used. The
+sampler and GRPO's frozen reference take a compute-dtype copy once per weight sync
+(:func:`compute_copy`), so no program holds two fp32 copies.
+
+A bf16 master is an explicit opt-in (``optimizer.master_rounding``): the fp32 value
+``master + update`` is written back either by stochastic rounding (:func:`stochastic_round`:
+rounds up with probability equal to the distance from the lower neighbour, so the expected
+stored value is the fp32 value and small updates survive on average) or by rounding to
+nearest, which loses every update under half an ulp; :func:`lost_update_fraction` estimates
+how many elements that is at a given learning rate, for the start-up warning.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Rounding = Literal["stochastic", "nearest"]
+
+
+def stochastic_round(x: jax.Array, key: jax.Array, dtype: Any) -> jax.Array:
+    """fp32 ``x`` rounded to ``dtype`` (bfloat16), stochastically: up with probability equal to
+    the fraction of the gap to the next representable value, so ``E[result] = x``. fp32 values
+    are returned as they are; non-finite values are rounded to nearest."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return x.astype(jnp.float32)
+    if dtype != jnp.bfloat16:
+        raise ValueError(f"stochastic_round: {dtype} is not supported (bfloat16 or float32)")
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16  # uniform on [0, 2^16)
+    # adding noise below bit 16 then truncating rounds away from zero with probability equal
+    # to the dropped fraction (sign-magnitude: the same holds for negative values)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    out = jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+    return jnp.where(jnp.isfinite(x), out, x.astype(jnp.bfloat16))
+
+
+def write_master(params: Any, new32: Any, key: jax.Array, rounding: Rounding | None) -> Any:
+    """The updated fp32 values ``new32`` written into masters of ``params``' dtypes: fp32
+    masters exactly; lower-precision masters by ``rounding`` (stochastic: one independent key
+    per leaf, derived from ``key``)."""
+    leaves, treedef = jax.tree.flatten(params)
+    news = treedef.flatten_up_to(new32)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    out = []
+    for i, (p, n) in enumerate(zip(leaves, news, strict=True)):
+        if p.dtype == jnp.float32 or rounding != "stochastic":
+            out.append(n.astype(p.dtype))
+        else:
+            out.append(stochastic_round(n, keys[i], p.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def lost_update_fraction(params: Any, learning_rate: float) -> float:
+    """Fraction of the parameter elements of ``params`` (bf16) whose bf16 spacing is so coarse
+    that an AdamW step of size ``learning_rate`` (Adam's normalised update is about lr per
+    element) is under half an ulp, so rounding to nearest writes nothing back."""
+
+    @jax.jit
+    def counts(tree: Any) -> tuple[jax.Array, jax.Array]:
+        lost = jnp.float32(0.0)
+        total = jnp.float32(0.0)
+        for p in jax.tree.leaves(tree):
+            if p.dtype == jnp.float32:
+                continue
+            a = jnp.abs(p.astype(jnp.float32))
+            ulp = jnp.spacing(a.astype(p.dtype)).astype(jnp.float32)
+            lost += jnp.sum((learning_rate < ulp / 2).astype(jnp.float32))
+            total += a.size
+        return lost, total
+
+    lost, total = (float(np.asarray(x)) for x in counts(params))
+    return lost / total if total else 0.0
+
+
+def compute_copy(params: Any, dtype: Any) -> Any:
+    """A real copy of ``params`` in the compute ``dtype`` (each leaf keeps its sharding): the
+    one cast per weight sync for the sampler or a frozen reference."""
+    dtype = jnp.dtype(dtype)
+    return _copy(params, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _copy(params: Any, dtype: Any) -> Any:
+    # jnp.array(copy=True) is a real copy (jit would forward an unchanged input)
+    return jax.tree.map(lambda p: jnp.array(p, dtype=dtype, copy=True), params)
