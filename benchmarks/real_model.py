@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -127,8 +128,10 @@ def stage_convert(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(MODEL_DIR, ignore_errors=True)
     tmp.rename(MODEL_DIR)
     n = sum(p.numel() for p in model.parameters())
-    print(f"convert: {gguf} -> {MODEL_DIR} ({n / 1e6:.1f}M parameters, "
-          f"{time.perf_counter() - t0:.0f} s)")
+    print(
+        f"convert: {gguf} -> {MODEL_DIR} ({n / 1e6:.1f}M parameters, "
+        f"{time.perf_counter() - t0:.0f} s)"
+    )
     return {"model_dir": str(MODEL_DIR), "converted": True, "parameters": n, "gguf": str(gguf)}
 
 
@@ -192,9 +195,7 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
         rel.append(diffs[-1] / float(np.abs(ref).max()))
 
     eos = tok.eos_id
-    sampler = Sampler(
-        model.config, max_new_tokens=PARITY_NEW_TOKENS, eos_id=eos, pad_id=tok.pad_id
-    )
+    sampler = Sampler(model.config, max_new_tokens=PARITY_NEW_TOKENS, eos_id=eos, pad_id=tok.pad_id)
     sampler.load_params(model)
     res = sampler.generate(ids, jax.random.key(0), SamplingParams(temperature=0.0))
     same, texts = [], []
@@ -209,12 +210,14 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
                 eos_token_id=eos,
                 pad_token_id=tok.pad_id,
             )
-        theirs = out[0, len(prompt):].tolist()
+        theirs = out[0, len(prompt) :].tolist()
         mine = res.tokens[b, : int(res.lengths[b])].tolist()
         same.append(mine == theirs)
         texts.append(tok.decode(mine))
         if mine != theirs:
-            k = next((i for i, (a, c) in enumerate(zip(mine, theirs)) if a != c), None)
+            k = next(
+                (i for i, (a, c) in enumerate(zip(mine, theirs, strict=False)) if a != c), None
+            )
             print(f"  greedy differs in prompt {b} at token {k}: jaxrl {mine} vs HF {theirs}")
     result = {
         "prompts": len(ids),
@@ -240,9 +243,16 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- data ------------------------------------------------------------------------------------------
 DATA_SEED = 1234  # the data sets are the same for every training seed
-GSM8K_SYSTEM = (
-    "Solve the problem. Think step by step, then give the final answer as \\boxed{N}."
-)
+GSM8K_SYSTEM = "Solve the problem. Give the final answer as \\boxed{N}."
+# Two worked examples as earlier turns of the prompt: with the system prompt alone the 135M
+# model never writes \boxed{} (0 of 64 samples at temperature 1), with them ~40% of its samples
+# are boxed and ~10% are right, so GRPO has something to reinforce.
+FEW_SHOT = [
+    {"role": "user", "content": "Kim has 3 pens. Kim gets 4 more. How many pens does Kim have?"},
+    {"role": "assistant", "content": "3 + 4 = 7. The answer is \\boxed{7}."},
+    {"role": "user", "content": "A box holds 5 eggs. How many eggs are in 3 boxes?"},
+    {"role": "assistant", "content": "5 * 3 = 15. The answer is \\boxed{15}."},
+]
 NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Ben", "Zoe", "Raj", "Eva", "Noah", "Ivy"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "shells"]
 
@@ -318,7 +328,7 @@ def write_data() -> dict[str, str]:
         ]
         files[f"sft_{split}"] = write_jsonl(DATA_DIR / f"sft_{split}.jsonl", rows)
     # DPO: the correct short answer (chosen) vs a wrong one (rejected)
-    for split, n in (("train", 512), ("eval", 64)):
+    for split, n in (("train", DPO_TRAIN_PAIRS), ("eval", 64)):
         rows = []
         for q, _, x in unique(arithmetic_qa, rng, n, seen):
             prompt = user(q + " Answer with the number only.")
@@ -334,13 +344,485 @@ def write_data() -> dict[str, str]:
     for split, n in (("train", 512), ("eval", 32)):
         rows = [
             {
-                "prompt": [{"role": "system", "content": GSM8K_SYSTEM}, *user(q)],
+                "prompt": [{"role": "system", "content": GSM8K_SYSTEM}, *FEW_SHOT, *user(q)],
                 "answer": gold,
             }
             for q, gold, _ in unique(word_problem, rng, n, seen)
         ]
         files[f"grpo_{split}"] = write_jsonl(DATA_DIR / f"grpo_{split}.jsonl", rows)
     return files
+
+
+# -- sft / dpo / grpo: the shipped configs, scaled down --------------------------------------------
+CONFIGS = {
+    "sft": "configs/sft_qwen.yaml",
+    "dpo": "configs/dpo_qwen.yaml",
+    "grpo": "configs/grpo_gsm8k_qwen.yaml",
+}
+# What this benchmark changes in the shipped configs besides model.path and the data: sizes for
+# a 2-core CPU (batches, lengths, steps, warmup), and a learning rate that moves in a few dozen
+# steps where the shipped one is set for hundreds. Checkpoints only at the end, evaluation at
+# the start and the end (so no step's time includes either).
+COMMON = ["logging.progress=false", "checkpoint.every=0", "logging.eval_every=0"]
+SCALE = {
+    "sft": [
+        "max_steps=30",
+        "sft.batch_size=8",
+        "sft.max_length=96",
+        "schedule.max_tokens=512",
+        "optimizer.warmup_steps=3",
+    ],
+    "dpo": [
+        "max_steps=30",
+        "dpo.per_device_train_batch_size=2",
+        "dpo.gradient_accumulation_steps=2",
+        "dpo.max_length=96",
+        "dpo.max_prompt_length=80",
+        "schedule.max_tokens=512",
+        "optimizer.warmup_steps=3",
+        "optimizer.learning_rate=5.0e-6",
+    ],
+    "grpo": [
+        "max_steps=30",
+        "grpo.num_generations=4",
+        "grpo.per_device_train_batch_size=8",
+        "grpo.gradient_accumulation_steps=1",
+        "grpo.max_prompt_length=192",
+        "grpo.max_completion_length=48",
+        "schedule.max_tokens=512",
+        "optimizer.warmup_steps=2",
+        "optimizer.learning_rate=1.0e-5",
+        "logging.eval_samples=2",
+        "grpo.reward_funcs=[exact_answer, {name: format, pattern: '(?s).*\\\\boxed\\{.+\\}.*'}, "
+        "{name: length_penalty, soft_punish_cache: 16}]",
+    ],
+}
+DPO_TRAIN_PAIRS = 128  # the reference log-probs of every training pair are computed up front
+
+
+def stage_sets(stage: str, seed: int, args: argparse.Namespace) -> list[str]:
+    files = {k: v for k, v in write_data().items() if k.startswith(stage)}
+    suffix = "_fp32" if args.fp32 else ""
+    sets = [
+        f"output_dir={RUNS_DIR / f'{stage}{suffix}_seed{seed}'}",
+        f"seed={seed}",
+        f"model.path={MODEL_DIR}",
+        f"data.train={files[f'{stage}_train']}",
+        f"data.eval={files[f'{stage}_eval']}",
+        *COMMON,
+        *SCALE[stage],
+    ]
+    if args.steps:
+        sets.append(f"max_steps={args.steps}")
+    if args.fp32:
+        sets.append("model.dtype=float32")
+    return sets + list(args.set)
+
+
+def step_times(rows: list[dict[str, Any]]) -> list[float]:
+    """Wall seconds of each optimizer step from metrics.jsonl's ``elapsed_s`` (seconds since
+    the session started, taken right after the step): step 1 includes compilation."""
+    elapsed = [r["elapsed_s"] for r in rows if r.get("step", 0) > 0 and "elapsed_s" in r]
+    return [b - a for a, b in zip([0.0, *elapsed[:-1]], elapsed, strict=True)]
+
+
+def worker_train(job: dict[str, Any]) -> dict[str, Any]:
+    """One (stage, seed) run in this process, as ``jaxrl train CONFIG --set ...`` runs it; the
+    SFT stage also evaluates before the first step (its trainer logs no step-0 evaluation)."""
+    from jaxrl.config import load_run_config, to_dict
+    from jaxrl.train.metrics import read_metrics
+    from jaxrl.trainers.warm_start import warm_start
+
+    stage = job["stage"]
+    cfg = load_run_config(ROOT / CONFIGS[stage], job["sets"])
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)  # a fresh run, never a resume
+    before: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if stage == "sft":
+        from jaxrl.trainers.sft import SFTTrainer
+
+        trainer = SFTTrainer(cfg)
+        before = trainer.evaluate()
+    elif stage == "dpo":
+        from jaxrl.trainers.dpo import DPOTrainer
+
+        trainer = DPOTrainer(warm_start(cfg))
+    else:
+        from jaxrl.trainers.grpo import GRPOTrainer
+
+        trainer = GRPOTrainer(warm_start(cfg))
+    built = time.perf_counter() - t0
+    summary = trainer.run()
+    rows = read_metrics(Path(cfg.output_dir) / "metrics.jsonl")
+    out = {
+        "stage": stage,
+        "seed": cfg.seed,
+        "sets": job["sets"],
+        "config": to_dict(cfg),
+        "before": before,
+        "summary": summary,
+        "rows": rows,
+        "build_s": built,
+        "step_s": step_times(rows),
+    }
+    if stage == "grpo":  # what the TRL stage copies
+        from jaxrl.train.optimizer import learning_rate_schedule
+
+        opt = trainer.cfg.optimizer
+        schedule = learning_rate_schedule(opt, trainer.cfg.max_steps)
+        out["resolved"] = {
+            "grpo": dataclass_dict(trainer.config),
+            "optimizer": to_dict(opt),
+            "lr": [float(schedule(k)) for k in range(trainer.cfg.max_steps)],
+            "max_steps": trainer.cfg.max_steps,
+        }
+    # keep metrics.jsonl and the summary; drop the weights (0.5 GB export, 1.6 GB checkpoint)
+    for sub in ("checkpoints", "hf"):
+        shutil.rmtree(Path(cfg.output_dir) / sub, ignore_errors=True)
+    return out
+
+
+def dataclass_dict(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {
+        f.name: getattr(obj, f.name)
+        for f in dataclasses.fields(obj)
+        if isinstance(getattr(obj, f.name), str | int | float | bool | list | tuple | None)
+    }
+
+
+def run_worker(name: str, job: dict[str, Any], tag: str) -> dict[str, Any]:
+    """Run ``worker_<name>(job)`` in a fresh interpreter (own thread pools, own memory)."""
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    job_file, out_file = RUNS_DIR / f"{tag}.job.json", RUNS_DIR / f"{tag}.result.json"
+    job_file.write_text(json.dumps(job, indent=1))
+    out_file.unlink(missing_ok=True)
+    log_file = RUNS_DIR / f"{tag}.log"
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    env = {**os.environ, "OMP_WAIT_POLICY": OMP_WAIT_POLICY, "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, __file__, "worker", "--worker", name, "--job", str(job_file)]
+    with open(log_file, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tag} failed ({log_file}):\n{log_file.read_text()[-4000:]}")
+    result = json.loads(out_file.read_text())
+    result["wall_s"] = time.perf_counter() - t0
+    result["load_before"], result["load_after"] = load, os.getloadavg()[0]
+    return result
+
+
+def median_after_first(times: list[float]) -> float | None:
+    rest = times[1:] or times
+    return statistics.median(rest) if rest else None
+
+
+def spread(values: list[float | None]) -> str:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.4g}"
+    return f"{statistics.fmean(xs):.4g} ({min(xs):.4g}..{max(xs):.4g})"
+
+
+def mean_window(xs: list[float], first: bool, n: int = 5) -> float | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    k = min(n, len(xs))
+    return statistics.fmean(xs[:k] if first else xs[-k:])
+
+
+def numbers(stage: str, run: dict[str, Any]) -> dict[str, Any]:
+    """The stage's before / after numbers and its s/step."""
+    rows = [r for r in run["rows"] if r.get("step", 0) > 0]
+    last = run["summary"]
+    out: dict[str, Any] = {
+        "steps": len(rows),
+        "s_per_step": median_after_first(run["step_s"]),
+        "first_step_s": run["step_s"][0] if run["step_s"] else None,
+        "wall_s": run["wall_s"],
+        "load_before": run["load_before"],
+        "load_after": run["load_after"],
+    }
+    if stage == "sft":
+        out |= {
+            "eval_loss_before": run["before"].get("eval/loss"),
+            "eval_loss_after": last.get("eval/loss"),
+            "eval_accuracy_before": run["before"].get("eval/accuracy"),
+            "eval_accuracy_after": last.get("eval/accuracy"),
+            "train_loss": [r["loss"] for r in rows],
+        }
+    elif stage == "dpo":
+        start = last.get("start", {})
+        out |= {
+            "eval_accuracy_before": start.get("eval/accuracy"),
+            "eval_accuracy_after": last.get("eval/accuracy"),
+            "eval_policy_accuracy_before": start.get("eval/policy_accuracy"),
+            "eval_policy_accuracy_after": last.get("eval/policy_accuracy"),
+            "train_loss": [r["loss"] for r in rows],
+        }
+    else:
+        reward = [r.get("reward") for r in rows]
+        out |= {
+            "reward": reward,
+            "reward_first5": mean_window(reward, True),
+            "reward_last5": mean_window(reward, False),
+            "components": {
+                k: [r.get(k) for r in rows]
+                for k in sorted(rows[0])
+                if k.startswith("rewards/") and k.endswith("/mean")
+            }
+            if rows
+            else {},
+            "eval_accuracy_before": last.get("eval/accuracy_start"),
+            "eval_accuracy_after": last.get("eval/accuracy"),
+            "eval_sampled_before": last.get("eval/accuracy_sampled_start"),
+            "eval_sampled_after": last.get("eval/accuracy_sampled"),
+        }
+    return out
+
+
+def print_command(stage: str, sets: list[str]) -> None:
+    quoted = " ".join(f"--set {shlex.quote(s)}" for s in sets)
+    print(f"  jaxrl train {CONFIGS[stage]} {quoted}", flush=True)
+
+
+def train_stage(stage: str, args: argparse.Namespace) -> dict[str, Any]:
+    ensure_converted(args)
+    runs = {}
+    for seed in args.seeds:
+        sets = stage_sets(stage, seed, args)
+        print(f"{stage} seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
+        print_command(stage, sets)
+        run = run_worker("train", {"stage": stage, "sets": sets}, f"{stage}_seed{seed}")
+        runs[seed] = {"numbers": numbers(stage, run), "run": run}
+        n = runs[seed]["numbers"]
+        print(
+            f"  {n['steps']} steps, {n['s_per_step']:.2f} s/step (median after the first; "
+            f"first {n['first_step_s']:.1f} s), load {n['load_before']:.1f} -> "
+            f"{n['load_after']:.1f}",
+            flush=True,
+        )
+        for k, v in n.items():
+            if k.endswith(("_before", "_after", "_first5", "_last5")) and not k.startswith("load"):
+                print(f"  {k}: {v}", flush=True)
+    summary = {
+        k: spread([r["numbers"].get(k) for r in runs.values()])
+        for k in next(iter(runs.values()))["numbers"]
+        if isinstance(next(iter(runs.values()))["numbers"][k], float | int)
+    }
+    print(f"{stage} over seeds {args.seeds}: " + json.dumps(summary, indent=1), flush=True)
+    return {"seeds": args.seeds, "fp32": args.fp32, "summary": summary, "runs": runs}
+
+
+def stage_sft(args: argparse.Namespace) -> dict[str, Any]:
+    return train_stage("sft", args)
+
+
+def stage_dpo(args: argparse.Namespace) -> dict[str, Any]:
+    return train_stage("dpo", args)
+
+
+def stage_grpo(args: argparse.Namespace) -> dict[str, Any]:
+    return train_stage("grpo", args)
+
+
+# -- trl: TRL's GRPOTrainer on the same problem ----------------------------------------------------
+# GRPOConfig fields with the same name and meaning in jaxrl and TRL
+SHARED_GRPO_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_iterations",
+    "shuffle_dataset",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "beta",
+    "loss_type",
+    "importance_sampling_level",
+    "scale_rewards",
+    "reward_weights",
+    "multi_objective_aggregation",
+    "mask_truncated_completions",
+    "top_entropy_quantile",
+)
+
+
+def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
+    """TRL's GRPOTrainer with the jaxrl GRPO run's resolved settings (``job["jaxrl"]``): the
+    same converted model and tokenizer, training prompts in jaxrl's order (TRL's RepeatSampler
+    stream with jaxrl's permutation), reward functions (jaxrl's built-ins have TRL's
+    signature) and weights, G, batch, completion length, temperature, loss, clipping, AdamW
+    settings and the learning rate of every step. fp32 on the CPU. Timed per optimizer step
+    (generation, rewards, loss, update) by a callback."""
+    import torch
+    import trl
+    from datasets import Dataset
+    from torch.utils.data import Sampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from jaxrl.rollout.buffer import repeat_sampler_indices
+    from jaxrl.rollout.reward_specs import resolve_reward_funcs
+
+    jx = job["jaxrl"]
+    g, opt, lr = jx["grpo"], jx["optimizer"], jx["lr"]
+    cfg = jx["config"]
+    seed = cfg["seed"]
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
+    rows = [json.loads(x) for x in Path(cfg["data"]["train"]).read_text().splitlines()]
+
+    class JaxrlOrder(Sampler):
+        """TRL's RepeatSampler index stream with jaxrl's per-epoch permutation."""
+
+        def __init__(self, n: int):
+            self.n, self.epoch = n, 0
+            self.kw = dict(
+                mini_repeat_count=g["num_generations"],
+                batch_size=g["generation_batch_size"] // g["num_generations"],
+                repeat_count=g["num_iterations"] * g["steps_per_generation"],
+                shuffle=g["shuffle_dataset"],
+                seed=seed,
+            )
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            indices = repeat_sampler_indices(self.n, epoch=self.epoch, **self.kw)
+            self.epoch += 1
+            return iter(indices)
+
+        def __len__(self) -> int:
+            return len(repeat_sampler_indices(self.n, epoch=0, **self.kw))
+
+    class SameScheduleGRPOTrainer(trl.GRPOTrainer):
+        def _get_train_sampler(self, dataset=None):
+            return JaxrlOrder(len(dataset if dataset is not None else self.train_dataset))
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:  # jaxrl's learning rate at every step
+                factor = [x / opt["learning_rate"] for x in lr]
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer or self.optimizer, lambda k: factor[min(k, len(factor) - 1)]
+                )
+            return self.lr_scheduler
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.steps: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.steps.append(time.perf_counter() - self.t0)
+
+    out_dir = Path(cfg["output_dir"] + "_trl")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    args = trl.GRPOConfig(
+        output_dir=str(out_dir),
+        **{k: g[k] for k in SHARED_GRPO_FIELDS if k != "steps_per_generation"},
+        top_k=g["top_k"] or 0,
+        max_steps=jx["max_steps"],
+        learning_rate=opt["learning_rate"],
+        adam_beta1=opt["b1"],
+        adam_beta2=opt["b2"],
+        adam_epsilon=opt["eps"],
+        weight_decay=opt["weight_decay"],
+        max_grad_norm=opt["max_grad_norm"],
+        optim="adamw_torch",
+        seed=seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    assert args.steps_per_generation == g["steps_per_generation"], "TRL resolved another S"
+    funcs = resolve_reward_funcs(
+        g["reward_funcs"], max_completion_length=g["max_completion_length"]
+    )
+    timer = Timer()
+    trainer = SameScheduleGRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        callbacks=[timer],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "reward" in r]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {
+        "rows": logged,
+        "step_s": timer.steps,
+        "train_s": time.perf_counter() - t0,
+        "torch_threads": torch.get_num_threads(),
+        "versions": {"trl": trl.__version__, "torch": torch.__version__},
+    }
+
+
+def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL next to each seed's jaxrl GRPO run (the ``grpo`` stage's, run first if missing)."""
+    ensure_converted(args)
+    name = "grpo_fp32" if args.fp32 else "grpo"
+    path = RESULTS_DIR / f"{name}.json"
+    have = json.loads(path.read_text()) if path.is_file() else {}
+    if sorted(int(s) for s in have.get("runs", {})) != sorted(args.seeds):
+        have = stage_grpo(args)
+        save_result(name, have)
+    runs = {}
+    for seed in args.seeds:
+        jrun = have["runs"][str(seed)] if str(seed) in have["runs"] else have["runs"][seed]
+        jx = {**jrun["run"]["resolved"], "config": jrun["run"]["config"]}
+        jx["grpo"]["reward_funcs"] = jrun["run"]["config"]["grpo"]["reward_funcs"]
+        print(f"trl seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
+        run = run_worker("trl", {"jaxrl": jx}, f"trl_seed{seed}")
+        reward = [r.get("reward") for r in run["rows"]]
+        j = jrun["numbers"]
+        t = {
+            "steps": len(reward),
+            "s_per_step": median_after_first(run["step_s"]),
+            "first_step_s": run["step_s"][0] if run["step_s"] else None,
+            "reward": reward,
+            "reward_first5": mean_window(reward, True),
+            "reward_last5": mean_window(reward, False),
+            "load_before": run["load_before"],
+            "load_after": run["load_after"],
+        }
+        runs[seed] = {"trl": t, "jaxrl": {k: j[k] for k in t if k in j}, "run": run}
+        print(
+            f"  s/step (median after the first): jaxrl {j['s_per_step']:.2f} "
+            f"({'fp32' if args.fp32 else 'bf16'} compute), TRL {t['s_per_step']:.2f} (fp32); "
+            f"reward first/last 5 steps: jaxrl {j['reward_first5']:.3f} -> "
+            f"{j['reward_last5']:.3f}, TRL {t['reward_first5']:.3f} -> {t['reward_last5']:.3f}",
+            flush=True,
+        )
+    summary = {
+        f"{side}_{k}": spread([r[side].get(k) for r in runs.values()])
+        for side in ("jaxrl", "trl")
+        for k in ("s_per_step", "first_step_s", "reward_first5", "reward_last5")
+    }
+    print(f"trl over seeds {args.seeds}: " + json.dumps(summary, indent=1), flush=True)
+    return {"seeds": args.seeds, "jaxrl_fp32": args.fp32, "summary": summary, "runs": runs}
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -379,18 +861,28 @@ def save_result(name: str, result: dict[str, Any]) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=[*STAGES, "all"])
+    parser.add_argument("stage", choices=[*STAGES, "all", "worker"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--steps", type=int, default=0, help="max_steps of every stage (0: 30)")
     parser.add_argument("--fp32", action="store_true", help="also model.dtype=float32")
     parser.add_argument("--force", action="store_true", help="convert: rebuild the directory")
     parser.add_argument("--set", action="append", default=[], help="jaxrl override KEY=VALUE")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stage == "worker":  # one run in a fresh process (run_worker)
+        job_file = Path(args.job)
+        result = globals()[f"worker_{args.worker}"](json.loads(job_file.read_text()))
+        out = job_file.with_name(job_file.name.replace(".job.json", ".result.json"))
+        out.write_text(json.dumps(result, indent=1, default=str))
+        return
     os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stages = STAGES if args.stage == "all" else (args.stage,)
     for stage in stages:
         result = globals()[f"stage_{stage}"](args)
-        print(f"wrote {save_result(stage, result)}")
+        name = f"{stage}_fp32" if args.fp32 and stage in CONFIGS else stage
+        print(f"wrote {save_result(name, result)}")
 
 
 if __name__ == "__main__":
