@@ -154,3 +154,40 @@ def test_layout_change_line_names_batch_changes():
     assert "now 4" in line and "docs_per_step sets the documents per step: from here on" in line
     assert layout_change_line(old, old, step=7, ranks=1) == ""
     assert layout_change_line(None, new, step=7, ranks=4) == ""
+
+
+def test_help_is_plain_text_and_version_is_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "--version" in text
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"jaxrl {version('jaxrl')}"
+    with pytest.raises(SystemExit):
+        main(["schedule", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "``" not in text
+    assert "--mode {slime,default,both} slime: first-fit packing" in text
+    assert "slime mode can have the lower one" in text
+    assert "--micro-batch-group MICRO_BATCH_GROUP each rank's micro-batch count" in text
+
+
+@pytest.mark.parametrize("dp", [2, 5, 64])
+def test_schedule_plot_has_integer_rank_ticks_and_titles_that_fit(dp):
+    from jaxrl.data.schedule_report import compare_schedules, schedule_figure
+
+    lengths = np.random.default_rng(0).integers(1, 513, 8 * dp)
+    fig = schedule_figure(compare_schedules(lengths, dp=dp, max_tokens=512), lengths)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width = fig.bbox.width
+    for ax in fig.axes:
+        box = ax.title.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= width, (ax.title.get_text(), box, width)
+        ticks = [t for t in ax.get_xticks() if -0.5 <= t <= dp - 0.5]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        if dp <= 32:
+            assert [int(t) for t in ticks] == list(range(dp))
