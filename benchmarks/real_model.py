@@ -300,8 +300,12 @@ def wrong_number(rng: random.Random, n: int) -> int:
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.is_file() or path.read_text() != text:  # atomic: other stages may be reading
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.rename(path)
     return str(path)
 
 
@@ -598,6 +602,8 @@ def train_stage(stage: str, args: argparse.Namespace) -> dict[str, Any]:
         print_command(stage, sets)
         run = run_worker("train", {"stage": stage, "sets": sets}, f"{stage}_seed{seed}")
         runs[seed] = {"numbers": numbers(stage, run), "run": run}
+        suffix = "_fp32" if args.fp32 else ""
+        save_result(f"{stage}{suffix}_seed{seed}", {"seed": seed, **runs[seed]})
         n = runs[seed]["numbers"]
         print(
             f"  {n['steps']} steps, {n['s_per_step']:.2f} s/step (median after the first; "
@@ -782,17 +788,13 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
     """TRL next to each seed's jaxrl GRPO run (the ``grpo`` stage's, run first if missing)."""
     ensure_converted(args)
     name = "grpo_fp32" if args.fp32 else "grpo"
-    path = RESULTS_DIR / f"{name}.json"
     seeds = args.trl_seeds or args.seeds
-    have = json.loads(path.read_text()) if path.is_file() else {}
-    if not set(seeds) <= {int(s) for s in have.get("runs", {})}:
-        have = json.loads(
-            json.dumps(stage_grpo(argparse.Namespace(**{**vars(args), "seeds": seeds})))
-        )
-        save_result(name, have)
+    missing = [s for s in seeds if not (RESULTS_DIR / f"{name}_seed{s}.json").is_file()]
+    if missing:  # the jaxrl side first
+        stage_grpo(argparse.Namespace(**{**vars(args), "seeds": missing}))
     runs = {}
     for seed in seeds:
-        jrun = have["runs"][str(seed)]
+        jrun = json.loads((RESULTS_DIR / f"{name}_seed{seed}.json").read_text())
         jx = {**jrun["run"]["resolved"], "config": jrun["run"]["config"]}
         jx["grpo"]["reward_funcs"] = jrun["run"]["config"]["grpo"]["reward_funcs"]
         print(f"trl seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
