@@ -468,20 +468,32 @@ def worker_train(job: dict[str, Any]) -> dict[str, Any]:
         "step_s": step_times(rows),
     }
     if stage == "grpo":  # what the TRL stage copies
-        from jaxrl.train.optimizer import learning_rate_schedule
-
-        opt = trainer.cfg.optimizer
-        schedule = learning_rate_schedule(opt, trainer.cfg.max_steps)
-        out["resolved"] = {
-            "grpo": dataclass_dict(trainer.config),
-            "optimizer": to_dict(opt),
-            "lr": [float(schedule(k)) for k in range(trainer.cfg.max_steps)],
-            "max_steps": trainer.cfg.max_steps,
-        }
+        out["resolved"] = grpo_settings(job["sets"])
     # keep metrics.jsonl and the summary; drop the weights (0.5 GB export, 1.6 GB checkpoint)
     for sub in ("checkpoints", "hf"):
         shutil.rmtree(Path(cfg.output_dir) / sub, ignore_errors=True)
     return out
+
+
+def grpo_settings(sets: list[str]) -> dict[str, Any]:
+    """The GRPO run's resolved settings, as ``GRPOTrainer`` resolves them from the config and
+    the overrides: GRPOConfig fields, the GRPO-stage optimizer, its learning rate per step."""
+    from jaxrl.config import GRPOConfig, load_run_config, to_dict
+    from jaxrl.train.optimizer import learning_rate_schedule
+    from jaxrl.trainers.grpo import _resolve_run_config
+
+    cfg = load_run_config(ROOT / CONFIGS["grpo"], sets)
+    config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.batch_ranks())
+    cfg = _resolve_run_config(cfg, config)
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.max_steps)
+    grpo = dataclass_dict(config) | {"reward_funcs": to_dict(cfg)["grpo"]["reward_funcs"]}
+    return {
+        "grpo": grpo,
+        "optimizer": to_dict(cfg.optimizer),
+        "lr": [float(schedule(k)) for k in range(cfg.max_steps)],
+        "max_steps": cfg.max_steps,
+        "config": to_dict(cfg),
+    }
 
 
 def dataclass_dict(obj: Any) -> dict[str, Any]:
@@ -679,7 +691,7 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
     from jaxrl.rollout.buffer import repeat_sampler_indices
     from jaxrl.rollout.reward_specs import resolve_reward_funcs
 
-    jx = job["jaxrl"]
+    jx = grpo_settings(job["sets"])  # what the jaxrl GRPO run with these --set resolves
     g, opt, lr = jx["grpo"], jx["optimizer"], jx["lr"]
     cfg = jx["config"]
     seed = cfg["seed"]
@@ -786,23 +798,17 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """TRL next to each seed's jaxrl GRPO run (the ``grpo`` stage's, run first if missing)."""
+    """TRL with each seed's GRPO settings (the same --set as the ``grpo`` stage), next to that
+    seed's jaxrl run when the ``grpo`` stage has recorded it."""
     ensure_converted(args)
     name = "grpo_fp32" if args.fp32 else "grpo"
     seeds = args.trl_seeds or args.seeds
-    missing = [s for s in seeds if not (RESULTS_DIR / f"{name}_seed{s}.json").is_file()]
-    if missing:  # the jaxrl side first
-        stage_grpo(argparse.Namespace(**{**vars(args), "seeds": missing}))
     runs = {}
     for seed in seeds:
-        jrun = json.loads((RESULTS_DIR / f"{name}_seed{seed}.json").read_text())
-        jx = {**jrun["run"]["resolved"], "config": jrun["run"]["config"]}
-        jx["grpo"]["reward_funcs"] = jrun["run"]["config"]["grpo"]["reward_funcs"]
         print(f"trl seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
-        job = {"jaxrl": jx, "max_steps": args.trl_steps}
-        run = run_worker("trl", job, f"trl_seed{seed}")
+        job = {"sets": stage_sets("grpo", seed, args), "max_steps": args.trl_steps}
+        run = run_worker("trl", job, f"trl{'_fp32' if args.fp32 else ''}_seed{seed}")
         reward = [r.get("reward") for r in run["rows"]]
-        j = jrun["numbers"]
         t = {
             "steps": len(reward),
             "s_per_step": median_after_first(run["step_s"]),
@@ -813,12 +819,18 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
             "load_before": run["load_before"],
             "load_after": run["load_after"],
         }
-        runs[seed] = {"trl": t, "jaxrl": {k: j[k] for k in t if k in j}, "run": run}
+        runs[seed] = {"trl": t, "run": run}
+        save_result(f"trl{'_fp32' if args.fp32 else ''}_seed{seed}", {"seed": seed, **runs[seed]})
+        jaxrl = RESULTS_DIR / f"{name}_seed{seed}.json"
+        j = json.loads(jaxrl.read_text())["numbers"] if jaxrl.is_file() else {}
+        runs[seed]["jaxrl"] = {k: j.get(k) for k in t}
+        show = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
         print(
-            f"  s/step (median after the first): jaxrl {j['s_per_step']:.2f} "
-            f"({'fp32' if args.fp32 else 'bf16'} compute), TRL {t['s_per_step']:.2f} (fp32); "
-            f"reward first/last 5 steps: jaxrl {j['reward_first5']:.3f} -> "
-            f"{j['reward_last5']:.3f}, TRL {t['reward_first5']:.3f} -> {t['reward_last5']:.3f}",
+            f"  s/step (median after the first): jaxrl {show(j.get('s_per_step'))} "
+            f"({'fp32' if args.fp32 else 'bf16'} compute), TRL {show(t['s_per_step'])} (fp32); "
+            f"reward first/last 5 steps: jaxrl {show(j.get('reward_first5'), '{:.3f}')} -> "
+            f"{show(j.get('reward_last5'), '{:.3f}')}, TRL {show(t['reward_first5'], '{:.3f}')} "
+            f"-> {show(t['reward_last5'], '{:.3f}')}",
             flush=True,
         )
     summary = {
