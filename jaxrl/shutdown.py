@@ -10,8 +10,10 @@
   backends) then frees what that thread still uses, and the process dies by SIGSEGV instead of
   exiting 130. ``exit_now`` ends the process without the teardown: it lets Python's
   non-daemon threads finish (an orbax checkpoint write that already started) as a normal exit
-  does, flushes stdio and calls ``os._exit``. Nothing is lost that a normal exit would keep: metrics.jsonl and TensorBoard are
-  flushed after every row, and a checkpoint that is not committed is never used.
+  does, flushes stdio and calls ``os._exit``. Nothing is lost that a normal exit would keep:
+  metrics.jsonl and TensorBoard are flushed after every row, and a checkpoint that is not
+  committed is never used. (jax's own ``atexit`` clean-up is skipped with the teardown; a W&B
+  run is marked finished by W&B's service when the process is gone.)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from typing import Any, Literal
 
-from jaxrl.config.base import ConfigError, suggest, config_error, require, require_choice
+from jaxrl.config.base import ConfigError, config_error, require, require_choice, suggest
 from jaxrl.config.sft import SFTConfig
 
 MAX_MESH_DEVICES = 1 << 20  # no machine has more; a larger product is a typo
