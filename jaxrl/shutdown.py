@@ -12,8 +12,8 @@
   non-daemon threads finish (an orbax checkpoint write that already started) as a normal exit
   does, flushes stdio and calls ``os._exit``. Nothing is lost that a normal exit would keep:
   metrics.jsonl and TensorBoard are flushed after every row, and a checkpoint that is not
-  committed is never used. (jax's own ``atexit`` clean-up is skipped with the teardown; a W&B
-  run is marked finished by W&B's service when the process is gone.)
+  committed is never used. (The ``atexit`` hooks are skipped with the teardown: jax's
+  clean-up, and a W&B run's ``finish``.)
 """
 
 from __future__ import annotations

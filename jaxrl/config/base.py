@@ -131,7 +131,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        if where and not str(e).startswith(where):
+        if where and not str(e).startswith((where, "unknown config key")):
             raise ConfigError(f"{where}.{e}") from None
         raise
 
