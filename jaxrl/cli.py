@@ -193,6 +193,21 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand and return its exit code. With ``argv`` None (this process's own
+    command line) a Ctrl-C ends the process at once (``jaxrl.shutdown.exit_now``)."""
+    from jaxrl.shutdown import exit_now
+
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt:  # before or after the subcommand's own handling
+        print("interrupted", file=sys.stderr)
+        code = 130
+    if code == 130 and argv is None:
+        exit_now(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a config (SFT, GRPO or DPO)")
@@ -227,25 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     for sub_parser in (memory, sched):
         sub_parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
-    from jaxrl.shutdown import exit_now, quiet_background_errors
+    from jaxrl.shutdown import install_hooks
 
-    quiet_background_errors(debug=_debug(args))
+    install_hooks(debug=_debug(args))
     try:
-        code = int(args.func(args) or 0)
+        return int(args.func(args) or 0)
     except Exception as e:  # what the subcommand did not turn into its one line
-        if _debug(args) and not _by_interrupt(e):
-            raise
         if _by_interrupt(e):  # e.g. an import that Ctrl-C broke
-            print("interrupted", file=sys.stderr)
-            code = 130
-        else:
-            code = _fail(e, 2 if isinstance(e, USAGE_ERRORS) else 1, DEBUG_HINT)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
-    if code == 130 and argv is None:  # the process's own command line (not a caller's)
-        exit_now(code)
-    return code
+            raise KeyboardInterrupt from e
+        if _debug(args):
+            raise
+        return _fail(e, 2 if isinstance(e, USAGE_ERRORS) else 1, DEBUG_HINT)
 
 
 def _by_interrupt(e: BaseException) -> bool:
