@@ -125,6 +125,7 @@ class GRPOTrainer:
                 samples_per_prompt=cfg.logging.eval_samples,
                 seed=cfg.seed,
                 mesh=self.session.mesh,
+                sampler=self.generator.sampler,  # one sampler, one weight copy
                 # held-out accuracy parses answers as the run's exact_answer reward does (its
                 # fallback included); the strict default otherwise
                 reward=next(
