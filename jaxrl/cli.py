@@ -192,6 +192,22 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DESCRIPTION = (
+    "RL and preference fine-tuning of language models in JAX: train a config (SFT, GRPO or DPO), "
+    "plan its memory, or show the data-parallel micro-batch schedule of a lengths file."
+)
+
+
+def _version() -> str:
+    """The installed package's version (importlib.metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxrl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit code. With ``argv`` None (this process's own
     command line) a Ctrl-C ends the process at once (``jaxrl.shutdown.exit_now``)."""
@@ -208,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="jaxrl", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"jaxrl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a config (SFT, GRPO or DPO)")
     train.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")
@@ -234,9 +251,12 @@ def _main(argv: list[str] | None) -> int:
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=_memory)
+    from jaxrl.data.schedule_report import DESCRIPTION as SCHEDULE
     from jaxrl.data.schedule_report import add_schedule_arguments
 
-    sched = sub.add_parser("schedule", help="show the DP micro-batch plan for a lengths file")
+    sched = sub.add_parser(
+        "schedule", help="show the DP micro-batch plan for a lengths file", description=SCHEDULE
+    )
     add_schedule_arguments(sched)
     sched.set_defaults(func=_schedule)
     for sub_parser in (memory, sched):

@@ -122,3 +122,45 @@ def test_length_penalty_is_dapo_soft_overlong_punishment():
         LengthPenalty(max_completion_len=10, soft_punish_cache=11)
     with pytest.raises(ValueError, match="needs completion_ids"):
         f(["q"], ["a"])
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "strict", "lenient"),
+    [
+        ("She sold 48 + 24 = 72 clips in total.", GSM8K_GOLD, 0.0, 1.0),
+        ("So the answer is **72**", GSM8K_GOLD, 0.0, 1.0),
+        ("72 clips, then 3 more days", GSM8K_GOLD, 0.0, 0.0),  # the last number counts
+        ("It costs $1,234.50 in all.", "#### 1234.5", 0.0, 1.0),
+        ("10 - 3 = 7", "7", 0.0, 1.0),
+        ("the loss is -5", "-5", 0.0, 1.0),
+        ("half: 3/4", "0.75", 0.0, 1.0),
+        ("\\boxed{71} though 72 is close", GSM8K_GOLD, 0.0, 0.0),  # a box still wins
+        ("#### 72\nfrom 48 and 24", GSM8K_GOLD, 1.0, 1.0),  # so does ####
+        ("no number here", "#### 72", 0.0, 0.0),
+        ("Paris", "Paris", 1.0, 1.0),  # no number: the whole text, as before
+    ],
+)
+def test_exact_answer_last_number_fallback(completion, gold, strict, lenient):
+    assert ExactAnswer()(["q"], [completion], answer=[gold]) == [strict]
+    fallback = ExactAnswer(fallback="last_number")
+    assert fallback(["q"], [completion], answer=[gold]) == [lenient]
+    conv = [[{"role": "assistant", "content": completion}]]
+    assert fallback(["q"], conv, answer=[gold]) == [lenient]
+
+
+def test_exact_answer_fallback_is_checked():
+    with pytest.raises(ConfigError, match="fallback='last' is invalid"):
+        ExactAnswer(fallback="last")
+
+
+def test_length_penalty_window_as_a_fraction_follows_the_length():
+    quarter = LengthPenalty(max_completion_len=64, soft_punish_cache=0.25)
+    assert quarter.cache_tokens == 16  # 0 up to 48 tokens, then (48 - L) / 16
+    ids = [[0] * n for n in (48, 52, 56, 64, 70)]
+    assert quarter([""] * 5, [""] * 5, completion_ids=ids) == [0, -0.25, -0.5, -1, -1]
+    assert LengthPenalty(max_completion_len=512, soft_punish_cache=0.25).cache_tokens == 128
+    assert LengthPenalty(max_completion_len=3, soft_punish_cache=0.1).cache_tokens == 1  # ≥ 1
+    assert LengthPenalty(max_completion_len=10, soft_punish_cache=4).cache_tokens == 4
+    for bad in (0, 0.0, 1.5, 11, True, "0.25"):
+        with pytest.raises(ConfigError, match="soft_punish_cache=.* is invalid: .*a fraction"):
+            LengthPenalty(max_completion_len=10, soft_punish_cache=bad)

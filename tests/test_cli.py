@@ -106,3 +106,88 @@ def test_a_missing_model_directory_is_one_line_and_exit_2(tmp_path, capsys, monk
     monkeypatch.setenv("JAXRL_DEBUG", "1")
     with pytest.raises(FileNotFoundError):
         main(args)
+
+
+RESUME_SFT = [
+    "logging.progress=false",
+    "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
+    "num_key_value_heads: 1, intermediate_size: 64}",
+    "task.train_size=64",
+    "task.eval_size=8",
+    "sft.batch_size=16",
+    "logging.eval_every=0",
+    "checkpoint.every=1",
+]
+
+
+def _train(tmp_path, capsys, *sets: str) -> str:
+    args = ["train", "configs/sft_tiny.yaml"]
+    for s in [*RESUME_SFT, f"output_dir={tmp_path}", *sets]:
+        args += ["--set", s]
+    assert main(args) == 0
+    return capsys.readouterr().err
+
+
+def test_resume_onto_another_layout_says_what_changed(tmp_path, capsys):
+    assert "mesh/schedule" not in _train(tmp_path, capsys, "max_steps=1")
+    err = _train(tmp_path, capsys, "max_steps=2", "mesh.data=2", "schedule.max_tokens=64")
+    assert "resumed from step 1" in err
+    line = next(x for x in err.splitlines() if "mesh/schedule settings" in x)
+    assert "resuming at step 1 with other mesh/schedule settings than the previous run" in line
+    assert "mesh.data: 1 -> 2, schedule.max_tokens: 256 -> 64. " in line
+    assert "mesh.data and schedule.max_tokens only decide how each step's documents" in line
+    assert "the resumed steps make the updates the previous layout would have made" in line
+    assert "docs_per_step" not in line and "per_device" not in line  # SFT's batch is global
+    err = _train(tmp_path, capsys, "max_steps=3", "mesh.data=2", "schedule.max_tokens=64")
+    assert "resumed from step 2" in err and "mesh/schedule" not in err  # same as last run
+
+
+def test_layout_change_line_names_batch_changes():
+    from jaxrl.trainers.layout_change import layout_change_line
+
+    old = {"algorithm": "grpo", "mesh": {"data": 1}, "schedule": {"docs_per_step": 0}}
+    new = {"algorithm": "grpo", "mesh": {"data": 4}, "schedule": {"docs_per_step": 64}}
+    line = layout_change_line(old, new, step=7, ranks=4)
+    assert "mesh.data: 1 -> 4, schedule.docs_per_step: 0 -> 64" in line
+    assert "mesh.data only decides how" in line
+    assert "But grpo.per_device_train_batch_size counts per data-parallel rank" in line
+    assert "now 4" in line and "docs_per_step sets the documents per step: from here on" in line
+    assert layout_change_line(old, old, step=7, ranks=1) == ""
+    assert layout_change_line(None, new, step=7, ranks=4) == ""
+
+
+def test_help_is_plain_text_and_version_is_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and "--version" in text
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"jaxrl {version('jaxrl')}"
+    with pytest.raises(SystemExit):
+        main(["schedule", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "``" not in text
+    assert "--mode {slime,default,both} slime: first-fit packing" in text
+    assert "slime mode can have the lower one" in text
+    assert "--micro-batch-group MICRO_BATCH_GROUP each rank's micro-batch count" in text
+
+
+@pytest.mark.parametrize("dp", [2, 5, 64])
+def test_schedule_plot_has_integer_rank_ticks_and_titles_that_fit(dp):
+    from jaxrl.data.schedule_report import compare_schedules, schedule_figure
+
+    lengths = np.random.default_rng(0).integers(1, 513, 8 * dp)
+    fig = schedule_figure(compare_schedules(lengths, dp=dp, max_tokens=512), lengths)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width = fig.bbox.width
+    for ax in fig.axes:
+        box = ax.title.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= width, (ax.title.get_text(), box, width)
+        ticks = [t for t in ax.get_xticks() if -0.5 <= t <= dp - 0.5]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        if dp <= 32:
+            assert [int(t) for t in ticks] == list(range(dp))

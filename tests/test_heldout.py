@@ -170,7 +170,10 @@ def test_warm_start_target_in_a_grpo_config(tmp_path, monkeypatch, capsys):
     assert started.sft_warmup_steps == 0 and started.sft_warmup_target == 0
     record = json.loads((tmp_path / "run" / "sft" / SUMMARY).read_text())
     assert record["steps"] == 6 and record["stopped_at_target"] and record["target"] == 0.6
-    assert "warning" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning" not in out
+    line = "SFT warm start reached its target at step 6 of at most 20: held-out accuracy 0.700"
+    assert line in out and str(tmp_path / "run" / "sft" / SUMMARY) in out
 
 
 def test_warm_start_target_not_reached_runs_to_the_cap_and_says_so(tmp_path, monkeypatch, capsys):

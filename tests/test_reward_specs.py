@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config
 from jaxrl.losses.advantages import compute_advantages
-from jaxrl.rollout.builtin_rewards import FormatReward, LengthPenalty
+from jaxrl.rollout.builtin_rewards import ExactAnswer, FormatReward, LengthPenalty
 from jaxrl.rollout.rewards import (
     RewardFunctionError,
     TrainerState,
@@ -20,6 +21,7 @@ from jaxrl.rollout.rewards import (
     score_completions,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 USER_MODULE = """
 def by_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
@@ -69,6 +71,23 @@ def test_yaml_names_built_ins_parameters_modules_and_files(tmp_path, user_module
     assert funcs[3] is funcs[4]  # the module's own function, both spellings
     assert funcs[5].__module__.startswith("_jaxrl_reward_files")  # relative to the YAML's dir
     assert funcs[5](completions=["abc"]) == [3.0]
+
+
+def test_shipped_gsm8k_config_takes_a_shorter_completion_length():
+    """The GSM8K recipe's length window is a fraction: --set max_completion_length alone works,
+    and a fixed window longer than the completion is an error that names the fraction."""
+    path = ROOT / "configs" / "grpo_gsm8k_qwen.yaml"
+    funcs = load_run_config(path).grpo_config.resolved_reward_funcs
+    assert funcs[0] == ExactAnswer(fallback="last_number")
+    assert funcs[2] == LengthPenalty(max_completion_len=512, soft_punish_cache=0.25)
+    assert funcs[2].cache_tokens == 128
+    short = load_run_config(path, ["grpo.max_completion_length=64"]).grpo_config
+    assert short.resolved_reward_funcs[2].cache_tokens == 16
+    assert short.resolved_reward_funcs[2].max_completion_len == 64
+    fixed = ["grpo.max_completion_length=64", "grpo.reward_funcs=[{name: length_penalty, "
+             "soft_punish_cache: 128}]", "grpo.reward_weights=null"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\].*soft_punish_cache=128 .*fraction"):
+        load_run_config(path, fixed)
 
 
 def test_python_callables_and_the_trainer_default():

@@ -569,7 +569,38 @@ def test_default_packing_matches_reference(case):
             )
             ranks[r].append(j)
             totals[r] += costs[j]
+        greedy_max = max(totals)
+        ref_swap_refine(costs, ranks)
         assert step.rank_bins == [sorted(rb) for rb in ranks]
+        final = [sum(costs[j] for j in rb) for rb in step.rank_bins]
+        assert max(final) <= greedy_max  # the swaps never raise the heaviest rank
+        h = final.index(max(final))  # and end where no swap helps it
+        for r in range(case.dp):
+            for a in step.rank_bins[h]:
+                for b in step.rank_bins[r]:
+                    assert not 0 < costs[a] - costs[b] < final[h] - final[r]
+
+
+def ref_swap_refine(costs: list[float], ranks: list[list[int]]) -> None:
+    """5.2's swap rounds, by brute force over every pair of bins of the heaviest rank and of
+    another rank."""
+    totals = [sum(costs[j] for j in rb) for rb in ranks]
+    for _ in range(len(costs)):
+        h = min(range(len(ranks)), key=lambda r: (-totals[r], r))
+        swaps = [
+            (max(totals[h] - d, totals[r] + d), r, a, b)
+            for r in range(len(ranks))
+            if r != h
+            for a in ranks[h]
+            for b in ranks[r]
+            if 0 < (d := costs[a] - costs[b]) < totals[h] - totals[r]
+        ]
+        if not swaps:
+            return
+        _, r, a, b = min(swaps)
+        ranks[h][ranks[h].index(a)], ranks[r][ranks[r].index(b)] = b, a
+        totals[h] -= costs[a] - costs[b]
+        totals[r] += costs[a] - costs[b]
 
 
 @SETTINGS

@@ -8,8 +8,8 @@ composes them. Indices are positions into the ``lengths`` list a function is giv
   scan finds, so ``first_fit`` equals slime's ``first_fit_pack`` bit for bit.
 - ``first_fit_decreasing``: FFD (5.1), the same tree over ``(length desc, position asc)``.
 - ``split_bin`` / ``expand_bins``: the alignment splitting rules (3.7).
-- ``strided_ranks`` / ``cost_balanced_ranks`` / ``karmarkar_karp``: distribution of bins over
-  ranks (3.8, 5.2, 6).
+- ``strided_ranks`` / ``cost_balanced_ranks`` (greedy, then ``swap_refine``) /
+  ``karmarkar_karp``: distribution of bins over ranks (3.8, 5.2, 6).
 - ``plan_step``: one step end to end on step-local indices: packing, the drop loop of slime
   PR #2065 (3.4), alignment by splitting (3.6) and distribution. ``jaxrl.data.schedule`` wraps it
   with rollout grouping, global indices and reporting.
@@ -22,6 +22,7 @@ balancing never changes a bin and never breaks the cap.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,11 +199,13 @@ def strided_ranks(num_bins: int, num_ranks: int) -> list[list[int]]:
 
 
 def cost_balanced_ranks(costs: Sequence[float], num_ranks: int) -> list[list[int]]:
-    """Greedy cost balance with equal bin counts (5.2).
+    """Cost balance with equal bin counts (5.2): greedy, then swaps.
 
-    Bins by ``(cost desc, index asc)``; each goes to the rank with the least total cost among
-    ranks holding fewer than ``n = len(costs) / num_ranks`` bins (ties: lowest rank). A rank's bins
-    are returned by ascending index.
+    Greedy: bins by ``(cost desc, index asc)``; each goes to the rank with the least total cost
+    among ranks holding fewer than ``n = len(costs) / num_ranks`` bins (ties: lowest rank).
+    The count limit can force the last, smallest bins onto ranks that are already heavy, so
+    ``swap_refine`` then trades bins between the heaviest rank and the others. A rank's bins are
+    returned by ascending index.
     """
     per_rank = len(costs) // num_ranks
     ranks: list[list[int]] = [[] for _ in range(num_ranks)]
@@ -213,9 +216,58 @@ def cost_balanced_ranks(costs: Sequence[float], num_ranks: int) -> list[list[int
         ranks[r].append(j)
         if len(ranks[r]) < per_rank:
             heapq.heappush(heap, (total + costs[j], r))
+    swap_refine(costs, ranks)
     for bins_r in ranks:
         bins_r.sort()
     return ranks
+
+
+def swap_refine(costs: Sequence[float], ranks: list[list[int]]) -> None:
+    """Lower the heaviest rank's cost by swapping bins, in place; bin counts stay as they are.
+
+    Each round takes the heaviest rank ``h`` (ties: lowest rank) and, over every other rank
+    ``r`` and every pair of a bin ``a`` of ``h`` and ``b`` of ``r`` with
+    ``0 < cost[a] - cost[b] < total[h] - total[r]``, the swap that leaves the pair's heavier
+    total smallest (ties: lowest ``r``, then ``a``, then ``b``). A swap strictly lowers that
+    pair's larger total and never raises the maximum over ranks; rounds stop when no swap helps
+    the heaviest rank, after at most ``len(costs)`` swaps.
+    """
+    k = len(ranks)
+    if k < 2:
+        return
+    costs = [float(c) for c in costs]
+    totals = [sum(costs[j] for j in r) for r in ranks]
+    for _ in range(len(costs)):
+        h = min(range(k), key=lambda r: (-totals[r], r))
+        best: tuple[float, int, int, int] | None = None
+        for r in range(k):
+            gap = totals[h] - totals[r]
+            if r == h or gap <= 0:
+                continue
+            pairs = sorted((costs[b], b) for b in ranks[r])
+            values = [c for c, _ in pairs]
+            for a in ranks[h]:
+                want = costs[a] - gap / 2  # the ideal partner: the pair ends level
+                i = bisect.bisect_left(values, want)
+                for near in (i - 1, i):
+                    if not 0 <= near < len(values):
+                        continue
+                    d = costs[a] - values[near]
+                    if not 0 < d < gap:
+                        continue
+                    first = bisect.bisect_left(values, values[near])  # lowest b of equal cost
+                    new_max = max(totals[h] - d, totals[r] + d)
+                    key = (new_max, r, a, pairs[first][1])
+                    if best is None or key < best:
+                        best = key
+        if best is None or best[0] >= totals[h]:
+            return
+        _, r, a, b = best
+        ranks[h][ranks[h].index(a)] = b
+        ranks[r][ranks[r].index(b)] = a
+        d = costs[a] - costs[b]
+        totals[h] -= d
+        totals[r] += d
 
 
 class _KKState:

@@ -7,7 +7,8 @@ which data-parallel rank. Two faces:
   ``build_dp_schedule`` (main plus the drop loop of PR #2065) bit for bit; ``to_slime()`` returns
   its four outputs.
 - default mode (``packing="ffd", balance="cost"``): first-fit-decreasing packing and cost-balanced
-  distribution, with the same contract.
+  distribution (greedy, then swaps between the heaviest rank and the others), with the same
+  contract.
 
 Invariants of every schedule (docs/algorithms/schedule.md §5.9), checked by
 tests/test_schedule_properties.py:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -20,6 +21,7 @@ from rich.table import Table
 from jaxrl.data.schedule import DPSchedule, ScheduleError, build_dp_schedule
 
 __all__ = [
+    "DESCRIPTION",
     "MODES",
     "ModeResult",
     "add_schedule_arguments",
@@ -30,10 +32,15 @@ __all__ = [
     "plot_schedule",
     "run_from_args",
     "run_schedule_cli",
+    "schedule_figure",
     "stats_table",
 ]
 
 MAX_LENGTH = 1 << 40  # longer "lengths" are typos (and would overflow the cost sums)
+DESCRIPTION = (
+    "Build the data-parallel micro-batch schedule of a lengths file in slime mode and in jaxrl's "
+    "default mode, print a comparison table and optionally plot every rank's micro-batches."
+)
 MODES = {
     "slime": {"packing": "first_fit", "balance": "strided"},
     "default": {"packing": "ffd", "balance": "cost"},
@@ -223,11 +230,19 @@ def stats_table(results: Sequence[ModeResult], *, title: str = "DP schedule") ->
 def plot_schedule(
     results: Sequence[ModeResult], lengths: np.ndarray, path: str | Path, *, step: int = 0
 ) -> Path:
-    """Save a PNG: per mode, each rank's micro-batches of ``step`` as stacked bars of tokens,
-    against the rank's budget (micro-batches x max_tokens, dashed). Uses an Agg canvas directly,
-    so the global matplotlib backend is left alone."""
+    """Save ``schedule_figure`` as a PNG at ``path``."""
+    path = Path(path)
+    schedule_figure(results, lengths, step=step).savefig(path, format="png", dpi=100)
+    return path
+
+
+def schedule_figure(results: Sequence[ModeResult], lengths: np.ndarray, *, step: int = 0) -> Any:
+    """Per mode, each rank's micro-batches of ``step`` as stacked bars of tokens, against the
+    rank's budget (micro-batches x max_tokens, dashed); one tick per rank (integer ticks past 32
+    ranks). A matplotlib ``Figure`` on an Agg canvas, so the global backend is left alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     done = [r for r in results if r.schedule is not None and step < r.schedule.num_steps]
     if not done:
@@ -254,21 +269,22 @@ def plot_schedule(
                 linewidth=0.3,
             )
             bottom += heights
-        title = (
-            f"{res.mode} ({sched.packing}/{sched.balance}), step {step}: "
-            f"fill {st.stats.fill_efficiency:.1%}, imbalance {st.stats.imbalance:.1%}"
-        )
+        title = f"{res.mode} mode ({sched.packing} packing, {sched.balance} balance), step {step}"
+        facts = f"fill {st.stats.fill_efficiency:.1%}, imbalance {st.stats.imbalance:.1%}"
         if sched.max_tokens is not None:
             budget = st.num_micro_batches * sched.max_tokens
             ax.hlines(budget, -0.5, sched.dp_size - 0.5, colors="black", linestyles="dashed")
-            title += f"; budget (dashed) {st.num_micro_batches} x {sched.max_tokens}"
-        ax.set_title(title, fontsize="medium")
+            facts += f", budget (dashed) {st.num_micro_batches} × {sched.max_tokens} tokens"
+        ax.set_title(f"{title}\n{facts}", fontsize="medium")  # two short lines fit the width
+        ax.set_xlim(-0.5, sched.dp_size - 0.5)
+        if sched.dp_size <= 32:
+            ax.set_xticks(ranks)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("data-parallel rank")
         ax.set_ylabel("tokens")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    return fig
 
 
 def run_schedule_cli(
@@ -325,7 +341,17 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--max-tokens", type=int, help="token budget per micro-batch (dynamic)")
     budget.add_argument("--micro-batch-size", type=int, help="samples per micro-batch (static)")
-    parser.add_argument("--mode", choices=["slime", "default", "both"], default="both")
+    parser.add_argument(
+        "--mode",
+        choices=["slime", "default", "both"],
+        default="both",
+        help="slime: first-fit packing, bins dealt to ranks in turn (THUDM/slime's schedule); "
+        "default: first-fit-decreasing packing, bins balanced by cost (jaxrl's); both "
+        "(default): compare them. The default mode usually has the lower imbalance; slime mode "
+        "can have the lower one on a step with few micro-batches per rank whose FFD bins are "
+        "all nearly full but one small remainder bin, which no assignment can level "
+        "(docs/algorithms/schedule.md, 5.2)",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG of step --step to this path")
     parser.add_argument("--step", type=int, default=0, help="step to plot (default 0)")
     parser.add_argument(
@@ -334,7 +360,13 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         default=None,
         help="samples are single rollouts; default: one step with all of them",
     )
-    parser.add_argument("--micro-batch-group", type=int, default=1)
+    parser.add_argument(
+        "--micro-batch-group",
+        type=int,
+        default=1,
+        help="each rank's micro-batch count is a multiple of this (slime's "
+        "microbatch_group_size_per_vp_stage; default 1)",
+    )
     return parser
 
 
@@ -356,7 +388,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main_schedule(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point: ``python -m jaxrl.data.schedule_report --lengths F --dp N ...``."""
     parser = add_schedule_arguments(
-        argparse.ArgumentParser(prog="jaxrl schedule", description=__doc__)
+        argparse.ArgumentParser(prog="jaxrl schedule", description=DESCRIPTION)
     )
     return run_from_args(parser.parse_args(argv))
 

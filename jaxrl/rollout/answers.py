@@ -7,6 +7,11 @@ line), else the whole text; surrounding whitespace is dropped. Both the completi
 dataset's gold go through it, so a gold that is a whole GSM8K solution ending ``#### 72`` gives
 ``72``.
 
+With ``fallback="last_number"`` a text with none of those markers gives its last number instead
+of the whole text (``"... so she has 18 apples."`` gives ``18``): small instruct models rarely
+box their answers, and the whole text then never equals the gold. Off by default (the whole text
+is the answer, which the built-in arithmetic task relies on).
+
 Normalisation: ``$`` signs, LaTeX thin spaces (``\\,`` ``\\!``), ``{,}``, a trailing full stop
 and a trailing percent sign (``%`` or ``\\%``: ``75%`` equals ``75``, as GSM8K's golds carry
 none) are removed, and ``\\frac{a}{b}`` (``\\dfrac``, ``\\tfrac``) becomes ``a/b``. Then two
@@ -22,13 +27,23 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-__all__ = ["answers_match", "extract_answer", "normalize_answer", "parse_number"]
+__all__ = [
+    "ANSWER_FALLBACKS",
+    "answers_match",
+    "extract_answer",
+    "last_number",
+    "normalize_answer",
+    "parse_number",
+]
+
+ANSWER_FALLBACKS = ("text", "last_number")  # without a marker: the whole text, or its last number
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _INT = r"-?(?:0|[1-9]\d{0,2}(?:,\d{3})+|[1-9]\d*)"  # canonical: no leading zeros
 _NUMBER = re.compile(rf"{_INT}(?:\.\d+)?")
 _FRACTION = re.compile(rf"({_INT})/([1-9]\d*)")
+_IN_TEXT = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/[1-9]\d*)?")  # "-1,234.5", "3/4"
 
 
 def _last_boxed(text: str) -> str | None:
@@ -46,8 +61,15 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str:
-    """The final answer of a completion or a gold solution (see the module docstring)."""
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (``-1,234.5``, ``3/4``), None if there is none."""
+    found = _IN_TEXT.findall(text)
+    return found[-1] if found else None
+
+
+def extract_answer(text: str, *, fallback: str = "text") -> str:
+    """The final answer of a completion or a gold solution (see the module docstring);
+    ``fallback`` (``ANSWER_FALLBACKS``) is what a text without a marker gives."""
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -57,6 +79,11 @@ def extract_answer(text: str) -> str:
     if "####" in text:
         after = text.rsplit("####", 1)[1].strip()
         return after.splitlines()[0].strip() if after else ""
+    if fallback == "last_number":
+        number = last_number(text)
+        return text.strip() if number is None else number
+    if fallback != "text":
+        raise ValueError(f"fallback={fallback!r}: use one of {', '.join(ANSWER_FALLBACKS)}")
     return text.strip()
 
 
@@ -87,10 +114,10 @@ def parse_number(answer: str) -> Fraction | None:
     return None
 
 
-def answers_match(completion: str, gold: str) -> bool:
-    """The completion's final answer equals the gold's: as numbers when both parse, else as
-    normalised text."""
-    a = normalize_answer(extract_answer(completion))
+def answers_match(completion: str, gold: str, *, fallback: str = "text") -> bool:
+    """The completion's final answer (``fallback`` as in ``extract_answer``) equals the gold's:
+    as numbers when both parse, else as normalised text."""
+    a = normalize_answer(extract_answer(completion, fallback=fallback))
     b = normalize_answer(extract_answer(gold))
     x, y = parse_number(a), parse_number(b)
     if x is not None and y is not None:

@@ -24,6 +24,7 @@ from jaxrl.data.datasets import read_dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
+from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.rewards import RewardFunc, TrainerState, check_reward
@@ -124,6 +125,13 @@ class GRPOTrainer:
                 samples_per_prompt=cfg.logging.eval_samples,
                 seed=cfg.seed,
                 mesh=self.session.mesh,
+                sampler=self.generator.sampler,  # one sampler, one weight copy
+                # held-out accuracy parses answers as the run's exact_answer reward does (its
+                # fallback included); the strict default otherwise
+                reward=next(
+                    (f for f in self.generator.reward_funcs if isinstance(f, ExactAnswer)),
+                    exact_answer_reward,
+                ),
             )
         if config.prompts_per_generation > len(self.train_prompts):
             raise ConfigError(

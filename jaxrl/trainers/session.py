@@ -271,6 +271,11 @@ class Session:
             self._write_config()
             self.writer = self._metrics_writer(step)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
+            from jaxrl.trainers.layout_change import layout_change_line  # what the resume means
+
+            current = to_dict(self.cfg)
+            layout = layout_change_line(self.previous_config, current, step=step, ranks=self.ranks)
+            self.say([layout] if layout else [])
             if step >= self.cfg.max_steps:
                 self.console.print(
                     f"the checkpoint is at step {step} and max_steps={self.cfg.max_steps}: "

@@ -50,11 +50,24 @@ def warm_start(cfg: RunConfig) -> RunConfig:
         summary["target"] = cfg.sft_warmup_target
         if is_primary():
             (sft_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
-        if target is not None and not summary["stopped_at_target"] and is_primary():
-            print(
-                f"warning: the SFT warm start reached held-out accuracy "
-                f"{summary['eval/accuracy']:.3f} < sft_warmup_target={target} within "
-                f"sft_warmup_steps={cfg.sft_warmup_steps}; the RL stage starts from there"
-            )
+        if target is not None and is_primary():
+            print(_target_line(summary, cfg.sft_warmup_steps, sft_dir / SUMMARY), flush=True)
     model = dataclasses.replace(cfg.model, path=str(export), init={})
     return dataclasses.replace(cfg, model=model, sft_warmup_steps=0, sft_warmup_target=0.0)
+
+
+def _target_line(summary: dict, cap: int, record: Path) -> str:
+    """One line on whether the warm start reached ``summary["target"]``: the progress bar ends at
+    the stop step, short of its cap, and says nothing of why."""
+    accuracy, target, step = summary["eval/accuracy"], summary["target"], summary["steps"]
+    if summary["stopped_at_target"]:
+        return (
+            f"SFT warm start reached its target at step {step} of at most {cap}: held-out "
+            f"accuracy {accuracy:.3f} >= sft_warmup_target={target} ({record}); the RL stage "
+            "starts from there"
+        )
+    return (
+        f"warning: the SFT warm start reached held-out accuracy {accuracy:.3f} < "
+        f"sft_warmup_target={target} within sft_warmup_steps={cap} ({record}); the RL stage "
+        "starts from there"
+    )

@@ -1,0 +1,65 @@
+"""What a resume onto another layout means: one line comparing the previous run's ``mesh`` and
+``schedule`` settings (its ``config.json``) with this run's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["layout_change_line"]
+
+SECTIONS = ("mesh", "schedule")
+STEP_SIZE = "schedule.docs_per_step"  # not layout: it sets the documents of a step
+PER_RANK = ("grpo", "dpo")  # algorithms whose batch is per data-parallel rank
+
+
+def _flat(d: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    return {k: v for key, sub in d.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
+
+
+def layout_change_line(
+    previous: dict[str, Any] | None, current: dict[str, Any], *, step: int, ranks: int
+) -> str:
+    """One line naming every ``mesh.*`` / ``schedule.*`` setting that differs between the
+    previous run of an output directory and this one, and what resuming at ``step`` then means;
+    empty when none differs (or there is no previous config). ``ranks``: this run's
+    data-parallel ranks (mesh.data × mesh.fsdp)."""
+    if not previous:
+        return ""
+    old: dict[str, Any] = {}
+    new: dict[str, Any] = {}
+    for section in SECTIONS:
+        old.update(_flat(previous.get(section, {}), section))
+        new.update(_flat(current.get(section, {}), section))
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if not keys:
+        return ""
+    changes = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+    layout = [k for k in keys if k != STEP_SIZE]
+    notes = [
+        f"resuming at step {step} with other mesh/schedule settings than the previous run in "
+        f"this output_dir: {changes}."
+    ]
+    if layout:
+        names = layout[0] if len(layout) == 1 else f"{', '.join(layout[:-1])} and {layout[-1]}"
+        verb = "decides" if len(layout) == 1 else "decide"
+        notes.append(
+            f"{names} only {verb} how each step's documents are packed into "
+            "micro-batches and spread over devices; every loss is a ratio of sums over the whole "
+            "step, so the resumed steps make the updates the previous layout would have made (up "
+            "to floating-point rounding)."
+        )
+    algorithm = current.get("algorithm")
+    if algorithm in PER_RANK and any(k in ("mesh.data", "mesh.fsdp") for k in keys):
+        notes.append(
+            f"But {algorithm}.per_device_train_batch_size counts per data-parallel rank: if the "
+            f"rank count (mesh.data × mesh.fsdp, now {ranks}) changed, so did the documents per "
+            "step."
+        )
+    if STEP_SIZE in keys:
+        notes.append(
+            f"{STEP_SIZE} sets the documents per step: from here on the steps differ from the "
+            "previous run's."
+        )
+    return " ".join(notes)
