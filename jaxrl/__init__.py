@@ -13,8 +13,18 @@ Segment ids are 1-based documents within a row; 0 marks padding. Positions resta
 for every document.
 """
 
-from jaxrl.config import ConfigError, DPOConfig, GRPOConfig, SFTConfig
+from typing import Any
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """The config classes, imported on first use: ``import jaxrl.cli`` stays light, so the
+    command line handles Ctrl-C (and errors) from its first moment."""
+    if name in ("ConfigError", "DPOConfig", "GRPOConfig", "SFTConfig"):
+        import jaxrl.config
+
+        return getattr(jaxrl.config, name)
+    raise AttributeError(f"module 'jaxrl' has no attribute {name!r}")

@@ -43,12 +43,17 @@ def _load_config(
     if distributed:
         dist = from_dict(DistributedConfig, raw.get("distributed") or {}, where="distributed")
     if "jax" not in sys.modules:  # before jax initialises: CPU device count, processes
-        launch.ensure_host_devices(devices or launch.host_device_count(mesh, dist))
+        count = devices or launch.host_device_count(mesh, dist)
+        sizes = f"mesh.data={mesh.data} x mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor}"
+        what = f"--devices={devices}" if devices else sizes
+        launch.check_host_devices(count, what)
+        launch.ensure_host_devices(count)
     launch.initialize(dist)
     return from_dict(RunConfig, raw)
 
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+DEBUG_HINT = "run with --debug (or JAXRL_DEBUG=1) for the traceback"
 
 
 def _debug(args: argparse.Namespace) -> bool:
@@ -79,7 +84,7 @@ def _train(args: argparse.Namespace) -> int:
     from jaxrl.train.metrics import json_safe
     from jaxrl.trainers import run
 
-    hint = "run with --debug (or JAXRL_DEBUG=1) for the traceback"
+    hint = DEBUG_HINT
     try:
         summary = run(cfg)
     except KeyboardInterrupt:
@@ -171,7 +176,7 @@ def _schedule(args: argparse.Namespace) -> int:
 
     try:
         return run_from_args(args)
-    except USAGE_ERRORS as e:
+    except (*USAGE_ERRORS, OSError) as e:  # ScheduleError and UnicodeDecodeError are ValueErrors
         if _debug(args):
             raise
         return _fail(e, 2)
@@ -204,6 +209,21 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand and return its exit code. With ``argv`` None (this process's own
+    command line) a Ctrl-C ends the process at once (``jaxrl.shutdown.exit_now``)."""
+    from jaxrl.shutdown import exit_now
+
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt:  # before or after the subcommand's own handling
+        print("interrupted", file=sys.stderr)
+        code = 130
+    if code == 130 and argv is None:
+        exit_now(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"jaxrl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -239,8 +259,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_schedule_arguments(sched)
     sched.set_defaults(func=_schedule)
+    for sub_parser in (memory, sched):
+        sub_parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from jaxrl.shutdown import install_hooks
+
+    install_hooks(debug=_debug(args))
+    try:
+        return int(args.func(args) or 0)
+    except Exception as e:  # what the subcommand did not turn into its one line
+        if _by_interrupt(e):  # e.g. an import that Ctrl-C broke
+            raise KeyboardInterrupt from e
+        if _debug(args):
+            raise
+        return _fail(e, 2 if isinstance(e, USAGE_ERRORS) else 1, DEBUG_HINT)
+
+
+def _by_interrupt(e: BaseException) -> bool:
+    """Whether Ctrl-C is behind ``e`` (its cause or context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -246,3 +246,65 @@ def test_text_the_tokenizer_cannot_represent_is_named_with_its_row(tmp_path):
         tok.encode("1+x")
     tok.allow_unknown = True  # opted in: encoded as <unk>, and counted
     assert tok.encode("1+x")[-1] == tok.unk_id and tok.unknown_count == 1
+
+
+def _interrupt_when(proc: subprocess.Popen, ready, *, timeout: float = 90) -> tuple[int, str]:
+    """SIGINT ``proc`` once ``ready(stderr_so_far)`` holds; ``(exit code, stderr)``."""
+    import threading
+    import time
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not ready("".join(lines)) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        code = "still running 30 s after SIGINT"
+    reader.join(timeout=10)
+    return code, "".join(lines)
+
+
+def test_ctrl_c_in_every_phase_exits_130(tmp_path):
+    """Ctrl-C while jax is imported (it used to be lost in jax's gc callback, and the run went
+    on), during the first XLA compile (it used to die by SIGSEGV: the interpreter's teardown
+    raced the compile still running in an XLA thread) and between steps: exit 130 with the one
+    line, never a signal death or a traceback."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXRL_DEBUG")}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    start = time.monotonic()
+    after_compile_starts = lambda err: "Compiling jit(" in err and time.sleep(0.5) is None
+    phases = {  # name: (extra environment, when to interrupt, model)
+        "import": ({}, lambda err: time.monotonic() - start > 1.0, []),
+        "compile": ({"JAX_LOG_COMPILES": "1"}, after_compile_starts, []),  # a 5 s compile
+        "step": ({}, lambda err: (tmp_path / "step" / "checkpoints" / "1").is_dir(), SMALL[:1]),
+    }
+    procs = {}
+    try:
+        for name, (extra, _, model) in phases.items():
+            items = ["logging.progress=false", f"output_dir={tmp_path / name}", "max_steps=1000"]
+            items += ["checkpoint.every=1", "sft.batch_size=16", "logging.eval_every=0", *model]
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "jaxrl.cli", "train", str(ROOT / "configs/sft_tiny.yaml")]
+                + _sets(items),
+                env={**env, **extra},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        for name, (_, ready, _) in phases.items():
+            code, err = _interrupt_when(procs[name], ready)
+            ours = [x for x in err.splitlines() if x.strip() and not x.startswith("WARNING:")]
+            assert code == 130, (name, code, err[-3000:])
+            assert len(ours) == 1 and ours[0].startswith("interrupted"), (name, ours)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stderr.close()

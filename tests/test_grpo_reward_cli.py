@@ -4,6 +4,7 @@ TRL's keywords with the dataset's columns in row order; a raising one is named i
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import yaml
@@ -58,6 +59,13 @@ def spy(prompts, completions, completion_ids, trainer_state, **kwargs):
 
 def boom(prompts, completions, **kwargs):
     return [1.0 / (len(c) - len(c)) for c in completions]
+
+
+def hang(prompts, completions, **kwargs):
+    import time
+
+    time.sleep(20)  # a grader that never answers (the thread is a daemon: the test goes on)
+    return [0.0] * len(completions)
 '''
 
 
@@ -116,6 +124,19 @@ def test_a_raising_reward_function_is_named_in_the_cli_error(tmp_path, capsys):
     assert "rows 0-7 of the generation batch" in err[0]
 
 
+def test_a_hanging_reward_function_stops_the_run_at_reward_timeout(tmp_path, capsys):
+    start = time.monotonic()
+    code = main(["train", _config(tmp_path, "hang"), *[a for s in TINY for a in ("--set", s)],
+                 "--set", "grpo.reward_timeout=0.5"])  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 2, err  # the error and the --debug hint
+    assert err[0].startswith(
+        "error: reward function 'hang' did not return within grpo.reward_timeout=0.5 s (scoring "
+        "rows 0-7 of the generation batch"
+    ), err
+    assert time.monotonic() - start < 20
+
+
 def test_external_rewards_must_be_finite_and_of_sane_magnitude(tmp_path):
     import pytest
 
@@ -129,4 +150,6 @@ def test_external_rewards_must_be_finite_and_of_sane_magnitude(tmp_path):
         rewards = [0.0] * 5 + [bad] + [0.0] * 2
         with pytest.raises(ValueError, match=match):
             trainer.train_on_rollouts(prompts, completions, logps, rewards)
+    with pytest.raises(ValueError, match=r"sampler_logprobs\[2\]\[0\] = 50 is not a log-prob"):
+        trainer.train_on_rollouts(prompts, completions, [[-0.5]] * 2 + [[50.0]] * 6, [0.0] * 8)
     trainer.session.close()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_grpo_e2e import TINY
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
@@ -29,20 +30,7 @@ SMALL_SFT = [
     "logging.eval_every=0",
     "checkpoint.every=0",
 ]
-TINY_GRPO = [
-    "logging.progress=false",
-    "sft_warmup_steps=0",
-    "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
-    "num_key_value_heads: 1, intermediate_size: 64}",
-    "task.train_size=64",
-    "task.eval_size=8",
-    "schedule.max_tokens=64",
-    "grpo.warmup_steps=0",
-    "grpo.num_generations=4",
-    "grpo.per_device_train_batch_size=8",
-    "logging.eval_every=0",
-    "mesh.data=2",
-]
+TINY_GRPO = [*TINY, "mesh.data=2"]
 
 
 def _sft_trainer(tmp_path, name: str, *sets: str) -> SFTTrainer:
@@ -210,7 +198,14 @@ def test_an_all_truncated_step_is_counted_and_warned(tmp_path, capsys):
 def test_zero_advantage_steps_are_counted_and_warned(tmp_path, capsys):
     """A random model earns no exact-answer reward: every group's rewards are equal, so every
     advantage is 0."""
-    rows = _grpo(tmp_path, "zero", "max_steps=2", "grpo.max_completion_length=4")
+    rows = _grpo(
+        tmp_path,
+        "zero",
+        "max_steps=2",
+        "grpo.max_completion_length=4",
+        "grpo.reward_funcs=[exact_answer]",
+        "grpo.reward_weights=null",
+    )
     assert all(r["frac_reward_zero_std"] == 1.0 for r in rows)
     assert [r["zero_advantage_steps"] for r in rows] == [1, 2]
     err = capsys.readouterr().err

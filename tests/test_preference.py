@@ -79,7 +79,7 @@ def test_jsonl_loader_reads_pairs_and_skips_blank_lines(tmp_path):
         ('{"prompt": "p", "chosen": "", "rejected": "r"}', r"pairs.jsonl:3: 'chosen' is an empty"),
         ('{"prompt": "", "chosen": "c", "rejected": "r"}', r"pairs.jsonl:3: 'prompt' is an empty"),
         ('{"prompt": "p", "chosen": 1, "rejected": "r"}', r"pairs.jsonl:3: 'chosen' must be a str"),
-        ('{"prompt": "p", "chosen": "c", ', r"pairs.jsonl:3: invalid JSON"),
+        ('{"prompt": "p", "chosen": "c", ', r"pairs.jsonl:3: bad JSON"),
         ('["p", "c", "r"]', r"pairs.jsonl:3: expected an object"),
     ],
 )

@@ -42,7 +42,8 @@ def require_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
         raise config_error(field, value, f"use one of {', '.join(map(repr, choices))}")
 
 
-def _suggest(name: str, known: Sequence[str]) -> str:
+def suggest(name: str, known: Sequence[str]) -> str:
+    """A "did you mean ...?" hint naming the closest of ``known``, else all of them."""
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
 
@@ -125,12 +126,12 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
     for key, value in data.items():
         name = f"{where}.{key}" if where else str(key)
         if key not in fields:
-            raise ConfigError(f"unknown config key {name!r}: {_suggest(str(key), list(fields))}")
+            raise ConfigError(f"unknown config key {name!r}: {suggest(str(key), list(fields))}")
         kwargs[key] = _coerce(hints[key], value, name)
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        if where and not str(e).startswith(where):
+        if where and not str(e).startswith((where, "unknown config key")):
             raise ConfigError(f"{where}.{e}") from None
         raise
 

@@ -81,6 +81,8 @@ class GRPOConfig:
     reward_funcs: tuple[str | dict[str, Any] | Callable[..., Any], ...] | None = None  # None →
     # the trainer's default; built-in names, {name: ..., params}, "pkg.mod:fn", "file.py:fn"
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function; None → 1
+    reward_timeout: float | None = 300.0  # seconds one reward function call may take; then the
+    # run stops naming the function and rows (a hung call cannot be stopped); None = no limit
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum
     mask_truncated_completions: bool = False  # completions without EOS get no loss
     top_entropy_quantile: float = 1.0  # q: keep the top-q entropy tokens in the policy loss
@@ -227,6 +229,13 @@ class GRPOConfig:
         docs = self.docs_per_step
         ok = isinstance(docs, int) and not isinstance(docs, bool) and docs >= 0
         require(ok, "docs_per_step", docs, "use an integer ≥ 0 (0 = off)")
+        if self.reward_timeout is not None:
+            require(
+                self.reward_timeout > 0,
+                "reward_timeout",
+                self.reward_timeout,
+                "use a number of seconds > 0, or None for no limit",
+            )
         if self.reward_weights is not None:
             require(
                 len(self.reward_weights) > 0,

@@ -120,7 +120,7 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """``(key prefix, dataclass, fields left out)`` for every section of the reference."""
     from jaxrl.config.dpo import DPOConfig
     from jaxrl.config.grpo import GRPOConfig
-    from jaxrl.config.run import RunConfig
+    from jaxrl.config.run import MODEL_SECTION_KEYS, RunConfig
     from jaxrl.models.transformer import ModelConfig
 
     out: list[tuple[str, type, tuple[str, ...]]] = []
@@ -136,12 +136,11 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
             top.append(f.name)
     skip_top = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in top)
     out.insert(0, ("", RunConfig, skip_top))
-    # world_size comes from the mesh (an error when given); dtypes and the head come from the
-    # `model` section itself, not from model.init
+    # world_size comes from the mesh (an error when given); dtypes, the head and the kernels
+    # come from the `model` section itself, not from model.init
     out.append(("grpo.", GRPOConfig, ("world_size",)))
     out.append(("dpo.", DPOConfig, ("world_size",)))
-    model_section = ("param_dtype", "dtype", "fp32_lm_head")
-    out.append(("model.init.", ModelConfig, model_section))
+    out.append(("model.init.", ModelConfig, MODEL_SECTION_KEYS))
     return out
 
 

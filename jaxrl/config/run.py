@@ -7,8 +7,38 @@ import importlib.util
 import sys
 from typing import Any, Literal
 
-from jaxrl.config.base import ConfigError, config_error, require, require_choice
+from jaxrl.config.base import ConfigError, config_error, require, require_choice, suggest
 from jaxrl.config.sft import SFTConfig
+
+MAX_MESH_DEVICES = 1 << 20  # no machine has more; a larger product is a typo
+# ``model.init`` keys: ModelConfig's architecture fields (tests check the list against it)
+MODEL_INIT_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "qk_norm",
+    "max_position_embeddings",
+)
+# ModelConfig's run settings, which the ``model`` section itself sets
+MODEL_SECTION_KEYS = (
+    "param_dtype",
+    "dtype",
+    "fp32_lm_head",
+    "attention_impl",
+    "attention_block_size",
+    "scan_layers",
+    "remat",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +66,14 @@ class MeshConfig:
             f"mesh.{rest[-1] if rest else 'data'}",
             -1,
             f"only one axis may be -1 (the rest); {', '.join('mesh.' + n for n in rest)} all are",
+        )
+        product = abs(self.data * self.fsdp * self.tensor)
+        require(
+            product <= MAX_MESH_DEVICES,
+            "mesh",
+            f"data={self.data} x fsdp={self.fsdp} x tensor={self.tensor}",
+            f"{product} devices is more than any machine has (at most {MAX_MESH_DEVICES}); "
+            "size the mesh to your devices",
         )
 
     @property
@@ -213,6 +251,15 @@ class ModelSection:
     remat: str = "none"  # recompute in backward: "none", "block" or a jax.checkpoint_policies name
 
     def __post_init__(self):
+        for key in self.init:
+            if key in MODEL_SECTION_KEYS:
+                raise ConfigError(
+                    f"model.init.{key} is set by model.{key}: move it out of model.init"
+                )
+            if key not in MODEL_INIT_KEYS:
+                raise ConfigError(
+                    f"unknown config key 'model.init.{key}': {suggest(str(key), MODEL_INIT_KEYS)}"
+                )
         require(
             self.attention_block_size >= 1,
             "model.attention_block_size",

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from jaxrl.data.datasets import DataError, read_jsonl
 from jaxrl.data.packing import PackingError
 from jaxrl.data.schedule import build_dp_schedule
 from jaxrl.data.tasks import ArithmeticTask
@@ -27,7 +27,7 @@ from jaxrl.data.tokenizer import TextTokenizer
 KEYS = ("prompt", "chosen", "rejected")
 
 
-class PreferenceDataError(ValueError):
+class PreferenceDataError(DataError):
     """A preference data file or pair is malformed; the message names the line or row."""
 
 
@@ -81,35 +81,33 @@ def arithmetic_pairs(task: ArithmeticTask, n: int, *, split: str = "train") -> l
 def load_jsonl_pairs(path: str | Path) -> list[PreferencePair]:
     """Pairs from a JSONL file, one ``{"prompt", "chosen", "rejected"}`` object per line.
 
-    Blank lines are skipped; extra keys are ignored. Any other problem raises
-    ``PreferenceDataError`` naming the file, the 1-based line number and the key.
+    Blank lines are skipped; extra keys are ignored. The file is read as ``jaxrl train`` reads
+    data (``jaxrl.data.datasets.read_jsonl``): any problem raises ``PreferenceDataError`` naming
+    the file, the 1-based line number and the key.
     """
     path = Path(path)
+    try:
+        rows, where = read_jsonl(path)
+    except DataError as e:
+        raise PreferenceDataError(str(e)) from None
     pairs: list[PreferencePair] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PreferenceDataError(f"{where}: invalid JSON ({e.msg})") from None
+    for obj, at in zip(rows, where, strict=True):
         if not isinstance(obj, dict):
             raise PreferenceDataError(
-                f"{where}: expected an object with keys {list(KEYS)}, got {type(obj).__name__}"
+                f"{at}: expected an object with keys {list(KEYS)}, got {type(obj).__name__}"
             )
         for key in KEYS:
             if key not in obj:
                 raise PreferenceDataError(
-                    f"{where}: missing key {key!r} (every line needs {list(KEYS)})"
+                    f"{at}: missing key {key!r} (every line needs {list(KEYS)})"
                 )
             value = obj[key]
             if not isinstance(value, str):
                 raise PreferenceDataError(
-                    f"{where}: {key!r} must be a string, got {type(value).__name__}"
+                    f"{at}: {key!r} must be a string, got {type(value).__name__}"
                 )
             if not value:
-                raise PreferenceDataError(f"{where}: {key!r} is an empty string")
+                raise PreferenceDataError(f"{at}: {key!r} is an empty string")
         pairs.append(PreferencePair(obj["prompt"], obj["chosen"], obj["rejected"]))
     if not pairs:
         raise PreferenceDataError(f"{path}: no preference pairs (the file has no data lines)")

@@ -25,6 +25,7 @@ __all__ = [
     "MODES",
     "ModeResult",
     "add_schedule_arguments",
+    "check_options",
     "compare_schedules",
     "load_lengths",
     "main_schedule",
@@ -35,6 +36,7 @@ __all__ = [
     "stats_table",
 ]
 
+MAX_LENGTH = 1 << 40  # longer "lengths" are typos (and would overflow the cost sums)
 DESCRIPTION = (
     "Build the data-parallel micro-batch schedule of a lengths file in slime mode and in jaxrl's "
     "default mode, print a comparison table and optionally plot every rank's micro-batches."
@@ -57,23 +59,84 @@ class ModeResult:
 
 def load_lengths(path: str | Path) -> np.ndarray:
     """Sample lengths from a ``.npy`` file or a text file with one integer per line (blank lines
-    and ``#`` comments are skipped). Raises ``ValueError`` naming the bad line."""
+    and ``#`` comments are skipped). Raises ``ValueError`` naming the bad line (or value): a
+    length must be a positive integer, and the file must hold at least one."""
     path = Path(path)
     if path.suffix == ".npy":
-        arr = np.load(path, allow_pickle=False)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ValueError(f"{path}: expected a 1-D integer array, got {arr.dtype} {arr.shape}")
-        return arr.astype(np.int64)
-    values = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
         try:
-            values.append(int(text))
-        except ValueError:
-            raise ValueError(f"{path}:{lineno}: {text!r} is not an integer length") from None
-    return np.asarray(values, dtype=np.int64)
+            arr = np.load(path, allow_pickle=False)
+        except (ValueError, EOFError, OSError) as e:
+            if isinstance(e, FileNotFoundError | IsADirectoryError):
+                raise
+            raise ValueError(f"{path}: not a readable .npy file ({e})") from None
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
+            what = f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise ValueError(f"{path}: expected a 1-D integer array, got {what}")
+        bad = np.flatnonzero((arr <= 0) | (arr > MAX_LENGTH))
+        if bad.size:
+            raise ValueError(
+                f"{path}: value {bad[0]} is {arr[bad[0]]}: every length must be a positive "
+                f"integer (at most {MAX_LENGTH})"
+            )
+        values = arr.astype(np.int64)
+    else:
+        values = []
+        for lineno, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x}); write one integer "
+                    "per line"
+                ) from None
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"{path}:{lineno}: {text[:40]!r} is not an integer length"
+                ) from None
+            if not 0 < value <= MAX_LENGTH:
+                raise ValueError(
+                    f"{path}:{lineno}: {text[:40]} is not a length: use a positive integer "
+                    f"(at most {MAX_LENGTH})"
+                )
+            values.append(value)
+        values = np.asarray(values, dtype=np.int64)
+    if values.size == 0:
+        raise ValueError(f"{path}: no lengths (write one positive integer per line)")
+    return values
+
+
+def check_options(
+    num_samples: int,
+    *,
+    dp: int,
+    max_tokens: int | None,
+    micro_batch_size: int | None,
+    rollouts_per_step: int | None,
+    micro_batch_group: int,
+    step: int,
+) -> None:
+    """Raise ``ValueError`` naming the first option that no schedule can use."""
+    for flag, value in (
+        ("--dp", dp),
+        ("--max-tokens", max_tokens),
+        ("--micro-batch-size", micro_batch_size),
+        ("--rollouts-per-step", rollouts_per_step),
+        ("--micro-batch-group", micro_batch_group),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}={value} is invalid: use a positive integer")
+    if rollouts_per_step is not None and rollouts_per_step > num_samples:
+        raise ValueError(
+            f"--rollouts-per-step={rollouts_per_step} is invalid: the lengths file holds "
+            f"{num_samples} samples, too few for one step; lower it"
+        )
+    if step < 0:
+        raise ValueError(f"--step={step} is invalid: use a step number >= 0")
 
 
 def check_budget(lengths: np.ndarray, max_tokens: int, *, name: str = "lengths") -> None:
@@ -242,6 +305,15 @@ def run_schedule_cli(
         raise ValueError(f"mode={mode!r} is not one of 'slime', 'default', 'both'")
     console = console or Console()
     lengths = load_lengths(lengths_file)
+    check_options(
+        len(lengths),
+        dp=dp,
+        max_tokens=max_tokens,
+        micro_batch_size=micro_batch_size,
+        rollouts_per_step=rollouts_per_step,
+        micro_batch_group=micro_batch_group,
+        step=step,
+    )
     if max_tokens is not None:
         check_budget(lengths, max_tokens, name=Path(lengths_file).name)
     modes = ("slime", "default") if mode == "both" else (mode,)

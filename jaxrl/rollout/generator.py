@@ -171,6 +171,7 @@ class RolloutGenerator:
             columns,
             completion_ids=completions,
             trainer_state=trainer_state,
+            timeout=self.config.reward_timeout,
         )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
         return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BF)

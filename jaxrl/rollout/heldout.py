@@ -58,7 +58,8 @@ class HeldoutEvaluator:
     prompts are); a completion counts as correct when it returns 1.0. ``prompt_ids``: the
     prompts' token ids when they are not plain text (chat-templated messages). ``mesh``: split
     the prompts over its batch axes (``Sampler``); the random bits,
-    hence the result, do not depend on it.
+    hence the result, do not depend on it. ``sampler``: an existing sampler to share (GRPO's,
+    so the run holds one compute-dtype copy of the weights, not two).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class HeldoutEvaluator:
         reward: RewardFunc = exact_answer_reward,
         prompt_ids: Sequence[np.ndarray] | None = None,
         mesh: Mesh | None = None,
+        sampler: Sampler | None = None,
     ):
         if len(prompts) != len(answers) or not prompts:
             raise ValueError(
@@ -92,7 +94,8 @@ class HeldoutEvaluator:
         self.sampling = sampling
         self.key = jax.random.key(seed)
         self.reward = reward
-        self.sampler = Sampler(
+        # a GRPO run shares its generation sampler: one compute-dtype copy of the weights
+        self.sampler = sampler or Sampler(
             model_config,
             max_new_tokens=max_new_tokens,
             eos_id=tokenizer.eos_id,

@@ -140,7 +140,7 @@ def load_reward_func(
     if isinstance(spec, Mapping):
         params = dict(spec)
         name = params.pop("name", None)
-        if name not in BUILTIN_REWARDS:
+        if not isinstance(name, str) or name not in BUILTIN_REWARDS:
             raise config_error(
                 where,
                 dict(spec),

@@ -21,21 +21,26 @@ rest. It returns one value per completion; None means "cannot score this row" an
 ``GRPOConfig.reward_weights`` by ``jaxrl.losses.advantages``.
 
 What is an error, naming the function and the rows: an exception inside the function
-(``RewardFunctionError``, the original chained), the wrong number of values, a non-number,
-±inf, and a magnitude above ``MAX_ABS_REWARD`` (1e30): such a value is finite but its square
-overflows float64, so the group std behind the advantages would be inf and every advantage 0
-or NaN; rescale the reward instead.
+(``RewardFunctionError``, the original chained), a call that takes longer than
+``grpo.reward_timeout`` (``RewardTimeoutError``; the run stops, as a hung thread cannot be
+stopped), the wrong number of values, a non-number, ±inf, and a magnitude above
+``MAX_ABS_REWARD`` (1e30): such a value is finite but its square overflows float64, so the
+group std behind the advantages would be inf and every advantage 0 or NaN; rescale the reward
+instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxrl.rollout.timeout import CallTimeoutError, call_with_deadline
 
 RewardFunc = Callable[..., Sequence[float | None]]
 MAX_ABS_REWARD = 1e30  # larger finite rewards overflow the float64 group variance
@@ -46,6 +51,7 @@ __all__ = [
     "RewardFunc",
     "check_reward",
     "RewardFunctionError",
+    "RewardTimeoutError",
     "TrainerState",
     "reward_inputs",
     "reward_name",
@@ -56,6 +62,10 @@ __all__ = [
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised; the message names it and the rows it was scoring."""
+
+
+class RewardTimeoutError(RewardFunctionError):
+    """A reward function did not return within ``grpo.reward_timeout``; it names the rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +151,17 @@ def score_completions(
     *,
     completion_ids: Sequence[Sequence[int]] | None = None,
     trainer_state: TrainerState | None = None,
+    timeout: float | None = None,
 ) -> np.ndarray:
     """float64 ``[B, F]``: function k's reward of row i at ``[i, k]``; None → NaN.
 
     ``prompts`` and ``completions`` as the functions receive them (``reward_inputs``); every
-    function is called with the keywords of the module docstring. Raises
-    ``RewardFunctionError`` when a function raises, ``ValueError`` when it returns the wrong
-    number of values, ±inf or a magnitude above ``MAX_ABS_REWARD``, and ``TypeError`` when a
-    value is not a number (bools included), naming the function and the row.
+    function is called with the keywords of the module docstring, within ``timeout`` seconds
+    per call when given (``jaxrl.rollout.timeout``). Raises ``RewardTimeoutError`` when a
+    call takes longer, ``RewardFunctionError`` when a function raises, ``ValueError`` when it
+    returns the wrong number of values, ±inf or a magnitude above ``MAX_ABS_REWARD``, and
+    ``TypeError`` when a value is not a number (bools included), naming the function and the
+    row.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -167,16 +180,25 @@ def score_completions(
     ids = None if completion_ids is None else [[int(t) for t in x] for x in completion_ids]
     out = np.empty((n, len(funcs)), np.float64)
     for k, (func, name) in enumerate(zip(funcs, reward_names(funcs), strict=True)):
+        call = functools.partial(
+            func,
+            prompts=list(prompts),
+            completions=list(completions),
+            completion_ids=ids,
+            trainer_state=trainer_state,
+            **columns,
+        )
+        first = str(prompts[0])[:60] if n else ""
         try:
-            values = func(
-                prompts=list(prompts),
-                completions=list(completions),
-                completion_ids=ids,
-                trainer_state=trainer_state,
-                **columns,
-            )
+            values = call_with_deadline(call, timeout, name=f"reward function {name!r}")
+        except CallTimeoutError:
+            raise RewardTimeoutError(
+                f"reward function {name!r} did not return within grpo.reward_timeout={timeout:g} "
+                f"s (scoring rows 0-{n - 1} of the generation batch; the first prompt is "
+                f"{first!r}); it keeps running in a background thread, which cannot be stopped, "
+                "so the run stops: fix the function, or raise grpo.reward_timeout"
+            ) from None
         except Exception as e:
-            first = str(prompts[0])[:60] if n else ""
             detail = (str(e).strip().splitlines() or [""])[0]
             raise RewardFunctionError(
                 f"reward function {name!r} raised {type(e).__name__}: {detail} (scoring rows "

@@ -12,6 +12,27 @@ import os
 import re
 from typing import Any
 
+# CPU host devices one process may ask XLA for: each costs about 0.1 MB of host memory and a
+# thread before any model exists (4096 take ~0.6 GB and seconds to create; 100000 grew past
+# 4 GB and crashed XLA), and every replicated array is stored once per device.
+MAX_HOST_DEVICES = 4096
+HOST_DEVICE_MB = 0.1
+
+
+def check_host_devices(count: int, what: str) -> None:
+    """Raise ``ConfigError`` naming ``what`` (the setting that asks) when ``count`` CPU host
+    devices are more than ``MAX_HOST_DEVICES``; call it before jax initialises."""
+    if count > MAX_HOST_DEVICES:
+        from jaxrl.config import ConfigError
+
+        need = count * HOST_DEVICE_MB / 1024
+        raise ConfigError(
+            f"{what} asks for {count} CPU host devices in one process, more than the "
+            f"{MAX_HOST_DEVICES} allowed (each takes about {HOST_DEVICE_MB:g} MB of host memory "
+            f"and holds its own copy of every replicated array: over {need:.1f} GB before the "
+            "model); size the mesh to the devices you have"
+        )
+
 
 def ensure_host_devices(count: int) -> None:
     """Ask XLA for ``count`` CPU devices (no effect on accelerators) unless at least that many

@@ -29,4 +29,3 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     summary["stage_wall_s"] = summary.get("wall_s")
     summary["wall_s"] = round(time.perf_counter() - start, 1)
     return summary
-

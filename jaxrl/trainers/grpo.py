@@ -24,6 +24,7 @@ from jaxrl.data.datasets import read_dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
+from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.rewards import RewardFunc, TrainerState, check_reward
@@ -124,6 +125,13 @@ class GRPOTrainer:
                 samples_per_prompt=cfg.logging.eval_samples,
                 seed=cfg.seed,
                 mesh=self.session.mesh,
+                sampler=self.generator.sampler,  # one sampler, one weight copy
+                # held-out accuracy parses answers as the run's exact_answer reward does (its
+                # fallback included); the strict default otherwise
+                reward=next(
+                    (f for f in self.generator.reward_funcs if isinstance(f, ExactAnswer)),
+                    exact_answer_reward,
+                ),
             )
         if config.prompts_per_generation > len(self.train_prompts):
             raise ConfigError(
@@ -226,18 +234,14 @@ class GRPOTrainer:
         metrics row, also written to metrics.jsonl.
         """
         self._start()
-        vocab = self.session.model_config.vocab_size
-        for what, rows in (
-            ("prompt_tokens", prompt_tokens),
-            ("completion_tokens", completion_tokens),
-        ):
-            for i, ids in enumerate(rows):
-                ids = np.asarray(ids)
-                if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                    raise ValueError(
-                        f"train_on_rollouts: {what}[{i}] holds ids outside [0, {vocab}) "
-                        f"(min {ids.min()}, max {ids.max()}): use the trainer's tokenizer"
-                    )
+        check_rollouts(
+            prompt_tokens,
+            completion_tokens,
+            sampler_logprobs,
+            rewards,
+            truncated,
+            vocab_size=self.session.model_config.vocab_size,
+        )
         r_BF = np.asarray(
             [[np.nan if v is None else v for v in np.atleast_1d(row)] for row in rewards],
             np.float64,
@@ -426,3 +430,71 @@ def _resolve_run_config(cfg: RunConfig, config: GRPOConfig) -> RunConfig:
     if config.fp32_lm_head and not cfg.model.fp32_lm_head:
         changes["model"] = dataclasses.replace(cfg.model, fp32_lm_head=True)
     return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+LOGPROB_TOLERANCE = 1e-3  # sampler log-probs may exceed 0 by this much (rounding in the sampler)
+
+
+def _token_rows(what: str, rows: Sequence[Any], vocab_size: int) -> list[np.ndarray]:
+    """``rows`` as 1-D integer arrays, or ``ValueError`` naming the row."""
+    out = []
+    for i, ids in enumerate(rows):
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(
+                f"train_on_rollouts: {what}[{i}] is not a list of token ids (got "
+                f"{arr.dtype} {arr.shape}): give one list of ints per rollout"
+            )
+        if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+            raise ValueError(
+                f"train_on_rollouts: {what}[{i}] holds ids outside [0, {vocab_size}) "
+                f"(min {arr.min()}, max {arr.max()}): use the trainer's tokenizer"
+            )
+        out.append(arr)
+    return out
+
+
+def check_rollouts(
+    prompt_tokens: Sequence[Any],
+    completion_tokens: Sequence[Any],
+    sampler_logprobs: Sequence[Any],
+    rewards: Any,
+    truncated: Sequence[bool] | None,
+    *,
+    vocab_size: int,
+) -> None:
+    """``train_on_rollouts``' inputs, or ``ValueError`` naming the row: one entry of each per
+    rollout, token ids in the vocabulary, and one finite sampler log-prob ``<= 0`` (within
+    ``LOGPROB_TOLERANCE``) per completion token."""
+    n = len(completion_tokens)
+    counts = {"prompt_tokens": len(prompt_tokens), "sampler_logprobs": len(sampler_logprobs)}
+    counts["rewards"] = len(rewards)
+    if truncated is not None:
+        counts["truncated"] = len(truncated)
+    for what, count in counts.items():
+        if count != n:
+            raise ValueError(
+                f"train_on_rollouts: {count} {what} rows for {n} completion_tokens rows: give one "
+                "per rollout"
+            )
+    _token_rows("prompt_tokens", prompt_tokens, vocab_size)
+    completions = _token_rows("completion_tokens", completion_tokens, vocab_size)
+    for i, (ids, logps) in enumerate(zip(completions, sampler_logprobs, strict=True)):
+        try:
+            lp = np.asarray(logps, np.float64)
+        except (TypeError, ValueError):
+            lp = None
+        if lp is None or lp.ndim != 1 or lp.size != ids.size:
+            got = "is not a list of numbers" if lp is None or lp.ndim != 1 else f"has {lp.size}"
+            raise ValueError(
+                f"train_on_rollouts: sampler_logprobs[{i}] {got}: give one log-prob per "
+                f"completion token ({ids.size} in completion_tokens[{i}])"
+            )
+        bad = np.flatnonzero(~np.isfinite(lp) | (lp > LOGPROB_TOLERANCE))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(
+                f"train_on_rollouts: sampler_logprobs[{i}][{j}] = {lp[j]:g} is not a "
+                f"log-probability (finite and <= 0; {bad.size} such value(s) in row {i}): give "
+                "the sampler's log-probs of the sampled tokens, not logits or probabilities"
+            )
