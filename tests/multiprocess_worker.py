@@ -63,6 +63,7 @@ def run(cache_dir: str | Path) -> dict:
         tokenizer="char",
         max_length=16,
         packing={"max_tokens": 64, "packing": "ffd"},
+        layout={"rows": "pack_pairs"},
         loss_type="sigmoid",
         aggregation="sum",
         param_dtype="float32",

@@ -222,3 +222,26 @@ def test_the_sampler_holds_its_weights_in_the_compute_dtype(tmp_path):
     assert dtypes == {"bfloat16"}
     assert {str(x.dtype) for x in jax.tree.leaves(trainer.generator.ref_params)} == {"bfloat16"}
     assert {str(x.dtype) for x in jax.tree.leaves(trainer.session.state.params)} == {"float32"}
+
+
+def test_dpo_step_one_is_ln2_in_bf16_when_rounding_depends_on_the_layout(tmp_path):
+    """bf16 compute with 16-token flash blocks: a document's log-prob depends on where its row
+    puts it (block boundaries change the summation order). The training reference is scored in
+    the rows of the step that trains on it, so policy = reference at step 1 to the bit."""
+    out = tmp_path / "dpo"
+    sets = [
+        "logging.progress=false", f"output_dir={out}", "sft_warmup_steps=0", "max_steps=2",
+        "mesh.data=2", "model.dtype=bfloat16", "model.attention_impl=flash",
+        "model.attention_block_size=16", "task.train_size=48", "task.eval_size=16",
+        "model.init={hidden_size: 576, num_hidden_layers: 2, num_attention_heads: 9, "
+        "num_key_value_heads: 3, intermediate_size: 1536}",
+        "schedule.max_tokens=512", "dpo.per_device_train_batch_size=4",
+        "dpo.gradient_accumulation_steps=2", "logging.eval_every=0", "optimizer.warmup_steps=0",
+    ]  # fmt: skip
+    args = ["train", "configs/dpo_tiny.yaml"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    first = next(r for r in read_metrics(out / "metrics.jsonl") if "loss" in r)
+    assert abs(first["loss"] - math.log(2)) < 1e-6, first["loss"]
+    assert first["rewards/margin"] == 0.0

@@ -54,6 +54,7 @@ class CacheIdentity:
     tokenizer: str  # SHA-256 of the vocabulary and special ids
     max_length: int  # per-document token limit applied at tokenisation
     packing: dict[str, Any]  # row budget (schedule.max_tokens) and bin packing
+    layout: dict[str, Any]  # how the rows are formed (e.g. the training steps' layout)
     loss_type: str  # canonical loss type, as open-instruct keys its cache
     aggregation: str  # "sum" or "mean" sequence log-probs (implied by the loss type)
     param_dtype: str

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,16 @@ class DPOTrainer:
             packing={"max_tokens": cfg.schedule.max_tokens, "packing": cfg.schedule.packing},
             loss_type=self.dpo.canonical_loss_type,
             aggregation="mean" if self.dpo.uses_mean_logps else "sum",
+            layout=(
+                {  # the steps' layout the train split is scored in (_train_values)
+                    "pairs_per_step": self.dpo.pairs_per_step,
+                    "ranks": self.session.ranks,
+                    "balance": cfg.schedule.balance,
+                    "feed_seed": cfg.seed,
+                }
+                if split == "train"
+                else {"rows": "pack_pairs"}
+            ),
             param_dtype=m.param_dtype,
             dtype=m.dtype or m.param_dtype,
             fp32_lm_head=m.fp32_lm_head,
@@ -216,6 +227,7 @@ class DPOTrainer:
         )
 
     def _pair_values(self, docs: PairDocuments, sink: ReferenceCache) -> None:
+        """Held-out reference values, packed as ``evaluate`` packs the policy's."""
         fill_pair_logps(
             self.scorer,
             self.session.state.params,
@@ -225,6 +237,34 @@ class DPOTrainer:
             packing=self.cfg.schedule.packing,
             mean=self.dpo.uses_mean_logps,
         )
+
+    def _train_values(self, sink: ReferenceCache) -> None:
+        """Training reference values, each pair scored in the packed rows of the step that
+        first trains on it: the steps of the first epoch are planned again from a fresh copy of
+        the seeded feed. The scorer runs the train step's forward, so a pair's reference is
+        computed exactly as its policy value will be (same row, offset and row length; in bf16
+        the rounding depends on them), and the step-1 loss is ln 2 whatever the precision."""
+        feed = DocumentFeed(self.train.num_pairs, seed=self.cfg.seed)
+        left = np.ones(self.train.num_pairs, bool)
+        while left.any():
+            batch = self.session.plan(
+                feed.take(self.dpo.pairs_per_step),
+                all_ranks=True,
+                pairs=True,
+                lengths=self.train.pair_lengths,
+                sequences=self.train.sequences,
+                loss_masks=self.train.masks,
+            )
+            scores = self.scorer.documents(
+                self.session.state.params,
+                batch.packed,
+                mean=self.dpo.uses_mean_logps,
+                temperature=1.0,
+            )
+            new = np.asarray([p for p in batch.used if left[p]], np.int64)
+            if new.size:  # the last step may reach into the next epoch: first values kept
+                sink.write(new, scores.logps[2 * new], scores.logps[2 * new + 1])
+                left[new] = False
 
     def build_references(self) -> None:
         """Load or build the train (and held-out) reference caches from the CURRENT params.
@@ -239,11 +279,9 @@ class DPOTrainer:
         for split, docs in splits.items():
             if docs is None:
                 continue
+            fill = self._train_values if split == "train" else partial(self._pair_values, docs)
             self.refs[split] = load_or_build(
-                self.cache_dir,
-                self._identity(split, docs, weights),
-                docs.num_pairs,
-                lambda sink, docs=docs: self._pair_values(docs, sink),
+                self.cache_dir, self._identity(split, docs, weights), docs.num_pairs, fill
             )
 
     # -- planning ---------------------------------------------------------------------------
