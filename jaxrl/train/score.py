@@ -157,7 +157,7 @@ class Scorer:
         logp = np.zeros((n, t), np.float32)
         entropy = np.zeros((n, t), np.float32)
         correct = np.zeros((n, t), bool)
-        c = self.rows_per_call
+        c = self._call_rows(live.size)
         temperature_arg = put_replicated(np.float32(temp), self.mesh)
         calls = []  # every call is dispatched before the first result is read back
         for lo in range(0, live.size, c):
@@ -175,6 +175,14 @@ class Scorer:
         return RowScores(
             logp=logp.reshape(shape), entropy=entropy.reshape(shape), correct=correct.reshape(shape)
         )
+
+    def _call_rows(self, live: int) -> int:
+        """Rows per call for ``live`` rows: ``rows_per_call``, or fewer when fewer rows are
+        live (a power of two per rank, so few programs compile): every row of a call is
+        computed, padding included."""
+        ranks = row_ranks(self.mesh)
+        per_rank = 1 << max(-(-live // ranks) - 1, 0).bit_length()
+        return min(self.rows_per_call, ranks * per_rank)
 
     # -- consumers --------------------------------------------------------------------------
     def documents(
