@@ -65,6 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer_grpo import SHARED_GRPO_FIELDS  # the GRPOConfig fields jaxrl and TRL share
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
 MODEL_DIR = CACHE / "smollm2-135m-instruct"
@@ -651,30 +653,6 @@ def stage_grpo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- trl: TRL's GRPOTrainer on the same problem ----------------------------------------------------
-# GRPOConfig fields with the same name and meaning in jaxrl and TRL
-SHARED_GRPO_FIELDS = (
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "num_generations",
-    "generation_batch_size",
-    "steps_per_generation",
-    "num_iterations",
-    "shuffle_dataset",
-    "max_completion_length",
-    "temperature",
-    "top_p",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "beta",
-    "loss_type",
-    "importance_sampling_level",
-    "scale_rewards",
-    "reward_weights",
-    "multi_objective_aggregation",
-    "mask_truncated_completions",
-    "top_entropy_quantile",
-)
 
 
 def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
