@@ -264,7 +264,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     from jaxrl.shutdown import install_hooks
 
-    install_hooks(debug=_debug(args))
+    install_hooks(debug=_debug(args), redeliver=argv is None)  # only as the CLI process
     try:
         return int(args.func(args) or 0)
     except Exception as e:  # what the subcommand did not turn into its one line

@@ -53,14 +53,17 @@ class _AsyncioNoise(logging.Filter):
 _FILTER = _AsyncioNoise()
 
 
-_STATE = {"debug": False}
+_STATE = {"debug": False, "redeliver": False}
 
 
-def install_hooks(*, debug: bool = False) -> None:
+def install_hooks(*, debug: bool = False, redeliver: bool = False) -> None:
     """For the rest of the process: drop the reports of ``is_background_noise`` (from
-    ``sys.unraisablehook`` and the ``asyncio`` logger) unless ``debug``, and deliver again a
-    Ctrl-C that landed where Python only reports it (a gc callback, a ``__del__``)."""
+    ``sys.unraisablehook`` and the ``asyncio`` logger) unless ``debug``, and with ``redeliver``
+    deliver again a Ctrl-C that landed where Python only reports it (a gc callback, a
+    ``__del__``). Only a process that is the CLI redelivers: in a host process (a notebook, a
+    test runner) a late KeyboardInterrupt would land in whatever runs next."""
     _STATE["debug"] = debug
+    _STATE["redeliver"] = redeliver
     log = logging.getLogger("asyncio")
     if debug:
         log.removeFilter(_FILTER)
@@ -71,7 +74,7 @@ def install_hooks(*, debug: bool = False) -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and _STATE["redeliver"]:
             # raised again in the main thread once this callback is over (from another thread:
             # called here, the main thread would raise it inside this hook, and lose it again)
             timer = threading.Timer(REDELIVER_S, _thread.interrupt_main)

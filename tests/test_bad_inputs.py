@@ -120,11 +120,14 @@ def test_orbax_background_noise_is_dropped_unless_debugging(monkeypatch, caplog)
     report(RuntimeError("Event loop is closed"))
     log.error("Task exception was never retrieved\nfuture: <Task finished>")
     assert len(seen) == 2 and len(caplog.records) == 1
-    install_hooks()
-    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C a gc callback swallowed comes back
-        report(KeyboardInterrupt())
-        for _ in range(100):  # raised between bytecodes, within REDELIVER_S
-            time.sleep(0.05)
+    install_hooks(redeliver=True)  # as the CLI process (main() with argv=None)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # a Ctrl-C a gc callback swallowed comes back
+            report(KeyboardInterrupt())
+            for _ in range(100):  # raised between bytecodes, within REDELIVER_S
+                time.sleep(0.05)
+    finally:
+        install_hooks()  # a test runner is not the CLI: no late Ctrl-C in later tests
 
 
 # -- sampler log-probs, reward deadlines, preference files ---------------------------------
