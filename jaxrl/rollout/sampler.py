@@ -259,7 +259,7 @@ class Sampler:
             raise ValueError(f"Sampler: max_new_tokens={max_new_tokens} must be a positive int")
         # the sampler holds its weights in the compute dtype: one cast per weight sync, never
         # an fp32 master copy (docs/precision.md)
-        config = dataclasses.replace(config, param_dtype=config.dtype or config.param_dtype)
+        config = dataclasses.replace(config, param_dtype=config.dtype)
         self.config = config
         self.max_new_tokens = max_new_tokens
         self.eos_ids = tuple(int(i) for i in eos_ids)

@@ -193,9 +193,11 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     unsharded = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in leaves)
 
     copies = _compute_copies(cfg)
-    compute_dtype = jnp.dtype(config.dtype or config.param_dtype)
-    compute32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), state.params)
-    compute_copy_bytes = copies * bytes_per_device(compute32, shardings.params)
+    compute_dtype = jnp.dtype(config.dtype)  # ModelConfig resolves None to param_dtype
+    compute_shapes = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), state.params
+    )
+    compute_copy_bytes = copies * bytes_per_device(compute_shapes, shardings.params)
 
     analysis, lower_s, compile_s = _compile_step(cfg, mesh, graphdef, tx, state, shardings)
     compiled_temp = int(analysis.temp_size_in_bytes)
@@ -343,7 +345,7 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
     table.add_column("share", justify="right")
     table.add_column("what")
     total = max(plan["total_bytes"], 1)
-    compute = m["dtype"] or m["param_dtype"]
+    compute = m["dtype"]
     copies = plan["compute_copies"]
     rows = (
         ("master weights", "params_bytes", f"{m['param_dtype']}, what AdamW updates"),

@@ -106,7 +106,7 @@ class GRPOTrainer:
             # β > 0: the frozen initial parameters, a real copy in the same sharding (the train
             # step donates its buffers), in the compute dtype (docs/precision.md)
             ref_params=(
-                compute_copy(self.session.state.params, self.session.compute_dtype)
+                compute_copy(self.session.state.params, self.session.model_config.dtype)
                 if config.beta != 0.0
                 else None
             ),

@@ -231,11 +231,6 @@ class Session:
         return loss_fn
 
     @property
-    def compute_dtype(self) -> str:
-        """The forward's dtype (``model.dtype``, default ``model.param_dtype``)."""
-        return self.model_config.dtype or self.model_config.param_dtype
-
-    @property
     def model(self) -> Transformer:
         """The current parameters as a model (for evaluation and export)."""
         return nnx.merge(self.graphdef, self.state.params)
