@@ -32,9 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl.config import load_run_config  # noqa: E402
-from jaxrl.models.transformer import ModelConfig, Transformer  # noqa: E402
+from jaxrl.models.model_config import ModelConfig  # noqa: E402
+from jaxrl.models.transformer import Transformer  # noqa: E402
+from jaxrl.runtime.mesh import use_devices  # noqa: E402
 from jaxrl.train.memory import plan_memory  # noqa: E402
-from jaxrl.train.mesh import use_devices  # noqa: E402
 
 QWEN25_1_5B = dict(  # Qwen/Qwen2.5-1.5B config.json
     model_type="qwen2",

@@ -24,7 +24,8 @@ import optax  # noqa: E402
 
 from jaxrl.data.packing import pack_sequences  # noqa: E402
 from jaxrl.losses.sft import sft_terms  # noqa: E402
-from jaxrl.models.transformer import ModelConfig, Transformer  # noqa: E402
+from jaxrl.models.model_config import ModelConfig  # noqa: E402
+from jaxrl.models.transformer import Transformer  # noqa: E402
 from jaxrl.train.forward import micro_batch_logprobs  # noqa: E402
 from jaxrl.train.state import TrainState  # noqa: E402
 from jaxrl.train.step import TrainStep, make_mesh  # noqa: E402

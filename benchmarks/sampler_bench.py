@@ -37,7 +37,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jaxrl.models.hf import save_pretrained  # noqa: E402
-from jaxrl.models.transformer import ModelConfig, Transformer  # noqa: E402
+from jaxrl.models.model_config import ModelConfig  # noqa: E402
+from jaxrl.models.transformer import Transformer  # noqa: E402
 from jaxrl.rollout.sampler import Sampler, SamplingParams, prefill  # noqa: E402
 
 SHAPES = {

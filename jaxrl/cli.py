@@ -34,7 +34,7 @@ def _load_config(
         from_dict,
         load_yaml,
     )
-    from jaxrl.train import launch
+    from jaxrl.runtime import launch
 
     raw = anchor_reward_paths(load_yaml(args.config), os.path.dirname(args.config) or ".")
     raw = apply_overrides(raw, args.set)
@@ -80,7 +80,7 @@ def _train(args: argparse.Namespace) -> int:
         cfg = _load_config(args)
     except ConfigError as e:
         return _fail(e, 2)
-    from jaxrl.train.mesh import is_primary
+    from jaxrl.runtime.mesh import is_primary
     from jaxrl.train.metrics import json_safe
     from jaxrl.trainers import run
 
@@ -210,8 +210,8 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand and return its exit code. With ``argv`` None (this process's own
-    command line) a Ctrl-C ends the process at once (``jaxrl.shutdown.exit_now``)."""
-    from jaxrl.shutdown import exit_now
+    command line) a Ctrl-C ends the process at once (``jaxrl.runtime.shutdown.exit_now``)."""
+    from jaxrl.runtime.shutdown import exit_now
 
     try:
         code = _main(argv)
@@ -262,7 +262,7 @@ def _main(argv: list[str] | None) -> int:
     for sub_parser in (memory, sched):
         sub_parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
-    from jaxrl.shutdown import install_hooks
+    from jaxrl.runtime.shutdown import install_hooks
 
     install_hooks(debug=_debug(args), redeliver=argv is None)  # only as the CLI process
     try:

@@ -21,7 +21,7 @@ def _device_pool():
     """Each test's meshes take the first devices they need from the 8 host devices (a config
     with mesh.data=1 runs on one device, mesh.data=8 on all), as ``use_devices(subset=True)``
     documents. Tests of the strict rule open their own ``use_devices(...)``."""
-    from jaxrl.train.mesh import use_devices
+    from jaxrl.runtime.mesh import use_devices
 
     with use_devices(jax.devices(), subset=True):
         yield

@@ -22,11 +22,12 @@ def run(cache_dir: str | Path) -> dict:
     from jaxrl.data.preference import arithmetic_pairs, encode_pairs
     from jaxrl.data.tasks import ArithmeticTask
     from jaxrl.data.tokenizer import char_tokenizer
+    from jaxrl.models.model_config import ModelConfig
     from jaxrl.models.sharding import state_shardings
-    from jaxrl.models.transformer import ModelConfig, Transformer
+    from jaxrl.models.transformer import Transformer
     from jaxrl.rollout.sampler import Sampler, SamplingParams
+    from jaxrl.runtime.mesh import make_mesh
     from jaxrl.train import ref_cache
-    from jaxrl.train.mesh import make_mesh
     from jaxrl.train.score import Scorer
 
     mesh = make_mesh(2, 2, 2)

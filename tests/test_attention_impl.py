@@ -18,12 +18,8 @@ from flax import nnx
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, ModelSection, from_dict
 from jaxrl.models import ModelConfig, Transformer, save_pretrained
-from jaxrl.models.attention import (
-    attention,
-    attention_fn,
-    positions_from_segments,
-    resolve_attention_impl,
-)
+from jaxrl.models.attention import attention, positions_from_segments
+from jaxrl.models.attention_dispatch import attention_fn, resolve_attention_impl
 from jaxrl.models.flash_attention import block_visibility, flash_attention
 from jaxrl.models.pallas_attention import index_causal_matches
 from jaxrl.rollout.sampler import decode_step, left_pad, prefill

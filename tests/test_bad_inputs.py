@@ -42,7 +42,7 @@ def test_a_bad_model_init_key_exits_2_naming_it(tmp_path, capsys, item, message)
 
 def test_model_init_keys_are_the_model_config_fields():
     from jaxrl.config.run import MODEL_INIT_KEYS, MODEL_SECTION_KEYS
-    from jaxrl.models.transformer import ModelConfig
+    from jaxrl.models.model_config import ModelConfig
 
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(MODEL_INIT_KEYS) | set(MODEL_SECTION_KEYS) == names
@@ -100,7 +100,7 @@ def test_bad_schedule_input_exits_2_with_one_line(tmp_path, capsys, content, opt
 
 
 def test_orbax_background_noise_is_dropped_unless_debugging(monkeypatch, caplog):
-    from jaxrl.shutdown import install_hooks
+    from jaxrl.runtime.shutdown import install_hooks
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config.run import OptimizerConfig
-from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
 from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.optimizer import make_optimizer
 from jaxrl.train.state import TrainState

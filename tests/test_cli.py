@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import DistributedConfig, MeshConfig
-from jaxrl.train.launch import ensure_host_devices, host_device_count
+from jaxrl.runtime.launch import ensure_host_devices, host_device_count
 
 
 def test_schedule_subcommand_prints_both_modes_and_plots(tmp_path, capsys):
@@ -86,7 +86,7 @@ def test_host_device_count_follows_the_mesh_and_the_processes():
 def test_a_mesh_that_does_not_match_the_devices_is_a_config_error(tmp_path, capsys):
     import jax
 
-    from jaxrl.train.mesh import use_devices
+    from jaxrl.runtime.mesh import use_devices
 
     with use_devices(jax.devices()):  # strict, as outside the test suite's device pool
         code = main(["train", "configs/sft_tiny.yaml", "--set", f"output_dir={tmp_path}"])

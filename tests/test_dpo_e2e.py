@@ -17,7 +17,8 @@ from jaxrl.config import ConfigError, load_run_config
 from jaxrl.data.packing import pack_micro_batches
 from jaxrl.data.preference import PairDocuments, pair_micro_batches
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
-from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
 from jaxrl.train.accumulate import make_accumulate
 from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.metrics import read_metrics

@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxrl.config import load_run_config
 from jaxrl.data.tokenizer import char_tokenizer
-from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.sampler import SamplingParams
 from jaxrl.train.metrics import read_metrics

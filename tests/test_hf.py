@@ -158,7 +158,7 @@ def test_from_pretrained_places_each_tensor_on_its_shards(tmp_path, mesh_shape):
     """With a mesh every tensor arrives split by the rule table (each device holds its block),
     equal to the unsharded load; the logits still match transformers."""
     from jaxrl.models.sharding import state_shardings
-    from jaxrl.train.mesh import make_mesh
+    from jaxrl.runtime.mesh import make_mesh
 
     src, hf_model = write_case("qwen2", tmp_path, max_shard_size="20KB")
     mesh = make_mesh(*mesh_shape)

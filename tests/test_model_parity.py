@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.attention import attention, positions_from_segments
 from jaxrl.models.sharding import logical_to_spec, state_shardings
-from jaxrl.train.mesh import make_mesh
+from jaxrl.runtime.mesh import make_mesh
 
 TOL = 1e-4
 

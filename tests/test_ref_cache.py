@@ -18,8 +18,9 @@ from jaxrl.data.preference import arithmetic_pairs, encode_pairs, pair_micro_bat
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
-from jaxrl.models.transformer import ModelConfig, Transformer
-from jaxrl.train import mesh as mesh_lib
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime import mesh as mesh_lib
 from jaxrl.train import ref_cache
 from jaxrl.train.accumulate import make_accumulate
 from jaxrl.train.forward import micro_batch_logprobs

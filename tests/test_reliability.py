@@ -92,7 +92,8 @@ def test_nan_weights_in_a_model_directory_are_named(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     from jaxrl.models.hf import from_pretrained, save_pretrained
-    from jaxrl.models.transformer import ModelConfig, Transformer
+    from jaxrl.models.model_config import ModelConfig
+    from jaxrl.models.transformer import Transformer
 
     model = Transformer(ModelConfig.tiny(16, hidden_size=16, intermediate_size=32), rngs=_rngs())
     save_pretrained(model, tmp_path)
@@ -198,7 +199,8 @@ def test_max_steps_at_the_checkpoint_says_there_is_nothing_to_train(tmp_path, ca
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_an_error(tmp_path):
     from jaxrl.models.hf import save_pretrained
-    from jaxrl.models.transformer import ModelConfig, Transformer
+    from jaxrl.models.model_config import ModelConfig
+    from jaxrl.models.transformer import Transformer
 
     small = Transformer(ModelConfig.tiny(10, hidden_size=16, intermediate_size=32), rngs=_rngs())
     save_pretrained(small, tmp_path / "model")

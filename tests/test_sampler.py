@@ -26,8 +26,8 @@ from jaxrl.rollout.sampler import (
     prefill,
     sample_tokens,
 )
+from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.train.mesh import make_mesh
 
 N = 12  # max_new_tokens of the HF-checkpoint sampler
 PAD = 0

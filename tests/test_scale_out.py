@@ -12,7 +12,7 @@ import pytest
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models.sharding import bytes_per_device
-from jaxrl.train.mesh import make_mesh, resolve_shape, use_devices
+from jaxrl.runtime.mesh import make_mesh, resolve_shape, use_devices
 from jaxrl.train.metrics import read_metrics
 from jaxrl.trainers.sft import SFTTrainer
 

@@ -25,7 +25,7 @@ from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrai
 from jaxrl.models.layer_stack import remat_policy_names, unstack_blocks
 from jaxrl.models.sharding import state_partition_specs
 from jaxrl.rollout.sampler import Sampler, SamplingParams
-from jaxrl.train.mesh import make_mesh
+from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.metrics import read_metrics
 from jaxrl.trainers.sft import SFTTrainer
 

@@ -11,10 +11,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import pack_sequences
+from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import state_shardings
-from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.train.mesh import make_mesh
 from jaxrl.train.score import ROW_FIELDS, Scorer
 
 CHUNK = 8  # head chunk: rows of 32 tokens take 4 chunks

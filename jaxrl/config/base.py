@@ -18,11 +18,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from jaxrl.runtime.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the fix."""
 
 
 def config_error(field: str, value: Any, fix: str) -> ConfigError:

@@ -121,7 +121,7 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
     from jaxrl.config.dpo import DPOConfig
     from jaxrl.config.grpo import GRPOConfig
     from jaxrl.config.run import MODEL_SECTION_KEYS, RunConfig
-    from jaxrl.models.transformer import ModelConfig
+    from jaxrl.models.model_config import ModelConfig
 
     out: list[tuple[str, type, tuple[str, ...]]] = []
     top = []
@@ -146,7 +146,7 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
 
 def _tiny_defaults() -> dict[str, str]:
     """``model.init`` defaults: the tiny CPU shape; the vocabulary is the tokenizer's size."""
-    from jaxrl.models.transformer import ModelConfig
+    from jaxrl.models.model_config import ModelConfig
 
     tiny = ModelConfig.tiny(1)
     out = {f.name: f"`{getattr(tiny, f.name)!r}`" for f in dataclasses.fields(ModelConfig)}

@@ -87,10 +87,10 @@ class MeshConfig:
 
     def batch_ranks(self) -> int:
         """Data-parallel ranks ``data × fsdp``; a -1 axis is resolved against the devices the
-        run uses (``jaxrl.train.mesh.run_devices``), which imports jax."""
+        run uses (``jaxrl.runtime.mesh.run_devices``), which imports jax."""
         if -1 not in self.sizes:
             return self.data * self.fsdp
-        from jaxrl.train.mesh import resolve_shape, run_devices
+        from jaxrl.runtime.mesh import resolve_shape, run_devices
 
         data, fsdp, _ = resolve_shape(*self.sizes, len(run_devices(self.sizes)))
         return data * fsdp

@@ -115,7 +115,7 @@ def plan_device_batch(
 ) -> StepBatch:
     """Plan (``plan_step``) and pack one step; ``sequences`` etc. are indexed by document.
 
-    ``local_ranks``: the ranks this process feeds (``jaxrl.train.mesh.local_ranks``); None packs
+    ``local_ranks``: the ranks this process feeds (``jaxrl.runtime.mesh.local_ranks``); None packs
     every rank. The arrays include ``token_fields`` and ``doc_fields`` by name.
     """
     micro_batches, used, returned = plan_step(

@@ -2,7 +2,8 @@
 
 from jaxrl.models.head import lm_head, token_logprobs
 from jaxrl.models.hf import from_pretrained, save_pretrained
-from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
 
 __all__ = [
     "ModelConfig",

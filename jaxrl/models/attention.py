@@ -14,26 +14,23 @@ Segment ids are 1-based documents, 0 is padding: real tokens never see padding a
 sees nothing, so padding costs no attention work in the blockwise implementations. A query that
 sees nothing (padding, or an empty cache row) gets a zero output and zero gradients, never NaN.
 
-Implementations (``model.attention_impl``, :func:`attention_fn`), equal up to float rounding:
+Implementations (``model.attention_impl``), equal up to float rounding:
 ``xla`` (:func:`attention`, the dense reference: fp32 scores ``[B, K, G, T, L]``), ``flash``
 (``flash_attention.py``: blockwise, skips invisible blocks, any backend), ``splash`` (TPU) and
 ``pallas_gpu`` (GPU) Pallas kernels (``pallas_attention.py``), and ``auto``, the best one for
-the backend (:func:`resolve_attention_impl`). docs/attention.md compares them.
+the backend; ``attention_dispatch.py`` picks one. docs/attention.md compares them.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-from jaxrl.models.flash_attention import flash_attention
 
 
 def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
@@ -135,60 +132,3 @@ def attention(
     probs_BKGTL = jnp.where(visible_B11TL, jax.nn.softmax(scores_BKGTL, axis=-1), 0.0)
     out_BTKGDh = jnp.einsum("bkgtl,blkd->btkgd", probs_BKGTL.astype(v_BLKDh.dtype), v_BLKDh)
     return out_BTKGDh.reshape(b, t, h, dh)
-
-
-ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")
-_NEEDS_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu"}
-AttentionFn = Callable[..., jax.Array]
-
-
-def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
-    """The implementation ``impl`` runs on ``backend`` (default: JAX's default backend).
-
-    ``auto`` is ``splash`` on TPU, ``pallas_gpu`` on GPU and ``flash`` on CPU (on the tiny
-    configs flash is as fast as xla at T=256 and far faster for long, sparsely filled rows:
-    benchmarks/README.md). A Pallas kernel asked for on another backend is an error.
-    """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(
-            f"model.attention_impl={impl!r} is invalid: use one of {', '.join(ATTENTION_IMPLS)}"
-        )
-    backend = backend or jax.default_backend()
-    if impl == "auto":
-        return {"tpu": "splash", "gpu": "pallas_gpu"}.get(backend, "flash")
-    needs = _NEEDS_BACKEND.get(impl)
-    if needs is not None and backend != needs:
-        raise ValueError(
-            f"model.attention_impl={impl!r} needs a {needs.upper()} but JAX's backend is "
-            f"{backend!r}: use 'auto' (the best for the backend), 'flash' or 'xla'"
-        )
-    return impl
-
-
-def attention_fn(
-    impl: str,
-    *,
-    self_attention: bool = True,
-    block_size: int = 128,
-    interpret: bool = False,
-) -> AttentionFn:
-    """An ``attention``-compatible function for ``model.attention_impl=impl``.
-
-    ``self_attention=False`` is the KV-cache path (queries against a longer cache, L != T):
-    the Pallas kernels mask by index, not position, so there ``auto``, ``splash`` and
-    ``pallas_gpu`` use ``xla`` (a decode step's T x L scores are small, and on CPU xla and
-    flash are within ~1.5x of each other there); ``flash`` stays flash. ``interpret=True``
-    runs a Pallas kernel in interpret mode on any backend (tests).
-    """
-    if interpret and impl in _NEEDS_BACKEND:
-        resolved = impl
-    else:
-        resolved = resolve_attention_impl(impl)
-    if resolved == "xla" or (not self_attention and impl != "flash"):
-        return attention
-    if resolved == "flash":
-        return functools.partial(flash_attention, block_size=block_size)
-    from jaxrl.models import pallas_attention  # imports this module: import here
-
-    kernel = pallas_attention.splash if resolved == "splash" else pallas_attention.pallas_gpu
-    return functools.partial(kernel, block_size=block_size, interpret=interpret)

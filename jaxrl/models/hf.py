@@ -30,9 +30,10 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl.models.model_config import ModelConfig, RopeScaling
 from jaxrl.models.sharding import state_shardings
-from jaxrl.models.transformer import ModelConfig, RopeScaling, Transformer
-from jaxrl.train.mesh import is_primary, to_host
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.mesh import is_primary, to_host
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 if TYPE_CHECKING:
-    from jaxrl.models.transformer import ModelConfig
+    from jaxrl.models.model_config import ModelConfig
 
 EMPTY = -1  # segment id of an unwritten slot
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.advantages import compute_advantages, reward_metrics
-from jaxrl.models.transformer import ModelConfig
+from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import (
     RewardFunc,

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.models.transformer import ModelConfig
+from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.builtin_rewards import exact_answer_reward
 from jaxrl.rollout.rewards import RewardFunc, reward_inputs
 from jaxrl.rollout.sampler import Sampler, SamplingParams

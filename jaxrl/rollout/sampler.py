@@ -21,12 +21,12 @@ model on the sampled token, so the forward of the last step is not used: one was
 call, in exchange for a loop body without a conditional around the cache.)
 
 Placement. With a ``mesh`` (``Sampler(..., mesh=)``) the prompts are split over its batch axes
-(data × fsdp, ``jaxrl.train.mesh.batch_sharding``): the batch is padded up to a multiple of the
+(data × fsdp, ``jaxrl.runtime.mesh.batch_sharding``): the batch is padded up to a multiple of the
 row ranks with empty rows (prompt length 0, stopped from the start, dropped from the result), and
 every device decodes its own rows. Parameters stay in the sharding they have (``load_params``
 copies them in place; leaves that are not on the mesh's devices are replicated over it), and
-XLA partitions the model around them (``jaxrl.train.spmd``). Results come back with
-``jaxrl.train.mesh.to_host``, so every process of a multi-process run gets them all. Without a
+XLA partitions the model around them (``jaxrl.runtime.spmd``). Results come back with
+``jaxrl.runtime.mesh.to_host``, so every process of a multi-process run gets them all. Without a
 mesh everything runs where the parameters are.
 
 Random bits do not depend on the mesh: with ``jax_threefry_partitionable`` (the default in this
@@ -56,9 +56,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.kv_cache import KVCache
-from jaxrl.models.transformer import ModelConfig, Transformer
-from jaxrl.train.mesh import put_global, to_host
-from jaxrl.train.spmd import (
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.mesh import put_global, to_host
+from jaxrl.runtime.spmd import (
     on_mesh,
     on_mesh_devices,
     put_replicated,

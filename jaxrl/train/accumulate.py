@@ -2,7 +2,7 @@
 
 A device batch holds, per data-parallel rank, K micro-batch slots (one packed row each):
 arrays ``[R, K, ...]`` with R = data × fsdp ranks, split over the batch axes
-(``jaxrl.train.mesh``). Round i is slot i on every rank.
+(``jaxrl.runtime.mesh``). Round i is slot i on every rank.
 
 The ``shard_map`` is manual over the batch axes (``data``, ``fsdp``) only; ``tensor`` stays
 automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary. The
@@ -34,8 +34,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.losses.normalize import LossTerms, num_documents
-from jaxrl.train.mesh import DATA_AXIS, FSDP_AXIS
-from jaxrl.train.spmd import manual_batch_axes
+from jaxrl.runtime.mesh import DATA_AXIS, FSDP_AXIS
+from jaxrl.runtime.spmd import manual_batch_axes
 
 LossFn = Callable[[Any, dict[str, jax.Array]], LossTerms]
 

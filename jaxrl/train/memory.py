@@ -65,9 +65,10 @@ from flax import nnx
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.step_plan import DEVICE_FIELDS
+from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings
-from jaxrl.models.transformer import ModelConfig, Transformer
-from jaxrl.train.mesh import batch_ranks, batch_sharding, mesh_from_config, replicated
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.mesh import batch_ranks, batch_sharding, mesh_from_config, replicated
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.state import TrainState
 from jaxrl.train.step import TrainStep

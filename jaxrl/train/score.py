@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.data.packing import PackedBatch, pack_sequences
 from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
+from jaxrl.runtime.mesh import to_host
+from jaxrl.runtime.spmd import manual_batch_axes, on_mesh, put_replicated, put_rows, row_ranks
 from jaxrl.train.forward import micro_batch_scores
-from jaxrl.train.mesh import to_host
-from jaxrl.train.spmd import manual_batch_axes, on_mesh, put_replicated, put_rows, row_ranks
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
 

@@ -24,8 +24,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.losses.normalize import finalize
+from jaxrl.runtime.mesh import make_mesh, put_batch, replicated
 from jaxrl.train.accumulate import LossFn, make_accumulate
-from jaxrl.train.mesh import make_mesh, put_batch, replicated
 from jaxrl.train.precision import Rounding, write_master
 from jaxrl.train.state import TrainState
 

@@ -26,17 +26,18 @@ from jaxrl.data.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.normalize import LossTerms
-from jaxrl.models.attention import resolve_attention_impl
+from jaxrl.models.attention_dispatch import resolve_attention_impl
 from jaxrl.models.hf import (
     checkpoint_dtype,
     from_pretrained,
     read_generation_config,
     save_pretrained,
 )
-from jaxrl.models.transformer import ModelConfig, Transformer
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.mesh import barrier, batch_ranks, is_primary, local_ranks, mesh_from_config
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
-from jaxrl.train.mesh import barrier, batch_ranks, is_primary, local_ranks, mesh_from_config
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.precision import lost_update_fraction

@@ -26,7 +26,7 @@ def warm_start(cfg: RunConfig) -> RunConfig:
     """
     if cfg.sft_warmup_steps == 0:
         return cfg
-    from jaxrl.train.mesh import agreed, is_primary
+    from jaxrl.runtime.mesh import agreed, is_primary
     from jaxrl.trainers.sft import SFTTrainer
 
     sft_dir = Path(cfg.output_dir) / "sft"

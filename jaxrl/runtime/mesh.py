@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.config.base import ConfigError
+from jaxrl.runtime.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = AXES

@@ -23,7 +23,7 @@ def check_host_devices(count: int, what: str) -> None:
     """Raise ``ConfigError`` naming ``what`` (the setting that asks) when ``count`` CPU host
     devices are more than ``MAX_HOST_DEVICES``; call it before jax initialises."""
     if count > MAX_HOST_DEVICES:
-        from jaxrl.config import ConfigError
+        from jaxrl.runtime.errors import ConfigError
 
         need = count * HOST_DEVICE_MB / 1024
         raise ConfigError(

@@ -1,14 +1,14 @@
 """Running a no-grad program (scoring, sampling) with its rows split over a mesh's batch axes.
 
 Layout. Rows (packed rows, prompts) are split over the batch axes, data × fsdp
-(:func:`jaxrl.train.mesh.batch_sharding`); tensor ranks share rows. The caller pads the row
+(:func:`jaxrl.runtime.mesh.batch_sharding`); tensor ranks share rows. The caller pads the row
 count to a multiple of :func:`row_ranks`. Parameters stay in whatever sharding they have: ``jit``
 follows committed inputs, so a replicated, fsdp- or tensor-sharded state is used where it lies.
 Host inputs enter with :func:`put_rows` / :func:`put_replicated` (each process reads only the
-blocks its devices hold) and results leave with :func:`jaxrl.train.mesh.to_host`, so every
+blocks its devices hold) and results leave with :func:`jaxrl.runtime.mesh.to_host`, so every
 process gets the same host outputs.
 
-Partitioning. Meshes from :func:`jaxrl.train.mesh.make_mesh` have automatic axes: XLA propagates
+Partitioning. Meshes from :func:`jaxrl.runtime.mesh.make_mesh` have automatic axes: XLA propagates
 the shardings of the inputs, gathering fsdp-sharded weights and splitting tensor-sharded heads,
 as in the train step. :func:`on_mesh` is the mesh context in which :func:`constrain_rows`'s
 PartitionSpecs are traced.
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.train.mesh import BATCH_AXES, batch_ranks, batch_sharding, put_global
+from jaxrl.runtime.mesh import BATCH_AXES, batch_ranks, batch_sharding, put_global
 
 
 def manual_batch_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -39,7 +39,7 @@ def manual_batch_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def row_ranks(mesh: Mesh | None) -> int:
-    """Row shards: data × fsdp (``jaxrl.train.mesh.batch_ranks``); 1 without a mesh."""
+    """Row shards: data × fsdp (``jaxrl.runtime.mesh.batch_ranks``); 1 without a mesh."""
     return 1 if mesh is None else batch_ranks(mesh)
 
 

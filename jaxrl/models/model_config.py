@@ -1,0 +1,175 @@
+"""Architecture and precision of a :class:`~jaxrl.models.transformer.Transformer`.
+
+Field names follow transformers' ``config.json`` (``models/hf.py`` maps one to the other);
+the run settings at the end (attention kernel, layer scan, remat) are never written to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxrl.models.attention_dispatch import ATTENTION_IMPLS
+from jaxrl.models.layer_stack import check_remat
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _fail(field: str, value: Any, fix: str) -> None:
+    raise ValueError(f"ModelConfig.{field}={value!r}: {fix}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (transformers' ``rope_type: "llama3"``)."""
+
+    rope_type: str = "llama3"  # only "llama3" is supported
+    factor: float  # divisor applied to low frequencies
+    low_freq_factor: float  # wavelengths above original_max / low_freq_factor are divided
+    high_freq_factor: float  # wavelengths below original_max / high_freq_factor are kept
+    original_max_position_embeddings: int  # pretraining context length
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            _fail("rope_scaling.rope_type", self.rope_type, 'only "llama3" is supported')
+        if self.factor <= 0:
+            _fail("rope_scaling.factor", self.factor, "must be > 0")
+        if self.high_freq_factor <= self.low_freq_factor:
+            _fail(
+                "rope_scaling.high_freq_factor",
+                self.high_freq_factor,
+                f"must exceed low_freq_factor={self.low_freq_factor}",
+            )
+        if self.original_max_position_embeddings <= 0:
+            _fail(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+                "must be > 0",
+            )
+
+    @classmethod
+    def from_hf(cls, scaling: Mapping[str, Any]) -> RopeScaling:
+        """From a transformers ``rope_scaling`` / ``rope_parameters`` dict."""
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type != "llama3":
+            _fail("rope_scaling", dict(scaling), 'only rope_type "llama3" (or None) is supported')
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in scaling]
+        if missing:
+            _fail("rope_scaling", dict(scaling), f"llama3 scaling needs {missing}")
+        return cls(**{k: scaling[k] for k in keys})
+
+    def to_hf(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture and precision of a :class:`Transformer` (names follow transformers)."""
+
+    model_type: str  # "llama", "qwen2" or "qwen3"
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F, SwiGLU hidden width
+    num_hidden_layers: int  # number of blocks
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # K, divides H (GQA)
+    head_dim: int | None = None  # Dh; None means hidden_size // num_attention_heads
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: RopeScaling | Mapping[str, Any] | None = None  # None or llama3 (dict accepted)
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # LM head kernel is the transposed embedding
+    attention_bias: bool = False  # q/k/v biases (Qwen2: always True; others: False)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3: always True)
+    max_position_embeddings: int = 4096  # longest position the model was trained for
+    param_dtype: str = "float32"  # storage dtype of parameters
+    dtype: str | None = None  # compute dtype; None means param_dtype
+    fp32_lm_head: bool = False  # fp32 x fp32 HIGHEST logits (docs/algorithms/accumulation.md §5)
+    # Run settings, not architecture (never written to config.json):
+    attention_impl: str = "auto"  # xla, flash, splash, pallas_gpu or auto (attention.py)
+    attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
+    scan_layers: bool = False  # layer parameters stacked [N, ...] and run by one lax.scan
+    remat: str = "none"  # "none", "block" or a jax.checkpoint_policies name (layer_stack.py)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            _fail("model_type", self.model_type, f"choose one of {MODEL_TYPES}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(name, value, "must be a positive int")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"must divide num_attention_heads={self.num_attention_heads}",
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                _fail("head_dim", None, "set it: hidden_size is not divisible by the head count")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            _fail("head_dim", self.head_dim, "must be a positive even int (RoPE rotates pairs)")
+        if self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "must be > 0")
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
+        if self.rms_norm_eps <= 0:
+            _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.attention_bias != (self.model_type == "qwen2"):
+            _fail(
+                "attention_bias",
+                self.attention_bias,
+                f"{self.model_type} has q/k/v biases iff it is qwen2; "
+                f"set attention_bias={self.model_type == 'qwen2'}",
+            )
+        if self.qk_norm != (self.model_type == "qwen3"):
+            _fail(
+                "qk_norm",
+                self.qk_norm,
+                f"{self.model_type} has q/k norms iff it is qwen3; "
+                f"set qk_norm={self.model_type == 'qwen3'}",
+            )
+        if self.param_dtype not in DTYPES:
+            _fail("param_dtype", self.param_dtype, f"choose one of {DTYPES}")
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", self.param_dtype)
+        if self.dtype not in DTYPES:
+            _fail("dtype", self.dtype, f"choose one of {DTYPES} or None (= param_dtype)")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            _fail("attention_impl", self.attention_impl, f"choose one of {ATTENTION_IMPLS}")
+        if not isinstance(self.attention_block_size, int) or self.attention_block_size < 1:
+            _fail("attention_block_size", self.attention_block_size, "must be a positive int")
+        if not isinstance(self.scan_layers, bool):
+            _fail("scan_layers", self.scan_layers, "use true or false")
+        check_remat(self.remat, "ModelConfig.remat")
+
+    @classmethod
+    def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
+        """A small model trained from scratch on CPU: D=128, 4 layers, H=4, K=2, F=384."""
+        model_type = overrides.get("model_type", "llama")
+        fields: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            attention_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return cls(**fields)
