@@ -1,16 +1,10 @@
 """jaxrl: exact, layout-invariant RL and preference fine-tuning of language models in JAX.
 
-Shape vocabulary, used in names across the package (``logits_BTV``, ``tokens_RKT``):
-
-    B  batch (rows)                T  tokens per row
-    D  model width                 V  vocabulary
-    H  query heads                 K  kv heads (in model code) / micro-batch slots (in batches)
-    Dh head dim                    F  MLP hidden width
-    G  generations per prompt      M  micro-batches
-    R  data-parallel ranks         S  segments (documents) per row, slot 0 = padding
-
-Segment ids are 1-based documents within a row; 0 marks padding. Positions restart at 0
-for every document.
+Array names carry their shape as axis letters (``logits_BTV``, ``tokens_RMT``); the letters are
+defined once, in docs/shapes.md (B rows, T tokens, D width, V vocabulary, H / K query / kv heads,
+M micro-batch slots, R data-parallel ranks, G generations per prompt, S segment slots, ...).
+Segment ids are 1-based documents within a row; 0 marks padding. Positions restart at 0 for
+every document.
 """
 
 from typing import Any

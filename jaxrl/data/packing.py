@@ -1,9 +1,9 @@
-"""Packed device batches ``[R, K, T]`` built from a step's schedule (pure numpy, no jax).
+"""Packed device batches ``[R, M, T]`` built from a step's schedule (pure numpy, no jax).
 
 Rank r's m-th micro-batch (a list of global sample indices from ``jaxrl.data.schedule``) becomes
 row ``[r, m]``: its documents laid end to end, in micro-batch order, then padding.
 
-Per token (``[R, K, T]``):
+Per token (``[R, M, T]``):
 - ``tokens``; ``positions`` restart at 0 for every document (0 on padding);
 - ``segment_ids``: 1..n for the row's documents in row order, 0 = padding;
 - ``targets``: the next token of the same document, 0 where there is none (a document's last
@@ -15,12 +15,12 @@ Per token (``[R, K, T]``):
   prediction of every document counts;
 - ``token_fields[name]`` (float32, e.g. ``old_logp``): per-token inputs shifted the same way.
 
-Per segment slot (``[R, K, S]``, slot 0 = padding, slots 1..n = the row's documents):
+Per segment slot (``[R, M, S]``, slot 0 = padding, slots 1..n = the row's documents):
 ``doc_sample_index`` (-1 where empty) and ``doc_fields[name]`` (float32, e.g. ``advantage``; 0
-where empty). Per row (``[R, K]``): ``num_docs``, ``num_tokens`` (real tokens) and
+where empty). Per row (``[R, M]``): ``num_docs``, ``num_tokens`` (real tokens) and
 ``num_loss_tokens`` (sum of ``loss_mask``).
 
-Static shapes: K (micro-batch slots), T (row length) and S (segment slots) are each chosen by a
+Static shapes: M (micro-batch slots), T (row length) and S (segment slots) are each chosen by a
 bucket spec, so a jitted consumer compiles once per bucket: ``None`` = the next power of two that
 fits, an ``int`` = exactly that (error if it does not fit), a sequence = the smallest listed value
 that fits. Slots past a rank's real micro-batches are fully padded: segment 0, zero masks and
@@ -60,22 +60,22 @@ class PackingError(ValueError):
 class PackedBatch:
     """One step's device batch; see the module docstring for the meaning of every field."""
 
-    tokens: np.ndarray  # int32 [R, K, T]
-    positions: np.ndarray  # int32 [R, K, T]
-    segment_ids: np.ndarray  # int32 [R, K, T]
-    targets: np.ndarray  # int32 [R, K, T]
-    loss_mask: np.ndarray  # float32 [R, K, T]
-    doc_sample_index: np.ndarray  # int32 [R, K, S]
-    num_docs: np.ndarray  # int32 [R, K]
-    num_tokens: np.ndarray  # int32 [R, K]
-    num_loss_tokens: np.ndarray  # float32 [R, K]
-    token_fields: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [R, K, T]
-    doc_fields: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [R, K, S]
+    tokens: np.ndarray  # int32 [R, M, T]
+    positions: np.ndarray  # int32 [R, M, T]
+    segment_ids: np.ndarray  # int32 [R, M, T]
+    targets: np.ndarray  # int32 [R, M, T]
+    loss_mask: np.ndarray  # float32 [R, M, T]
+    doc_sample_index: np.ndarray  # int32 [R, M, S]
+    num_docs: np.ndarray  # int32 [R, M]
+    num_tokens: np.ndarray  # int32 [R, M]
+    num_loss_tokens: np.ndarray  # float32 [R, M]
+    token_fields: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [R, M, T]
+    doc_fields: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [R, M, S]
     num_micro_batches: int = 0  # real micro-batches per rank (slots past it are padding)
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """``(R, K, T)``."""
+        """``(R, M, T)``."""
         return self.tokens.shape  # type: ignore[return-value]
 
     @property
@@ -83,7 +83,7 @@ class PackedBatch:
         """S, the static number of segment slots (slot 0 is padding)."""
         return int(self.doc_sample_index.shape[-1])
 
-    def split_by_sample(self, values_RKT: np.ndarray) -> dict[int, np.ndarray]:
+    def split_by_sample(self, values_RMT: np.ndarray) -> dict[int, np.ndarray]:
         """Cut a per-token array laid out like ``tokens`` back into per-sample arrays, keyed by
         global sample index (e.g. to read per-document log-probs after evaluation)."""
         out: dict[int, np.ndarray] = {}
@@ -91,7 +91,7 @@ class PackedBatch:
             if slot == 0:
                 continue
             mask = self.segment_ids[r, k] == slot
-            out[int(self.doc_sample_index[r, k, slot])] = np.asarray(values_RKT[r, k][mask])
+            out[int(self.doc_sample_index[r, k, slot])] = np.asarray(values_RMT[r, k][mask])
         return out
 
 
@@ -192,7 +192,7 @@ def pack_micro_batches(
       loss_masks: optional token-aligned loss mask per sample (default all ones).
       token_fields: optional name -> token-aligned float values per sample (e.g. ``old_logp``).
       doc_fields: optional name -> one float per sample (e.g. ``advantage``).
-      row_len, num_slots, num_segments: bucket specs (see ``pick_bucket``) for T, K and S.
+      row_len, num_slots, num_segments: bucket specs (see ``pick_bucket``) for T, M and S.
         Trainers pass ``row_len=max_tokens`` so every step has the same T.
       local_ranks: fill only these ranks' rows (one process's share of a multi-process step);
         the shapes still follow every rank, so all processes agree on them. None = all.
@@ -235,13 +235,13 @@ def pack_micro_batches(
     T = pick_bucket(
         max((max(t, default=1) for t in row_tokens), default=1), row_len, "row length T"
     )
-    K = pick_bucket(num_real, num_slots, "micro-batch slots K")
+    M = pick_bucket(num_real, num_slots, "micro-batch slots M")
     S = pick_bucket(
         max((len(mb) for rank in mbs for mb in rank), default=0) + 1,
         num_segments,
         "segment slots S",
     )
-    shape, dshape = (num_ranks, K, T), (num_ranks, K, S)
+    shape, dshape = (num_ranks, M, T), (num_ranks, M, S)
     tokens = np.zeros(shape, np.int32)
     positions = np.zeros(shape, np.int32)
     segment_ids = np.zeros(shape, np.int32)
@@ -250,8 +250,8 @@ def pack_micro_batches(
     tfields = {name: np.zeros(shape, np.float32) for name in token_fields or {}}
     dfields = {name: np.zeros(dshape, np.float32) for name in doc_fields or {}}
     doc_sample_index = np.full(dshape, -1, np.int32)
-    num_docs = np.zeros((num_ranks, K), np.int32)
-    num_tokens = np.zeros((num_ranks, K), np.int32)
+    num_docs = np.zeros((num_ranks, M), np.int32)
+    num_tokens = np.zeros((num_ranks, M), np.int32)
     fill = range(num_ranks) if local_ranks is None else sorted(set(local_ranks))
     for r in fill:
         for m, mb in enumerate(mbs[r]):

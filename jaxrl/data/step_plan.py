@@ -4,7 +4,7 @@ calls.
 schedule (``build_dp_schedule``: pack under the token budget, balance over the data-parallel
 ranks) → ``docs_per_step`` cut (Fast-LLM: whole rounds until the global document target is
 reached; the rest goes back to the feed) → pack (only this process's ranks' rows, the row length
-T the smallest of ``row_buckets(max_tokens)`` that holds the longest row) → the ``[R, K, T]``
+T the smallest of ``row_buckets(max_tokens)`` that holds the longest row) → the ``[R, M, T]``
 arrays the train step reads, with the ids used and the ids given back.
 
 Every process builds the same plan from the same inputs (deterministic numpy), so processes
@@ -31,7 +31,7 @@ DEVICE_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "
 class StepBatch:
     """A planned and packed optimizer step."""
 
-    arrays: dict[str, np.ndarray]  # [R, K, ...] in global shape; this process's ranks filled
+    arrays: dict[str, np.ndarray]  # [R, M, ...] in global shape; this process's ranks filled
     rounds: int  # real micro-batches per rank (slots after it are bucket padding)
     micro_batches: list[list[list[int]]]  # [rank][m] document indices into ``sequences``
     used: list[int]  # candidate ids trained on, sorted
@@ -45,7 +45,7 @@ class StepBatch:
 
 
 def device_arrays(packed: PackedBatch, extra: Sequence[str] = ()) -> dict[str, np.ndarray]:
-    """The ``[R, K, ...]`` arrays the train step reads from a packed batch (plus ``extra``
+    """The ``[R, M, ...]`` arrays the train step reads from a packed batch (plus ``extra``
     token or document fields by name)."""
     arrays = {name: getattr(packed, name) for name in DEVICE_FIELDS}
     for name in extra:

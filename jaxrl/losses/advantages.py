@@ -1,7 +1,7 @@
 """GRPO rewards and advantages on the host (numpy), TRL semantics (GRPOTrainer).
 
 A generation batch holds ``B`` completions (B = B_gen, over all ranks) in global order, so rows
-``kG … kG+G−1`` are prompt k's group. ``F`` reward functions score every completion; None
+``kG … kG+G−1`` are prompt k's group. ``W`` reward functions score every completion; None
 becomes NaN. Rows where every function is NaN are *unscorable*: their reward is NaN, they are
 left out of every nan-aware statistic, and their advantage is 0.
 
@@ -72,10 +72,10 @@ def _groups(x_B: np.ndarray, num_generations: int) -> np.ndarray:
 
 def _group_stats(x_B: np.ndarray, num_generations: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-row group nanmean and nanstd, broadcast back to [B]."""
-    x_NG = _groups(x_B, num_generations)
-    g = x_NG.shape[1]
-    mean_B = np.repeat(_nanmean(x_NG, axis=1), g)
-    std_B = np.repeat(nanstd(x_NG, axis=1), g)
+    x_QG = _groups(x_B, num_generations)
+    g = x_QG.shape[1]
+    mean_B = np.repeat(_nanmean(x_QG, axis=1), g)
+    std_B = np.repeat(nanstd(x_QG, axis=1), g)
     return mean_B, std_B
 
 
@@ -107,50 +107,50 @@ def grpo_advantages(
     return np.nan_to_num(adv_B, nan=0.0).astype(np.float32)
 
 
-def _weights(reward_matrix_BF: np.ndarray, weights: Sequence[float] | None) -> np.ndarray:
-    num_funcs = reward_matrix_BF.shape[1]
+def _weights(reward_matrix_BW: np.ndarray, weights: Sequence[float] | None) -> np.ndarray:
+    num_funcs = reward_matrix_BW.shape[1]
     if weights is None:
         return np.ones(num_funcs)
-    w_F = np.asarray(weights, dtype=np.float64)
-    if w_F.shape != (num_funcs,):
+    w_W = np.asarray(weights, dtype=np.float64)
+    if w_W.shape != (num_funcs,):
         raise ValueError(
-            f"reward_weights has {w_F.size} entries for {num_funcs} reward "
+            f"reward_weights has {w_W.size} entries for {num_funcs} reward "
             "functions: give one weight per function"
         )
-    return w_F
+    return w_W
 
 
-def _weighted_nansum(x_BF: np.ndarray, w_F: np.ndarray) -> np.ndarray:
+def _weighted_nansum(x_BW: np.ndarray, w_W: np.ndarray) -> np.ndarray:
     """Σ_k w_k x_ik over the non-NaN entries; NaN where the whole row is NaN."""
-    unscorable_B = np.all(np.isnan(x_BF), axis=1)
-    total_B = np.nansum(x_BF * w_F[None, :], axis=1)
+    unscorable_B = np.all(np.isnan(x_BW), axis=1)
+    total_B = np.nansum(x_BW * w_W[None, :], axis=1)
     return np.where(unscorable_B, np.nan, total_B)
 
 
-def _as_matrix(reward_matrix_BF: np.ndarray) -> np.ndarray:
-    x = np.asarray(reward_matrix_BF, dtype=np.float64)
+def _as_matrix(reward_matrix_BW: np.ndarray) -> np.ndarray:
+    x = np.asarray(reward_matrix_BW, dtype=np.float64)
     if x.ndim != 2:
-        raise ValueError(f"reward matrix must be 2-D [B, F], got shape {x.shape}")
+        raise ValueError(f"reward matrix must be 2-D [B, W], got shape {x.shape}")
     return x
 
 
 def aggregate_rewards(
-    reward_matrix_BF: np.ndarray,
+    reward_matrix_BW: np.ndarray,
     weights: Sequence[float] | None = None,
     mode: str = "sum_then_normalize",
     *,
     num_generations: int | None = None,
 ) -> np.ndarray:
-    """Combine ``[B, F]`` per-function rewards into one float64 reward per row ``[B]``.
+    """Combine ``[B, W]`` per-function rewards into one float64 reward per row ``[B]``.
 
     ``sum_then_normalize``: r_i = nansum_k w_k r_ik. ``normalize_then_sum`` (needs
     ``num_generations``): z_ik = (r_ik − mean_grp,k) / (std_grp,k + 1e-4), r_i = nansum_k w_k z_ik.
     Unscorable rows (every function NaN) give NaN.
     """
-    x_BF = _as_matrix(reward_matrix_BF)
-    w_F = _weights(x_BF, weights)
+    x_BW = _as_matrix(reward_matrix_BW)
+    w_W = _weights(x_BW, weights)
     if mode == "sum_then_normalize":
-        return _weighted_nansum(x_BF, w_F)
+        return _weighted_nansum(x_BW, w_W)
     if mode != "normalize_then_sum":
         raise ValueError(
             f"multi_objective_aggregation={mode!r} is invalid: use one of "
@@ -159,28 +159,28 @@ def aggregate_rewards(
     if num_generations is None:
         raise ValueError("mode='normalize_then_sum' needs num_generations (group statistics)")
     z_cols = []
-    for k in range(x_BF.shape[1]):
-        mean_B, std_B = _group_stats(x_BF[:, k], num_generations)
-        z_cols.append((x_BF[:, k] - mean_B) / (std_B + EPS))
-    z_BF = np.stack(z_cols, axis=1)
-    unscorable_B = np.all(np.isnan(x_BF), axis=1)
-    return np.where(unscorable_B, np.nan, np.nansum(z_BF * w_F[None, :], axis=1))
+    for k in range(x_BW.shape[1]):
+        mean_B, std_B = _group_stats(x_BW[:, k], num_generations)
+        z_cols.append((x_BW[:, k] - mean_B) / (std_B + EPS))
+    z_BW = np.stack(z_cols, axis=1)
+    unscorable_B = np.all(np.isnan(x_BW), axis=1)
+    return np.where(unscorable_B, np.nan, np.nansum(z_BW * w_W[None, :], axis=1))
 
 
 def compute_advantages(
-    reward_matrix_BF: np.ndarray,
+    reward_matrix_BW: np.ndarray,
     num_generations: int,
     *,
     weights: Sequence[float] | None = None,
     scale_rewards: str | bool = "group",
     mode: str = "sum_then_normalize",
 ) -> np.ndarray:
-    """float32 advantages ``[B]`` of one generation batch from its ``[B, F]`` reward matrix.
+    """float32 advantages ``[B]`` of one generation batch from its ``[B, W]`` reward matrix.
 
     ``sum_then_normalize`` → ``grpo_advantages(aggregate, G, scale_rewards)``;
     ``normalize_then_sum`` → (r − nanmean_all) / (std_all + 1e-4) of the summed z-scores.
     """
-    r_B = aggregate_rewards(reward_matrix_BF, weights, mode, num_generations=num_generations)
+    r_B = aggregate_rewards(reward_matrix_BW, weights, mode, num_generations=num_generations)
     if mode == "sum_then_normalize":
         return grpo_advantages(r_B, num_generations, scale_rewards)
     resolve_scale_rewards(scale_rewards)  # validated, but this mode always scales by batch
@@ -226,11 +226,11 @@ def reward_metrics(
         raise ValueError(f"{len(names)} reward_names for {num_funcs} reward functions")
 
     sums, zero_std = [], []
-    for x_BF in mats:
-        r_B = _weighted_nansum(x_BF, _weights(x_BF, weights))
+    for x_BW in mats:
+        r_B = _weighted_nansum(x_BW, _weights(x_BW, weights))
         sums.append(r_B)
         if mode == "normalize_then_sum":
-            r_norm_B = aggregate_rewards(x_BF, weights, mode, num_generations=num_generations)
+            r_norm_B = aggregate_rewards(x_BW, weights, mode, num_generations=num_generations)
             sigma_B = np.full_like(r_B, nanstd(r_norm_B))
         else:
             sigma_B = _reward_sigma(r_B, num_generations, scale_rewards)

@@ -2,7 +2,7 @@
 
 Shapes follow the package vocabulary (``jaxrl/__init__.py``); inside attention, ``T`` is the
 query length and ``L`` the key/value length (``L == T`` without a KV cache, longer with one).
-H query heads share K kv heads in groups of ``G = H // K`` (query head ``h = k * G + g``, as in
+H query heads share K kv heads in groups of ``Hg = H // K`` (query head ``h = k * Hg + g``, as in
 Hugging Face's ``repeat_kv``).
 
 Visibility rule (one rule for training, packing and the KV-cache decode path)::
@@ -15,7 +15,7 @@ sees nothing, so padding costs no attention work in the blockwise implementation
 sees nothing (padding, or an empty cache row) gets a zero output and zero gradients, never NaN.
 
 Implementations (``model.attention_impl``), equal up to float rounding:
-``xla`` (:func:`attention`, the dense reference: fp32 scores ``[B, K, G, T, L]``), ``flash``
+``xla`` (:func:`attention`, the dense reference: fp32 scores ``[B, K, Hg, T, L]``), ``flash``
 (``flash_attention.py``: blockwise, skips invisible blocks, any backend), ``splash`` (TPU) and
 ``pallas_gpu`` (GPU) Pallas kernels (``pallas_attention.py``), and ``auto``, the best one for
 the backend; ``attention_dispatch.py`` picks one. docs/attention.md compares them.
@@ -117,9 +117,9 @@ def attention(
     kv_heads = k_BLKDh.shape[2]
     if h % kv_heads:
         raise ValueError(f"attention: {h} query heads are not a multiple of {kv_heads} kv heads")
-    q_BTKGDh = q_BTHDh.reshape(b, t, kv_heads, h // kv_heads, dh)
-    scores_BKGTL = jnp.einsum(
-        "btkgd,blkd->bkgtl", q_BTKGDh, k_BLKDh, preferred_element_type=jnp.float32
+    q_BTKHgDh = q_BTHDh.reshape(b, t, kv_heads, h // kv_heads, dh)
+    scores_BKHgTL = jnp.einsum(
+        "btkgd,blkd->bkgtl", q_BTKHgDh, k_BLKDh, preferred_element_type=jnp.float32
     ) * np.float32(dh**-0.5)
     visible_BTL = (
         (q_segment_BT[:, :, None] == kv_segment_BL[:, None, :])
@@ -128,7 +128,7 @@ def attention(
     )
     visible_B11TL = visible_BTL[:, None, None, :, :]
     # A finite fill keeps fully masked rows NaN-free; `where` zeroes their probabilities.
-    scores_BKGTL = jnp.where(visible_B11TL, scores_BKGTL, np.float32(-1e30))
-    probs_BKGTL = jnp.where(visible_B11TL, jax.nn.softmax(scores_BKGTL, axis=-1), 0.0)
-    out_BTKGDh = jnp.einsum("bkgtl,blkd->btkgd", probs_BKGTL.astype(v_BLKDh.dtype), v_BLKDh)
-    return out_BTKGDh.reshape(b, t, h, dh)
+    scores_BKHgTL = jnp.where(visible_B11TL, scores_BKHgTL, np.float32(-1e30))
+    probs_BKHgTL = jnp.where(visible_B11TL, jax.nn.softmax(scores_BKHgTL, axis=-1), 0.0)
+    out_BTKHgDh = jnp.einsum("bkgtl,blkd->btkgd", probs_BKHgTL.astype(v_BLKDh.dtype), v_BLKDh)
+    return out_BTKHgDh.reshape(b, t, h, dh)

@@ -60,31 +60,32 @@ def _pad_to(x: jax.Array, length: int, value: int = 0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _block_edges(seg_BNb: jax.Array, pos_BNb: jax.Array, *, last: bool):
-    """Per-block summaries ``(lo, hi, edge_seg, edge_pos, other_pos)`` of [B, N, b] blocks.
+def _block_edges(seg_BNbb: jax.Array, pos_BNbb: jax.Array, *, last: bool):
+    """Per-block summaries ``(lo, hi, edge_seg, edge_pos, other_pos)`` of ``[B, Nb, b]`` blocks
+    (Nb blocks of b tokens).
 
     ``edge_seg`` is the document of the block's last (``last=True``) or first real token;
     ``edge_pos`` is that document's largest (last) or smallest (first) position in the block,
     ``other_pos`` the largest / smallest position of the block's other documents. Entries with
     no real token hold values that make every comparison fail (``lo > hi``, ``+-_BIG``).
     """
-    real = seg_BNb > 0
-    lo = jnp.min(jnp.where(real, seg_BNb, _BIG), axis=-1)
-    hi = jnp.max(jnp.where(real, seg_BNb, -1), axis=-1)
-    idx = jnp.arange(seg_BNb.shape[-1], dtype=jnp.int32)
+    real = seg_BNbb > 0
+    lo = jnp.min(jnp.where(real, seg_BNbb, _BIG), axis=-1)
+    hi = jnp.max(jnp.where(real, seg_BNbb, -1), axis=-1)
+    idx = jnp.arange(seg_BNbb.shape[-1], dtype=jnp.int32)
     if last:
         at = jnp.max(jnp.where(real, idx, 0), axis=-1)
     else:
-        at = jnp.min(jnp.where(real, idx, seg_BNb.shape[-1] - 1), axis=-1)
-    edge_seg = jnp.take_along_axis(seg_BNb, at[..., None], axis=-1)[..., 0]
-    in_edge = real & (seg_BNb == edge_seg[..., None])
-    in_other = real & (seg_BNb != edge_seg[..., None])
+        at = jnp.min(jnp.where(real, idx, seg_BNbb.shape[-1] - 1), axis=-1)
+    edge_seg = jnp.take_along_axis(seg_BNbb, at[..., None], axis=-1)[..., 0]
+    in_edge = real & (seg_BNbb == edge_seg[..., None])
+    in_other = real & (seg_BNbb != edge_seg[..., None])
     if last:
-        edge_pos = jnp.max(jnp.where(in_edge, pos_BNb, -_BIG), axis=-1)
-        other_pos = jnp.max(jnp.where(in_other, pos_BNb, -_BIG), axis=-1)
+        edge_pos = jnp.max(jnp.where(in_edge, pos_BNbb, -_BIG), axis=-1)
+        other_pos = jnp.max(jnp.where(in_other, pos_BNbb, -_BIG), axis=-1)
     else:
-        edge_pos = jnp.min(jnp.where(in_edge, pos_BNb, _BIG), axis=-1)
-        other_pos = jnp.min(jnp.where(in_other, pos_BNb, _BIG), axis=-1)
+        edge_pos = jnp.min(jnp.where(in_edge, pos_BNbb, _BIG), axis=-1)
+        other_pos = jnp.min(jnp.where(in_other, pos_BNbb, _BIG), axis=-1)
     return lo, hi, edge_seg, edge_pos, other_pos
 
 
@@ -136,13 +137,13 @@ def block_visibility(
     return (lo <= hi) & (via_first | via_last | via_other)
 
 
-def _pair_lists(visible_BQK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _pair_lists(visible_BNbNb: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per row: query-block and key-block index of its visible pairs (row-major order,
-    padded with pair 0) and their count: ``(q_blocks [B, N], kv_blocks [B, N], count [B])``."""
-    b, nq, nk = visible_BQK.shape
-    flat_BN = visible_BQK.reshape(b, nq * nk)
-    (idx_BN,) = jax.vmap(lambda row: jnp.nonzero(row, size=nq * nk, fill_value=0))(flat_BN)
-    return (idx_BN // nk).astype(jnp.int32), (idx_BN % nk).astype(jnp.int32), flat_BN.sum(-1)
+    padded with pair 0) and their count: ``(q_blocks [B, Np], kv_blocks [B, Np], count [B])``."""
+    b, nq, nk = visible_BNbNb.shape
+    flat_BNp = visible_BNbNb.reshape(b, nq * nk)
+    (idx_BNp,) = jax.vmap(lambda row: jnp.nonzero(row, size=nq * nk, fill_value=0))(flat_BNp)
+    return (idx_BNp // nk).astype(jnp.int32), (idx_BNp % nk).astype(jnp.int32), flat_BNp.sum(-1)
 
 
 def _gather_block(x: jax.Array, start_B: jax.Array, size: int) -> jax.Array:
@@ -168,11 +169,11 @@ def _set_block(x: jax.Array, start_B: jax.Array, update: jax.Array) -> jax.Array
 
 def _block_inputs(n, pairs, operands, block_q, block_kv):
     """Step ``n``'s blocks for every row: q, k, v, visibility [B, bq, bk] and block starts."""
-    q_blocks_BN, kv_blocks_BN, count_B = pairs
-    q_BTKGDh, k_BLKDh, v_BLKDh, q_seg_BT, kv_seg_BL, q_pos_BT, kv_pos_BL = operands
+    q_blocks_BNp, kv_blocks_BNp, count_B = pairs
+    q_BTKHgDh, k_BLKDh, v_BLKDh, q_seg_BT, kv_seg_BL, q_pos_BT, kv_pos_BL = operands
     active_B = n < count_B
-    qs_B = q_blocks_BN[:, n] * block_q
-    ks_B = kv_blocks_BN[:, n] * block_kv
+    qs_B = q_blocks_BNp[:, n] * block_q
+    ks_B = kv_blocks_BNp[:, n] * block_kv
     q_seg = _gather_block(q_seg_BT, qs_B, block_q)
     kv_seg = _gather_block(kv_seg_BL, ks_B, block_kv)
     q_pos = _gather_block(q_pos_BT, qs_B, block_q)
@@ -183,21 +184,21 @@ def _block_inputs(n, pairs, operands, block_q, block_kv):
         & (kv_pos[:, None, :] <= q_pos[:, :, None])
         & active_B[:, None, None]
     )
-    q = _gather_block(q_BTKGDh, qs_B, block_q)
+    q = _gather_block(q_BTKHgDh, qs_B, block_q)
     k = _gather_block(k_BLKDh, ks_B, block_kv)
     v = _gather_block(v_BLKDh, ks_B, block_kv)
     return q, k, v, vis_BTL[:, None, None], qs_B, ks_B
 
 
-def _scores(q_BTKGDh: jax.Array, k_BLKDh: jax.Array) -> jax.Array:
-    """``q k^T / sqrt(Dh)`` in float32: [B, K, G, bq, bk]."""
-    scale = np.float32(q_BTKGDh.shape[-1] ** -0.5)
-    s = jnp.einsum("btkgd,blkd->bkgtl", q_BTKGDh, k_BLKDh, preferred_element_type=jnp.float32)
+def _scores(q_BTKHgDh: jax.Array, k_BLKDh: jax.Array) -> jax.Array:
+    """``q k^T / sqrt(Dh)`` in float32: [B, K, Hg, bq, bk]."""
+    scale = np.float32(q_BTKHgDh.shape[-1] ** -0.5)
+    s = jnp.einsum("btkgd,blkd->bkgtl", q_BTKHgDh, k_BLKDh, preferred_element_type=jnp.float32)
     return s * scale
 
 
 def _forward(operands, pairs, block_q, block_kv):
-    """Forward: ``(out [B, T, K, G, Dh] in q's dtype, lse [B, T, K, G] f32)``.
+    """Forward: ``(out [B, T, K, Hg, Dh] in q's dtype, lse [B, T, K, Hg] f32)``.
 
     float32 operands: one pass of online softmax (running max ``m`` and sum ``l``, rescaled
     accumulator). Lower-precision operands: two passes, the first for ``m`` and ``l``, the
@@ -205,31 +206,31 @@ def _forward(operands, pairs, block_q, block_kv):
     before the value product, as the dense reference does; casting unnormalised ones would make
     bf16 results depend on where block boundaries fall, i.e. on the packing.
     """
-    q_BTKGDh, _, v_BLKDh = operands[:3]
-    b, t, kh, g, dh = q_BTKGDh.shape
+    q_BTKHgDh, _, v_BLKDh = operands[:3]
+    b, t, kh, g, dh = q_BTKHgDh.shape
     one_pass = v_BLKDh.dtype == jnp.float32
     steps = jnp.max(pairs[2], initial=0)
 
-    def value_product(p_BKGTL, v):
-        p_BKGTL = p_BKGTL.astype(v_BLKDh.dtype)
-        return jnp.einsum("bkgtl,blkd->btkgd", p_BKGTL, v, preferred_element_type=jnp.float32)
+    def value_product(p_BKHgTL, v):
+        p_BKHgTL = p_BKHgTL.astype(v_BLKDh.dtype)
+        return jnp.einsum("bkgtl,blkd->btkgd", p_BKHgTL, v, preferred_element_type=jnp.float32)
 
     def online(n, carry):
         m, denom = carry[0], carry[1]
         q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
-        s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
-        m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, G]
-        m_new = jnp.maximum(m_old, jnp.moveaxis(jnp.max(s_BKGTL, axis=-1), 3, 1))
-        m_new_BKGT1 = jnp.moveaxis(m_new, 1, 3)[..., None]
-        p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - m_new_BKGT1), 0.0)
-        correction = jnp.exp(m_old - m_new)  # [B, bq, K, G]
-        row_sum = jnp.moveaxis(jnp.sum(p_BKGTL, axis=-1), 3, 1)
+        s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
+        m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, Hg]
+        m_new = jnp.maximum(m_old, jnp.moveaxis(jnp.max(s_BKHgTL, axis=-1), 3, 1))
+        m_new_BKHgT1 = jnp.moveaxis(m_new, 1, 3)[..., None]
+        p_BKHgTL = jnp.where(vis, jnp.exp(s_BKHgTL - m_new_BKHgT1), 0.0)
+        correction = jnp.exp(m_old - m_new)  # [B, bq, K, Hg]
+        row_sum = jnp.moveaxis(jnp.sum(p_BKHgTL, axis=-1), 3, 1)
         denom_blk = _gather_block(denom, qs_B, block_q) * correction + row_sum
         new = (_set_block(m, qs_B, m_new), _set_block(denom, qs_B, denom_blk))
         if not one_pass:
             return new
         acc_blk = _gather_block(carry[2], qs_B, block_q) * correction[..., None]
-        return new + (_set_block(carry[2], qs_B, acc_blk + value_product(p_BKGTL, v)),)
+        return new + (_set_block(carry[2], qs_B, acc_blk + value_product(p_BKHgTL, v)),)
 
     m = jnp.full((b, t, kh, g), _MASKED, jnp.float32)
     denom = jnp.zeros((b, t, kh, g), jnp.float32)
@@ -244,40 +245,40 @@ def _forward(operands, pairs, block_q, block_kv):
 
         def normalised(n, acc):
             q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
-            m_BKGT1 = jnp.moveaxis(_gather_block(m, qs_B, block_q), 1, 3)[..., None]
-            l_BKGT1 = jnp.moveaxis(_gather_block(safe, qs_B, block_q), 1, 3)[..., None]
-            s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
-            p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - m_BKGT1) / l_BKGT1, 0.0)
-            return _add_block(acc, qs_B, value_product(p_BKGTL, v))
+            m_BKHgT1 = jnp.moveaxis(_gather_block(m, qs_B, block_q), 1, 3)[..., None]
+            l_BKHgT1 = jnp.moveaxis(_gather_block(safe, qs_B, block_q), 1, 3)[..., None]
+            s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
+            p_BKHgTL = jnp.where(vis, jnp.exp(s_BKHgTL - m_BKHgT1) / l_BKHgT1, 0.0)
+            return _add_block(acc, qs_B, value_product(p_BKHgTL, v))
 
         acc = lax.fori_loop(0, steps, normalised, acc)
-    out = jnp.where(seen[..., None], acc, 0.0).astype(q_BTKGDh.dtype)
+    out = jnp.where(seen[..., None], acc, 0.0).astype(q_BTKHgDh.dtype)
     lse = jnp.where(seen, m + jnp.log(safe), 0.0)
     return out, lse
 
 
 def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
     """FlashAttention-2 backward over the same pair lists: float32 ``(dq, dk, dv)``."""
-    q_BTKGDh, k_BLKDh, v_BLKDh = operands[:3]
-    scale = np.float32(q_BTKGDh.shape[-1] ** -0.5)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,T,K,G]
-    dq = jnp.zeros(q_BTKGDh.shape, jnp.float32)
+    q_BTKHgDh, k_BLKDh, v_BLKDh = operands[:3]
+    scale = np.float32(q_BTKHgDh.shape[-1] ** -0.5)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,T,K,Hg]
+    dq = jnp.zeros(q_BTKHgDh.shape, jnp.float32)
     dk = jnp.zeros(k_BLKDh.shape, jnp.float32)
     dv = jnp.zeros(v_BLKDh.shape, jnp.float32)
 
     def step(n, carry):
         dq, dk, dv = carry
         q, k, v, vis, qs_B, ks_B = _block_inputs(n, pairs, operands, block_q, block_kv)
-        lse_BKGT1 = jnp.moveaxis(_gather_block(lse, qs_B, block_q), 1, 3)[..., None]
-        s_BKGTL = jnp.where(vis, _scores(q, k), _MASKED)
-        p_BKGTL = jnp.where(vis, jnp.exp(s_BKGTL - lse_BKGT1), 0.0)
-        do = _gather_block(d_out, qs_B, block_q)  # [B, bq, K, G, Dh]
+        lse_BKHgT1 = jnp.moveaxis(_gather_block(lse, qs_B, block_q), 1, 3)[..., None]
+        s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
+        p_BKHgTL = jnp.where(vis, jnp.exp(s_BKHgTL - lse_BKHgT1), 0.0)
+        do = _gather_block(d_out, qs_B, block_q)  # [B, bq, K, Hg, Dh]
         dv_blk = jnp.einsum(
-            "bkgtl,btkgd->blkd", p_BKGTL.astype(do.dtype), do, preferred_element_type=jnp.float32
+            "bkgtl,btkgd->blkd", p_BKHgTL.astype(do.dtype), do, preferred_element_type=jnp.float32
         )
         dp = jnp.einsum("btkgd,blkd->bkgtl", do, v, preferred_element_type=jnp.float32)
-        delta_BKGT1 = jnp.moveaxis(_gather_block(delta, qs_B, block_q), 1, 3)[..., None]
-        ds = (p_BKGTL * (dp - delta_BKGT1)).astype(q.dtype)
+        delta_BKHgT1 = jnp.moveaxis(_gather_block(delta, qs_B, block_q), 1, 3)[..., None]
+        ds = (p_BKHgTL * (dp - delta_BKHgT1)).astype(q.dtype)
         dq_blk = jnp.einsum("bkgtl,blkd->btkgd", ds, k, preferred_element_type=jnp.float32)
         dk_blk = jnp.einsum("bkgtl,btkgd->blkd", ds, q, preferred_element_type=jnp.float32)
         return (

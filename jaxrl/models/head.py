@@ -83,33 +83,33 @@ def token_logprobs(
     chunk = t if chunk_size is None else int(chunk_size)
     if chunk <= 0:
         raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be a positive int")
-    hidden_NBCD, targets_NBC = split_chunks(hidden_BTD, targets_BT, chunk)
+    hidden_NcBCD, targets_NcBC = split_chunks(hidden_BTD, targets_BT, chunk)
     kernel32_DV = kernel_DV.astype(jnp.float32)
 
     @jax.checkpoint
     def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         return _chunk_logprobs(xs[0], kernel32_DV, xs[1], fp32=fp32, temperature=temperature)
 
-    logp_NBC, entropy_NBC = lax.map(body, (hidden_NBCD, targets_NBC))
-    return join_chunks(logp_NBC, t), join_chunks(entropy_NBC, t)
+    logp_NcBC, entropy_NcBC = lax.map(body, (hidden_NcBCD, targets_NcBC))
+    return join_chunks(logp_NcBC, t), join_chunks(entropy_NcBC, t)
 
 
 def split_chunks(
     hidden_BTD: jax.Array, targets_BT: jax.Array, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
-    """``(hidden_NBCD, targets_NBC)``: the T axis cut into N chunks of ``min(chunk, T)`` tokens
+    """``(hidden_NcBCD, targets_NcBC)``: the T axis cut into Nc chunks of ``min(chunk, T)`` tokens
     (the last zero-padded), chunk-major for ``lax.map``."""
     b, t, d = hidden_BTD.shape
     chunk = min(int(chunk), t)
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
-    hidden_NBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-    hidden_NBCD = hidden_NBCD.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
-    targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk)
-    return hidden_NBCD, targets_NBC.swapaxes(0, 1)
+    hidden_NcBCD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    hidden_NcBCD = hidden_NcBCD.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
+    targets_NcBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk)
+    return hidden_NcBCD, targets_NcBC.swapaxes(0, 1)
 
 
-def join_chunks(x_NBC: jax.Array, t: int) -> jax.Array:
-    """``[B, T]`` from per-chunk values ``[N, B, C]`` (:func:`split_chunks`), padding dropped."""
-    n, b, c = x_NBC.shape
-    return x_NBC.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+def join_chunks(x_NcBC: jax.Array, t: int) -> jax.Array:
+    """``[B, T]`` from per-chunk values ``[Nc, B, C]`` (:func:`split_chunks`), padding dropped."""
+    n, b, c = x_NcBC.shape
+    return x_NcBC.swapaxes(0, 1).reshape(b, n * c)[:, :t]

@@ -4,7 +4,7 @@ Tensor names map one to one onto the :class:`Transformer` state; HF ``nn.Linear`
 ``[out, in]`` and become ``[in, ...out]`` kernels (``q_proj.weight [H*Dh, D]`` ->
 ``q_kernel [D, H, Dh]``, ``o_proj.weight [D, H*Dh]`` -> ``o_kernel [H, Dh, D]``). A model with
 ``scan_layers`` stacks the per-layer tensors ``model.layers.{i}.*`` on a leading layer axis
-(``layers.attn.q_kernel [N, D, H, Dh]``): on load each layer's tensor is written into its slot
+(``layers.attn.q_kernel [Nl, D, H, Dh]``): on load each layer's tensor is written into its slot
 of the stacked device buffer, on save each slot is written back as its own tensor, so the
 files are the same in both layouts.
 """
@@ -397,9 +397,9 @@ def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None) -
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_slot(stacked_N: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
-    """``stacked_N`` with slot ``i`` of its leading axis replaced by ``layer`` (in place)."""
-    return jax.lax.dynamic_update_index_in_dim(stacked_N, layer, i, 0)
+def _set_slot(stacked_Nl: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
+    """``stacked_Nl`` with slot ``i`` of its leading axis replaced by ``layer`` (in place)."""
+    return jax.lax.dynamic_update_index_in_dim(stacked_Nl, layer, i, 0)
 
 
 def _atomic_write(path: Path, write: Any) -> None:

@@ -8,7 +8,7 @@ written there, so decoding uses the same visibility rule as training (``attentio
 Unwritten slots hold segment ``EMPTY = -1``, which equals no query's segment (queries use 0 for
 padding and 1.. for documents), so they are invisible to every query without a separate mask.
 
-Keys and values are one stacked buffer per kind, ``[N, B, L, K, Dh]`` over the N layers, for the
+Keys and values are one stacked buffer per kind, ``[Nl, B, L, K, Dh]`` over the Nl layers, for the
 unrolled and the scanned layer stack alike: layer i writes its T new entries into slot
 ``(i, :, index)`` with one ``dynamic_update_slice``, so a decode step updates the cache in place
 whether i is a Python int or the layer scan's counter.
@@ -41,8 +41,8 @@ class LayerKV:
     """Layer ``layer``'s view of the cache: the stacked keys and values of every layer, the
     shared slot metadata and the layer index (a Python int, or traced inside a layer scan)."""
 
-    keys_NBLKDh: jax.Array  # every layer's keys, compute dtype, after RoPE (and q/k norm)
-    values_NBLKDh: jax.Array
+    keys_NlBLKDh: jax.Array  # every layer's keys, compute dtype, after RoPE (and q/k norm)
+    values_NlBLKDh: jax.Array
     segment_ids_BL: jax.Array  # int32, EMPTY on unwritten slots
     positions_BL: jax.Array  # int32
     index: jax.Array  # int32 scalar: first slot of the tokens being written
@@ -51,12 +51,12 @@ class LayerKV:
     @property
     def keys_BLKDh(self) -> jax.Array:
         """This layer's keys [B, L, K, Dh]."""
-        return lax.dynamic_index_in_dim(self.keys_NBLKDh, self.layer, 0, keepdims=False)
+        return lax.dynamic_index_in_dim(self.keys_NlBLKDh, self.layer, 0, keepdims=False)
 
     @property
     def values_BLKDh(self) -> jax.Array:
         """This layer's values [B, L, K, Dh]."""
-        return lax.dynamic_index_in_dim(self.values_NBLKDh, self.layer, 0, keepdims=False)
+        return lax.dynamic_index_in_dim(self.values_NlBLKDh, self.layer, 0, keepdims=False)
 
     def append(self, k_BTKDh: jax.Array, v_BTKDh: jax.Array) -> LayerKV:
         """Write T new keys and values at this layer's slots ``[index, index + T)`` (in place:
@@ -65,11 +65,11 @@ class LayerKV:
         start = (jnp.asarray(self.layer, jnp.int32), zero, self.index, zero, zero)
         return dataclasses.replace(
             self,
-            keys_NBLKDh=lax.dynamic_update_slice(
-                self.keys_NBLKDh, k_BTKDh[None].astype(self.keys_NBLKDh.dtype), start
+            keys_NlBLKDh=lax.dynamic_update_slice(
+                self.keys_NlBLKDh, k_BTKDh[None].astype(self.keys_NlBLKDh.dtype), start
             ),
-            values_NBLKDh=lax.dynamic_update_slice(
-                self.values_NBLKDh, v_BTKDh[None].astype(self.values_NBLKDh.dtype), start
+            values_NlBLKDh=lax.dynamic_update_slice(
+                self.values_NlBLKDh, v_BTKDh[None].astype(self.values_NlBLKDh.dtype), start
             ),
         )
 
@@ -77,11 +77,11 @@ class LayerKV:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer ``[N, B, L, K, Dh]`` (one stacked buffer each, for the
+    """Keys and values of every layer ``[Nl, B, L, K, Dh]`` (one stacked buffer each, for the
     unrolled and the scanned layer stack alike), slot segments/positions, write index."""
 
-    keys: jax.Array  # [N, B, L, K, Dh]: layer, row, slot, KV head, head dim
-    values: jax.Array  # [N, B, L, K, Dh]
+    keys: jax.Array  # [Nl, B, L, K, Dh]: layer, row, slot, KV head, head dim
+    values: jax.Array  # [Nl, B, L, K, Dh]
     segment_ids_BL: jax.Array  # int32, EMPTY on unwritten slots
     positions_BL: jax.Array  # int32
     index: jax.Array  # int32 scalar: next slot to write
@@ -135,7 +135,7 @@ class KVCache:
 
     def store(self, kv: LayerKV) -> KVCache:
         """The cache holding a layer view's updated keys and values."""
-        return dataclasses.replace(self, keys=kv.keys_NBLKDh, values=kv.values_NBLKDh)
+        return dataclasses.replace(self, keys=kv.keys_NlBLKDh, values=kv.values_NlBLKDh)
 
     def advance(self, num_tokens: int) -> KVCache:
         """The cache with its write index moved past ``num_tokens`` tokens."""

@@ -2,11 +2,11 @@
 
 Two layouts of the same blocks (``ModelConfig.scan_layers``):
 
-- unrolled: ``nnx.List`` of N blocks, parameters ``layers.{i}.attn.q_kernel [D, H, Dh]``; the
-  forward is a Python loop, so the compiled program holds N copies of the block (compile time
-  grows with N).
+- unrolled: ``nnx.List`` of Nl blocks, parameters ``layers.{i}.attn.q_kernel [D, H, Dh]``; the
+  forward is a Python loop, so the compiled program holds Nl copies of the block (compile time
+  grows with Nl).
 - scanned: one block whose every parameter has a leading layer axis,
-  ``layers.attn.q_kernel [N, D, H, Dh]``, logical axis ``"layers"`` (never sharded:
+  ``layers.attn.q_kernel [Nl, D, H, Dh]``, logical axis ``"layers"`` (never sharded:
   ``sharding.py``); the forward is one ``lax.scan`` over it (split / merge of the block's state
   in the body), so the program holds the block once.
 
@@ -78,7 +78,7 @@ def _is_variable(x: Any) -> bool:
 
 
 def stack_blocks(blocks: Sequence[M]) -> M:
-    """One block holding the N blocks' parameters stacked on a new leading ``"layers"`` axis
+    """One block holding the Nl blocks' parameters stacked on a new leading ``"layers"`` axis
     (each Variable's ``out_sharding`` gains ``"layers"`` in front)."""
     graphdef, _ = nnx.split(blocks[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b) for b in blocks))
@@ -91,7 +91,7 @@ def stack_blocks(blocks: Sequence[M]) -> M:
 
 
 def unstack_blocks(stacked: M) -> list[M]:
-    """The N blocks of a :func:`stack_blocks` block (its inverse)."""
+    """The Nl blocks of a :func:`stack_blocks` block (its inverse)."""
     graphdef, state = nnx.split(stacked)
     n = jax.tree.leaves(state)[0].shape[0]
 

@@ -90,7 +90,7 @@ class ModelConfig:
     # Run settings, not architecture (never written to config.json):
     attention_impl: str = "auto"  # xla, flash, splash, pallas_gpu or auto (attention.py)
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
-    scan_layers: bool = False  # layer parameters stacked [N, ...] and run by one lax.scan
+    scan_layers: bool = False  # layer parameters stacked [Nl, ...] and run by one lax.scan
     remat: str = "none"  # "none", "block" or a jax.checkpoint_policies name (layer_stack.py)
 
     def __post_init__(self) -> None:

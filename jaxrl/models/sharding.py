@@ -33,7 +33,7 @@ LOGICAL_AXIS_RULES: LogicalRules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
-    ("layers", None),  # the stacked layer axis of model.scan_layers: every device holds all N
+    ("layers", None),  # the stacked layer axis of model.scan_layers: every device holds all Nl
 )
 
 
