@@ -44,7 +44,6 @@ import functools
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -52,6 +51,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from trl_peer import SHARED_GRPO_FIELDS, cpu_seconds, same_schedule_trainer
 
 # torch's OpenMP threads spin-wait by default; while other processes hold the cores that made
 # TRL's steps up to 15x slower on a 2-core machine (jaxrl's XLA thread pool is not affected).
@@ -63,36 +64,6 @@ CONTENDED = (
     "OMP_WAIT_POLICY=PASSIVE (the default here) or --cpus 1"
 )
 FIRST_LAST = 10  # training reward: mean of the first and of the last this many steps
-# GRPOConfig fields with the same name and meaning in jaxrl and TRL (top_k: None here, 0 there).
-SHARED_GRPO_FIELDS = (
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "num_generations",
-    "generation_batch_size",
-    "steps_per_generation",
-    "num_iterations",
-    "shuffle_dataset",
-    "max_completion_length",
-    "temperature",
-    "top_p",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "beta",
-    "loss_type",
-    "importance_sampling_level",
-    "scale_rewards",
-    "reward_weights",
-    "multi_objective_aggregation",
-    "mask_truncated_completions",
-    "top_entropy_quantile",
-)
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def recording(fn: Any, log: list[list[str]], num_generations: int) -> Any:
@@ -204,10 +175,8 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import trl
     from datasets import Dataset
-    from torch.utils.data import Sampler
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
 
-    from jaxrl.rollout.buffer import repeat_sampler_indices
     from jaxrl.rollout.reward_specs import resolve_reward_funcs
 
     jx = json.loads((Path(job["seed_dir"]) / "jaxrl.json").read_text())
@@ -223,92 +192,21 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
     gc.bos_token_id, gc.eos_token_id = tok.bos_token_id, tok.eos_token_id
     gc.pad_token_id = tok.pad_token_id
 
-    class JaxrlOrder(Sampler):
-        """TRL's RepeatSampler index stream with jaxrl's per-epoch permutation."""
-
-        def __init__(self, n: int):
-            self.n, self.epoch = n, 0
-            self.kw = dict(
-                mini_repeat_count=g["num_generations"],
-                batch_size=g["generation_batch_size"] // g["num_generations"],
-                repeat_count=g["num_iterations"] * g["steps_per_generation"],
-                shuffle=g["shuffle_dataset"],
-                seed=s["seed"],
-            )
-
-        def set_epoch(self, epoch: int) -> None:
-            self.epoch = epoch
-
-        def __iter__(self):
-            indices = repeat_sampler_indices(self.n, epoch=self.epoch, **self.kw)
-            self.epoch += 1
-            return iter(indices)
-
-        def __len__(self) -> int:
-            return len(repeat_sampler_indices(self.n, epoch=0, **self.kw))
-
-    class PeerGRPOTrainer(trl.GRPOTrainer):
-        def _get_train_sampler(self, dataset=None):
-            return JaxrlOrder(len(dataset if dataset is not None else self.train_dataset))
-
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            # jaxrl's learning rate at every step (its warmup and decay; for `cosine` TRL's
-            # `cosine_with_min_lr` with min_lr_rate=min_lr_ratio is the same curve)
-            if self.lr_scheduler is None:
-                factor = [x / opt["learning_rate"] for x in lr]
-                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                    optimizer or self.optimizer, lambda k: factor[min(k, len(factor) - 1)]
-                )
-            return self.lr_scheduler
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.steps: list[dict[str, float]] = []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.w0, self.c0 = time.perf_counter(), cpu_seconds()
-
-        def on_step_end(self, args, state, control, **kw):
-            w, c = time.perf_counter() - self.w0, cpu_seconds() - self.c0
-            self.steps.append({"wall_s": w, "cpu_s": c})
-
-    trl_dir = Path(job["seed_dir"]) / "trl"
-    args = trl.GRPOConfig(
-        output_dir=str(trl_dir / "trainer"),
-        **{k: g[k] for k in SHARED_GRPO_FIELDS if k not in ("steps_per_generation",)},
-        top_k=g["top_k"] or 0,
-        max_steps=s["max_steps"],
-        learning_rate=opt["learning_rate"],
-        adam_beta1=opt["b1"],
-        adam_beta2=opt["b2"],
-        adam_epsilon=opt["eps"],
-        weight_decay=opt["weight_decay"],
-        max_grad_norm=opt["max_grad_norm"],
-        optim="adamw_torch",
-        seed=s["seed"],
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_vllm=False,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    assert args.steps_per_generation == g["steps_per_generation"], "TRL resolved another S"
     prompt_log: list[list[str]] = []
     funcs = resolve_reward_funcs(s["reward_funcs"])  # the same callables
     funcs[0] = recording(funcs[0], prompt_log, g["num_generations"])
-    timer = Timer()
-    trainer = PeerGRPOTrainer(
+    trl_dir = Path(job["seed_dir"]) / "trl"
+    trainer, steps = same_schedule_trainer(
+        grpo=g,
+        optimizer=opt,
+        lr=lr,
+        seed=s["seed"],
+        max_steps=s["max_steps"],
+        output_dir=str(trl_dir / "trainer"),
         model=model,
         reward_funcs=funcs,
-        args=args,
         train_dataset=Dataset.from_dict(s["train"]),
         processing_class=tok,
-        callbacks=[timer],
     )
     trainer.train()
     trainer.save_model(str(trl_dir / "hf"))
@@ -317,7 +215,7 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
         "hf": str(trl_dir / "hf"),
         "cpus": len(os.sched_getaffinity(0)),
         "rows": rows,
-        "steps": timer.steps,
+        "steps": steps,
         "prompts": prompt_log,
         "torch_threads": torch.get_num_threads(),
         "versions": {"trl": trl.__version__, "torch": torch.__version__},

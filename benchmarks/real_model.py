@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer_grpo import SHARED_GRPO_FIELDS  # the GRPOConfig fields jaxrl and TRL share
+from trl_peer import same_schedule_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
@@ -665,10 +665,8 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import trl
     from datasets import Dataset
-    from torch.utils.data import Sampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxrl.rollout.buffer import repeat_sampler_indices
     from jaxrl.rollout.reward_specs import resolve_reward_funcs
 
     jx = grpo_settings(job["sets"])  # what the jaxrl GRPO run with these --set resolves
@@ -680,89 +678,22 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
     rows = [json.loads(x) for x in Path(cfg["data"]["train"]).read_text().splitlines()]
 
-    class JaxrlOrder(Sampler):
-        """TRL's RepeatSampler index stream with jaxrl's per-epoch permutation."""
-
-        def __init__(self, n: int):
-            self.n, self.epoch = n, 0
-            self.kw = dict(
-                mini_repeat_count=g["num_generations"],
-                batch_size=g["generation_batch_size"] // g["num_generations"],
-                repeat_count=g["num_iterations"] * g["steps_per_generation"],
-                shuffle=g["shuffle_dataset"],
-                seed=seed,
-            )
-
-        def set_epoch(self, epoch: int) -> None:
-            self.epoch = epoch
-
-        def __iter__(self):
-            indices = repeat_sampler_indices(self.n, epoch=self.epoch, **self.kw)
-            self.epoch += 1
-            return iter(indices)
-
-        def __len__(self) -> int:
-            return len(repeat_sampler_indices(self.n, epoch=0, **self.kw))
-
-    class SameScheduleGRPOTrainer(trl.GRPOTrainer):
-        def _get_train_sampler(self, dataset=None):
-            return JaxrlOrder(len(dataset if dataset is not None else self.train_dataset))
-
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            if self.lr_scheduler is None:  # jaxrl's learning rate at every step
-                factor = [x / opt["learning_rate"] for x in lr]
-                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                    optimizer or self.optimizer, lambda k: factor[min(k, len(factor) - 1)]
-                )
-            return self.lr_scheduler
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.steps: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.steps.append(time.perf_counter() - self.t0)
-
     out_dir = Path(cfg["output_dir"] + "_trl")
     shutil.rmtree(out_dir, ignore_errors=True)
-    args = trl.GRPOConfig(
-        output_dir=str(out_dir),
-        **{k: g[k] for k in SHARED_GRPO_FIELDS if k != "steps_per_generation"},
-        top_k=g["top_k"] or 0,
-        max_steps=job.get("max_steps") or jx["max_steps"],
-        learning_rate=opt["learning_rate"],
-        adam_beta1=opt["b1"],
-        adam_beta2=opt["b2"],
-        adam_epsilon=opt["eps"],
-        weight_decay=opt["weight_decay"],
-        max_grad_norm=opt["max_grad_norm"],
-        optim="adamw_torch",
-        seed=seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    assert args.steps_per_generation == g["steps_per_generation"], "TRL resolved another S"
     funcs = resolve_reward_funcs(
         g["reward_funcs"], max_completion_length=g["max_completion_length"]
     )
-    timer = Timer()
-    trainer = SameScheduleGRPOTrainer(
+    trainer, steps = same_schedule_trainer(
+        grpo=g,
+        optimizer=opt,
+        lr=lr,
+        seed=seed,
+        max_steps=job.get("max_steps") or jx["max_steps"],
+        output_dir=str(out_dir),
         model=model,
         reward_funcs=funcs,
-        args=args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tok,
-        callbacks=[timer],
     )
     t0 = time.perf_counter()
     trainer.train()
@@ -770,7 +701,7 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
     shutil.rmtree(out_dir, ignore_errors=True)
     return {
         "rows": logged,
-        "step_s": timer.steps,
+        "step_s": [x["wall_s"] for x in steps],
         "train_s": time.perf_counter() - t0,
         "torch_threads": torch.get_num_threads(),
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
