@@ -87,23 +87,57 @@ def _reward_sigma(rewards_B: np.ndarray, num_generations: int, scale_rewards: st
     return std_grp_B
 
 
-def grpo_advantages(
-    rewards: np.ndarray, num_generations: int, scale_rewards: str | bool = "group"
-) -> np.ndarray:
-    """Group-relative advantages of aggregated rewards ``[B]`` (NaN allowed) → float32 ``[B]``.
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 
-    ``group``: (r − mean_grp) / (std_grp + 1e-4); ``batch``: (r − mean_grp) / (std_all + 1e-4);
-    ``none``: r − mean_grp. NaN results (unscorable rows, groups with < 2 rewards under a std
-    scaling) become 0.
+
+def grpo_advantages(
+    rewards: np.ndarray,
+    num_generations: int,
+    scale_rewards: str | bool = "group",
+    estimator: str = "grpo",
+) -> np.ndarray:
+    """Advantages of aggregated rewards ``[B]`` (NaN allowed) → float32 ``[B]``.
+
+    ``estimator`` (``grpo.advantage_estimator``):
+
+    - ``grpo`` (TRL): r − mean_grp, scaled by ``scale_rewards``: ``group`` ÷ (std_grp + 1e-4),
+      ``batch`` ÷ (std_all + 1e-4), ``none`` unscaled.
+    - ``rloo`` (REINFORCE leave-one-out, Ahmadian et al. 2024; TRL's RLOOTrainer with
+      ``normalize_advantages=False``): r_i − mean of the group's *other* scored rewards
+      = n/(n−1) · (r_i − mean_grp) for n scored rows in the group. Unscaled.
+    - ``reinforce_pp`` (REINFORCE++, Hu 2025, outcome rewards): the batch-normalised reward
+      (r − mean_all) / (std_all + 1e-4), no per-prompt baseline; its KL-in-reward option
+      subtracts β·KL from the rewards before this call (the trainer's job).
+
+    ``scale_rewards`` is GRPO's normalisation; ``rloo`` and ``reinforce_pp`` define their own
+    and reject any value but the default. NaN results (unscorable rows, groups with fewer than
+    2 scored rewards where a group statistic is needed) become 0.
     """
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"advantage_estimator={estimator!r} is invalid: use one of "
+            f"{', '.join(map(repr, ESTIMATORS))}"
+        )
     scale_rewards = resolve_scale_rewards(scale_rewards)
+    if estimator != "grpo" and scale_rewards != "group":
+        raise ValueError(
+            f"scale_rewards={scale_rewards!r} applies to advantage_estimator='grpo' only: "
+            f"{estimator} scales its advantages its own way; remove scale_rewards"
+        )
     r_B = np.asarray(rewards, dtype=np.float64)
     mean_B, std_grp_B = _group_stats(r_B, num_generations)
-    adv_B = r_B - mean_B
-    if scale_rewards == "group":
-        adv_B = adv_B / (std_grp_B + EPS)
-    elif scale_rewards == "batch":
-        adv_B = adv_B / (nanstd(r_B) + EPS)
+    if estimator == "rloo":
+        n_B = np.repeat(np.sum(~np.isnan(_groups(r_B, num_generations)), axis=1), num_generations)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            adv_B = np.where(n_B >= 2, (r_B - mean_B) * n_B / (n_B - 1), np.nan)
+    elif estimator == "reinforce_pp":
+        adv_B = (r_B - _nanmean(r_B)) / (nanstd(r_B) + EPS)
+    else:
+        adv_B = r_B - mean_B
+        if scale_rewards == "group":
+            adv_B = adv_B / (std_grp_B + EPS)
+        elif scale_rewards == "batch":
+            adv_B = adv_B / (nanstd(r_B) + EPS)
     return np.nan_to_num(adv_B, nan=0.0).astype(np.float32)
 
 
@@ -174,15 +208,22 @@ def compute_advantages(
     weights: Sequence[float] | None = None,
     scale_rewards: str | bool = "group",
     mode: str = "sum_then_normalize",
+    estimator: str = "grpo",
 ) -> np.ndarray:
     """float32 advantages ``[B]`` of one generation batch from its ``[B, W]`` reward matrix.
 
-    ``sum_then_normalize`` → ``grpo_advantages(aggregate, G, scale_rewards)``;
-    ``normalize_then_sum`` → (r − nanmean_all) / (std_all + 1e-4) of the summed z-scores.
+    ``sum_then_normalize`` → ``grpo_advantages(aggregate, G, scale_rewards, estimator)``;
+    ``normalize_then_sum`` (GRPO only) → (r − nanmean_all) / (std_all + 1e-4) of the summed
+    z-scores.
     """
     r_B = aggregate_rewards(reward_matrix_BW, weights, mode, num_generations=num_generations)
     if mode == "sum_then_normalize":
-        return grpo_advantages(r_B, num_generations, scale_rewards)
+        return grpo_advantages(r_B, num_generations, scale_rewards, estimator)
+    if estimator != "grpo":
+        raise ValueError(
+            f"multi_objective_aggregation='normalize_then_sum' is GRPO's; with "
+            f"advantage_estimator={estimator!r} use 'sum_then_normalize'"
+        )
     resolve_scale_rewards(scale_rewards)  # validated, but this mode always scales by batch
     adv_B = (r_B - _nanmean(r_B)) / (nanstd(r_B) + EPS)
     return np.nan_to_num(adv_B, nan=0.0).astype(np.float32)
