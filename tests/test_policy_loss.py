@@ -1,6 +1,8 @@
 """GRPO-family policy loss on packed micro-batches: GRPO, GSPO, DAPO, Dr.GRPO, Fast-LLM GSPO.
 
-Every numeric check compares against an independent float64 loop over documents.
+Every numeric check compares against an independent float64 loop over documents. "Example N"
+is the worked example N of docs/algorithms/grpo.md §10; the Fast-LLM cases are those of
+docs/algorithms/accumulation.md.
 """
 
 import functools
@@ -318,7 +320,8 @@ def _layout_terms(theta, layout, flat, S, T, **kw):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_layout_invariance_value_gradient_and_metrics(loss_type, level):
     """Same documents as one micro-batch of 2 rows, or 3 micro-batches in another order:
-    Σ numerators / Σ denominators and its gradient are identical (grpo.md §8, fastllm.md 1.5)."""
+    Σ numerators / Σ denominators and its gradient are identical (docs/algorithms/grpo.md §8,
+    docs/algorithms/accumulation.md §1.5)."""
     rng = np.random.default_rng(7)
     lengths = [9, 14, 5, 11, 3]
     mask = [(np.arange(n) >= 2) & (np.arange(n) < n - 1) for n in lengths]
@@ -635,7 +638,7 @@ def test_delta_cap_gradient(rho, adv, expected):
     assert float(f(jnp.float32(rho))) == pytest.approx(want, rel=1e-6)
 
 
-# ----------------------------------------------------------------- fastllm.md §3 GSPO reference
+# ------------------------------------------- docs/algorithms/accumulation.md §3 GSPO reference
 
 
 def test_gspo_uneven_documents_forward_and_backward():
@@ -671,7 +674,8 @@ def test_gspo_uneven_documents_forward_and_backward():
     (value, t), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(z))
     assert float(t.denominator) == 4.0
 
-    # Loop reference (fastllm.md §3): skip documents with no loss tokens, add −min(...)·N_d, ÷D.
+    # Loop reference (docs/algorithms/accumulation.md §3): skip documents with no loss tokens,
+    # add −min(...)·N_d, ÷D.
     total, g_ref = 0.0, np.zeros_like(z, np.float64)
     z64 = z.astype(np.float64)
     soft = np.exp(z64) / np.exp(z64).sum(-1, keepdims=True)
@@ -725,7 +729,7 @@ def test_gspo_gradient_matches_autodiff_of_jax_loop_reference():
     np.testing.assert_allclose(jax.grad(ours)(lp), jax.grad(loop)(lp), rtol=1e-5, atol=1e-7)
 
 
-# ----------------------------------------------------------------- fastllm.md §6.4 divisors
+# ---------------------------------------- docs/algorithms/accumulation.md §6 case 4: divisors
 
 
 def test_divisor_linearity():
@@ -768,7 +772,7 @@ def test_divisor_linearity():
     np.testing.assert_allclose(ratio, 12 / 3, rtol=1e-4)
 
 
-# ----------------------------------------------------------------- fastllm.md §4 padding
+# ------------------------------------------------ docs/algorithms/accumulation.md §4 padding
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
