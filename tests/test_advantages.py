@@ -1,4 +1,5 @@
-"""GRPO rewards, advantages and generation-side metrics (grpo.md §6, §9, examples 13–14)."""
+"""GRPO rewards, advantages and generation-side metrics (docs/algorithms/grpo.md §6, §9;
+§10 examples 13–14)."""
 
 import math
 import statistics

@@ -1,5 +1,6 @@
-"""Prompt order, generation buffer and optimizer windows with TRL GRPOTrainer's semantics,
-checked against TRL's materialised ``RepeatSampler`` stream and accelerate's sharding."""
+"""Prompt order, generation buffer and optimizer windows with TRL GRPOTrainer's semantics
+(docs/algorithms/grpo.md §3–5, §10 examples 9–12), checked against TRL's ``RepeatSampler``
+stream and accelerate's sharding, written out independently below."""
 
 from __future__ import annotations
 
@@ -57,25 +58,49 @@ def _simulate(cfg: GRPOConfig, num_prompts: int, num_micro_steps: int, *, seed: 
     return served, generations
 
 
-def _trl_rank_batches(cfg: GRPOConfig, num_prompts: int, epochs: int, *, seed: int = 0):
-    """TRL + accelerate: the sampler's stream in batches of b·S, batch i to rank i % P.
-
-    Returns per rank the list of its per-micro-step dataloader batches.
-    """
+def _trl_epoch_stream(order, *, batch_size: int, mini_repeat_count: int, repeat_count: int):
+    """TRL ``RepeatSampler`` over one epoch's prompt order, written out from
+    docs/algorithms/grpo.md §3: cut ``order`` into chunks of ``batch_size`` prompts, drop an
+    incomplete last chunk, emit each chunk ``repeat_count`` times with every index repeated
+    ``mini_repeat_count`` times in a row."""
+    order = [int(i) for i in order]
     stream = []
-    for e in range(epochs):
-        stream += repeat_sampler_indices(
-            num_prompts,
-            mini_repeat_count=cfg.num_generations,
-            batch_size=cfg.prompts_per_generation,
-            repeat_count=cfg.num_iterations * cfg.steps_per_generation,
-            shuffle=cfg.shuffle_dataset,
-            seed=seed,
-            epoch=e,
+    for c in range(len(order) // batch_size):
+        chunk = order[c * batch_size : (c + 1) * batch_size]
+        for _ in range(repeat_count):
+            for i in chunk:
+                stream += [i] * mini_repeat_count
+    return stream
+
+
+def _epoch_order(cfg: GRPOConfig, num_prompts: int, seed: int, epoch: int):
+    """The order an epoch walks the prompts in: the identity without shuffling, else the seeded
+    permutation of ``(seed, epoch)`` (what a resumed run must be able to redraw)."""
+    if not cfg.shuffle_dataset:
+        return range(num_prompts)
+    return np.random.default_rng([seed, epoch]).permutation(num_prompts)
+
+
+def _trl_rank_batches(cfg: GRPOConfig, num_prompts: int, epochs: int, *, seed: int = 0):
+    """TRL + accelerate: the sampler's stream in dataloader batches of b·S indices, batch i to
+    rank i % P (accelerate's ``BatchSamplerShard``); rank p reads one batch per micro-step.
+
+    Returns per rank the list of its per-micro-step dataloader batches, and the per-epoch streams.
+    """
+    b, P, S, G = (cfg.per_device_train_batch_size, cfg.world_size, cfg.steps_per_generation,
+                  cfg.num_generations)  # fmt: skip
+    streams = [
+        _trl_epoch_stream(
+            _epoch_order(cfg, num_prompts, seed, e),
+            batch_size=b * P * S // G,  # unique prompts per generation, B_gen / G
+            mini_repeat_count=G,
+            repeat_count=cfg.num_iterations * S,
         )
-    size = cfg.per_device_train_batch_size * cfg.steps_per_generation
-    batches = [stream[i : i + size] for i in range(0, len(stream), size)]
-    return [batches[p :: cfg.world_size] for p in range(cfg.world_size)]
+        for e in range(epochs)
+    ]
+    stream = [i for s in streams for i in s]
+    batches = [stream[i : i + b * S] for i in range(0, len(stream), b * S)]
+    return [batches[p::P] for p in range(P)], streams
 
 
 # -- example 10: RepeatSampler -------------------------------------------------------------------
@@ -112,7 +137,17 @@ def test_prompts_and_ranks_match_trl_stream_under_accelerate_sharding(kw, num_pr
     epochs = 3
     per_epoch = (num_prompts // cfg.prompts_per_generation) * period
     served, gens = _simulate(cfg, num_prompts, epochs * per_epoch, seed=5)
-    trl = _trl_rank_batches(cfg, num_prompts, epochs, seed=5)
+    trl, streams = _trl_rank_batches(cfg, num_prompts, epochs, seed=5)
+    for e, stream in enumerate(streams):  # the materialised reference stream agrees
+        assert stream == repeat_sampler_indices(
+            num_prompts,
+            mini_repeat_count=cfg.num_generations,
+            batch_size=cfg.prompts_per_generation,
+            repeat_count=cfg.num_iterations * cfg.steps_per_generation,
+            shuffle=cfg.shuffle_dataset,
+            seed=5,
+            epoch=e,
+        )
     assert len(gens) == epochs * per_epoch // period
     for n, (k, prompts) in enumerate(gens):
         assert k == n * period  # TRL generates at k % (S·μ) == 0
@@ -159,6 +194,7 @@ def test_shuffle_example_11_one_permutation_for_every_field():
 
 
 def test_example_9_buffer_serves_eight_micro_steps_and_epochs_drop_five_prompts():
+    """docs/algorithms/grpo.md §10 example 9: g=3, S=4, G=4, b=6, μ=2, no shuffle, 17 prompts."""
     cfg = _config(
         gradient_accumulation_steps=3,
         steps_per_generation=4,
@@ -168,24 +204,35 @@ def test_example_9_buffer_serves_eight_micro_steps_and_epochs_drop_five_prompts(
         shuffle_dataset=False,
     )
     assert cfg.generation_batch_size == 24 and cfg.prompts_per_generation == 6
-    served, gens = _simulate(cfg, 17, 48)
-    assert [k for k, _ in gens] == [0, 8, 16, 24, 32, 40]  # one buffer per 8 micro-steps
-    # dataset order, 6 prompts × 4 each; 2 full chunks per epoch (prompts 12..16 dropped)
-    firsts = [list(np.unique(p)) for _, p in gens]
-    assert firsts == [list(range(6)), list(range(6, 12))] * 3
-    assert list(gens[0][1]) == [i for i in range(6) for _ in range(4)]
-    assert 48 // cfg.gradient_accumulation_steps == 16  # optimizer steps in 3 epochs
-    for k, (chunk,) in enumerate(served):  # pass 2 repeats pass 1 chunk for chunk, same order
-        assert len(chunk["row"]) == 6 and int(chunk["generation"]) == k // 8
-        if k % 8 >= 4:
-            np.testing.assert_array_equal(chunk["row"], served[k - 4][0]["row"])
-    rows = np.concatenate([served[k][0]["row"] for k in range(4)])
-    assert sorted(rows) == list(range(24))  # one pass = every row once
+    served, gens = _simulate(cfg, 17, 49)
+    # one buffer per 8 micro-steps; 3 epochs of 2 chunks end exactly at micro-step 48 (= 16
+    # optimizer steps of 3), where epoch 4 starts again from prompt 0
+    assert [k for k, _ in gens] == [0, 8, 16, 24, 32, 40, 48]
+    chunk_a = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5]
+    chunk_b = [6, 6, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11]
+    assert [p.tolist() for _, p in gens] == [chunk_a, chunk_b, chunk_a, chunk_b, chunk_a, chunk_b,
+                                             chunk_a]  # fmt: skip
+    # prompts 12..16 (the incomplete chunk) are never generated from
+    assert not set(np.concatenate([p for _, p in gens]).tolist()) & {12, 13, 14, 15, 16}
+    for n in range(6):
+        k0 = 8 * n
+        chunks = [served[k][0] for k in range(k0, k0 + 8)]
+        assert all(len(c["row"]) == 6 and int(c["generation"]) == n for c in chunks)
+        # pass 1 (micro-steps k0..k0+3) serves every one of the 24 rows once, the batch's prompts
+        rows = np.concatenate([c["row"] for c in chunks[:4]])
+        assert sorted(rows.tolist()) == list(range(24))
+        prompts = sorted(np.concatenate([c["prompt"] for c in chunks[:4]]).tolist())
+        assert prompts == (chunk_a if n % 2 == 0 else chunk_b)
+        # pass 2 (k0+4..k0+7) repeats pass 1 chunk for chunk, in the same order
+        for first, second in zip(chunks[:4], chunks[4:], strict=True):
+            np.testing.assert_array_equal(second["row"], first["row"])
+            np.testing.assert_array_equal(second["prompt"], first["prompt"])
 
 
 def test_timeline_p2_b3_g2_s4():
-    """Spec §4 timeline: chunks 0–3 of one buffer, updates after micro-steps 1 and 3, chunks 2–3
-    off-policy, micro-step 4 regenerates (example 1's shape with P = 2)."""
+    """docs/algorithms/grpo.md §4 timeline (P=2, b=3, G=2, g=2, S=4 → B_gen = 24, 12 prompts):
+    micro-steps 0–3 serve chunks 0–3 of one buffer, the optimizer steps after micro-steps 1 and
+    3, so chunks 2–3 are served after an update (off-policy); micro-step 4 regenerates."""
     cfg = _config(
         per_device_train_batch_size=3, world_size=2, gradient_accumulation_steps=2,
         steps_per_generation=4,
@@ -193,14 +240,26 @@ def test_timeline_p2_b3_g2_s4():
     assert cfg.generation_batch_size == 24 and cfg.prompts_per_generation == 12
     served, gens = _simulate(cfg, 100, 8)
     assert [k for k, _ in gens] == [0, 4]
-    g = cfg.gradient_accumulation_steps
+    orders = []
+    for n, (k0, prompts) in enumerate(gens):
+        per_rank = []
+        for p in range(2):
+            chunks = [served[k][p] for k in range(k0, k0 + 4)]
+            for c in chunks:
+                assert len(c["row"]) == 3 and int(c["generation"]) == n
+                np.testing.assert_array_equal(c["prompt"], prompts[c["row"]])  # rows stay whole
+            # the 4 chunks split rank p's 12 rows of the generation, each served once
+            rows = np.concatenate([c["row"] for c in chunks])
+            assert sorted(rows.tolist()) == list(range(12 * p, 12 * p + 12))
+            per_rank.append(rows - 12 * p)
+        np.testing.assert_array_equal(per_rank[0], per_rank[1])  # one permutation, every rank
+        orders.append(per_rank[0].tolist())
+    assert orders[0] != list(range(12)) and orders[0] != orders[1]  # drawn anew per buffer
+    updates = (1, 3, 5, 7)  # the optimizer steps after these micro-steps (g = 2)
     for k, chunks in enumerate(served):
-        for p, chunk in enumerate(chunks):
-            assert int(chunk["generation"]) == k // 4
-            assert all(p * 12 <= r < (p + 1) * 12 for r in chunk["row"])  # rank p's slice
-        window = k // g  # the optimizer step this micro-step belongs to
-        off_policy = window > (4 * (k // 4)) // g
-        assert off_policy == (k % 4 >= 2)
+        generated_at = gens[int(chunks[0]["generation"])][0]
+        off_policy = any(generated_at <= u < k for u in updates)
+        assert off_policy == (k in (2, 3, 6, 7))
     assert cfg.needs_old_logprobs  # example 1
 
 

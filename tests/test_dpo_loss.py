@@ -1,4 +1,5 @@
-"""DPO variants, sequence log-probs, packed pairs and step normalisation (dpo.md §3–5, §8)."""
+"""DPO variants, sequence log-probs, packed pairs and step normalisation
+(docs/algorithms/dpo.md §3–5, §8)."""
 
 import math
 

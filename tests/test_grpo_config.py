@@ -1,4 +1,5 @@
-"""GRPOConfig resolution and validation (grpo.md §1–2, §5; examples 1–8 and 12)."""
+"""GRPOConfig resolution and validation (docs/algorithms/grpo.md §1–2, §5; §10 examples 1–8
+and 12)."""
 
 import dataclasses
 import warnings
@@ -20,20 +21,23 @@ def cfg(**kw):
 
 
 def test_example_1_buffer_spans_two_optimizer_steps():
-    c = cfg(
-        per_device_train_batch_size=8,
-        world_size=1,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-    )
-    assert c.generation_batch_size == 32 and c.steps_per_generation == 4
-    micro_steps = c.steps_per_generation * c.num_iterations
-    assert micro_steps // c.gradient_accumulation_steps == 2
-    assert c.needs_old_logprobs  # 2 % 4 != 0
+    """b=8, P=1, g=2, S=4 (G=8 by default): B_gen = 8·1·4 = 32 rows = 4 prompts × 8, and old
+    log-probs are computed because 2 % (4·μ) ≠ 0 for μ = 1 and μ = 2."""
+    c = cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4)
+    assert (c.generation_batch_size, c.steps_per_generation) == (32, 4)
+    assert c.prompts_per_generation == 4
+    assert c.needs_old_logprobs is True
     c2 = c.replace(num_iterations=2)
-    assert c2.steps_per_generation * c2.num_iterations == 8
-    assert c2.steps_per_generation * c2.num_iterations // c2.gradient_accumulation_steps == 4
-    assert c2.needs_old_logprobs
+    assert (c2.generation_batch_size, c2.steps_per_generation, c2.num_iterations) == (32, 4, 2)
+    assert c2.needs_old_logprobs is True
+    # the same buffer given by its size resolves S = 32 / (8·1) = 4
+    by_size = cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                  generation_batch_size=32)  # fmt: skip
+    assert (by_size.steps_per_generation, by_size.needs_old_logprobs) == (4, True)
+    # without S the buffer is one optimizer window: S = g = 2, B_gen = 16, on-policy
+    plain = cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    assert (plain.steps_per_generation, plain.generation_batch_size) == (2, 16)
+    assert plain.needs_old_logprobs is False
 
 
 def test_example_2_defaults_from_accumulation():
@@ -95,7 +99,7 @@ def test_example_8_group_larger_than_micro_batch():
     assert c.generation_batch_size == 6 and c.steps_per_generation == 2
 
 
-# (g, S, μ) → computed?   grpo.md §5
+# (g, S, μ) → computed?   docs/algorithms/grpo.md §5
 OLD_LOGPROB_TABLE = [
     (2, 2, 1, False),
     (2, 4, 1, True),

@@ -1,4 +1,5 @@
-"""The normalisation table: loss type → mode → (numerator, denominator), against a float64 loop."""
+"""The normalisation table: loss type → mode → (numerator, denominator), against a float64 loop
+and docs/algorithms/grpo.md §8 (example 15 of §10)."""
 
 import subprocess
 import sys
@@ -10,8 +11,8 @@ import pytest
 
 from jaxrl.losses.loss_types import GRPO_LOSS_MODES, GRPO_LOSS_TYPES, TOKEN_SUMMING_LOSS_TYPES
 from jaxrl.losses.normalize import (
-    MODES,
     documents_present,
+    finalize,
     num_documents,
     pair_terms,
     token_terms,
@@ -45,17 +46,53 @@ def _loop(loss, mask, seg, mode):
     return num, den[mode]
 
 
-def test_every_grpo_loss_type_names_a_per_token_mode():
-    assert tuple(GRPO_LOSS_MODES) == GRPO_LOSS_TYPES
-    assert GRPO_LOSS_MODES == {
-        "grpo": "sequence",
-        "bnpo": "token",
-        "dr_grpo": "constant",
-        "dapo": "token",
-        "seq_mean_token_sum": "document",
-    }
-    assert set(GRPO_LOSS_MODES.values()) <= set(TOKEN_MODES) < set(MODES)
-    assert {GRPO_LOSS_MODES[t] for t in TOKEN_SUMMING_LOSS_TYPES} == {"token", "constant"}
+# docs/algorithms/grpo.md §10 example 15 (ℓ_t = −A, max_completion_length 4): document 1 has 2
+# loss tokens and A = +1, document 2 has 4 and A = −1, so Σ mℓ = −2 + 4 = 2 over 6 tokens and 2
+# documents; a third document with no loss token adds nothing but counts as a sequence.
+# loss_type → (numerator, denominator) by hand, without and with the fully masked document.
+EXAMPLE_15 = {
+    "grpo": ((-1.0 + 1.0, 2.0), (0.0, 3.0)),  # Σ_d per-document token means / N_seq
+    "bnpo": ((2.0, 6.0), (2.0, 6.0)),  # Σ mℓ / Σ m
+    "dapo": ((2.0, 6.0), (2.0, 6.0)),  # Σ mℓ / Σ m
+    "dr_grpo": ((2.0, 2.0 * 4), (2.0, 3.0 * 4)),  # Σ mℓ / (N_seq · max_completion_length)
+    "seq_mean_token_sum": ((2.0, 2.0), (2.0, 3.0)),  # Σ mℓ / N_seq
+}
+
+
+@pytest.mark.parametrize("masked_document", [False, True])
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+def test_every_grpo_loss_type_normalises_example_15(loss_type, masked_document):
+    """Each loss type's mode gives the documented numerator and divisor: one row, documents of 3
+    and 5 tokens (prompt token first, loss on the rest), then optionally a 3-token document with
+    no loss token, then padding."""
+    seg = [1, 1, 1, 2, 2, 2, 2, 2] + ([3, 3, 3] if masked_document else []) + [0, 0]
+    mask = [0, 1, 1, 0, 1, 1, 1, 1] + ([0, 0, 0] if masked_document else []) + [0, 0]
+    adv = {1: 1.0, 2: -1.0, 3: 5.0, 0: 7.0}  # masked and padding values must not count
+    loss = np.array([[-adv[d] for d in seg]], np.float32)
+    num, den = token_terms(
+        loss,
+        np.array([mask], np.float32),
+        np.array([seg], np.int32),
+        mode=GRPO_LOSS_MODES[loss_type],
+        num_segments=4,
+        max_len=4,
+    )
+    assert (float(num), float(den)) == EXAMPLE_15[loss_type][masked_document]
+    # the example's step values: grpo 0, bnpo = dapo 1/3, dr_grpo 0.25 (seq_mean_token_sum 1)
+    want = {"grpo": 0.0, "bnpo": 1 / 3, "dapo": 1 / 3, "dr_grpo": 0.25, "seq_mean_token_sum": 1.0}
+    if not masked_document:
+        assert float(finalize(num, den)) == pytest.approx(want[loss_type], rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", TOKEN_SUMMING_LOSS_TYPES)
+def test_token_summing_loss_types_sum_tokens(loss_type):
+    """The types the config warns about with sequence-level ratios: the numerator is the plain
+    token sum, so a 4-token document weighs twice a 2-token one (grpo's would give 1 + 1)."""
+    seg = np.array([[1, 1, 2, 2, 2, 2]], np.int32)
+    ones = np.ones((1, 6), np.float32)
+    mode = GRPO_LOSS_MODES[loss_type]
+    num, _ = token_terms(ones, ones, seg, mode=mode, num_segments=3, max_len=8)
+    assert float(num) == 6.0
 
 
 @pytest.mark.parametrize("mode", TOKEN_MODES)

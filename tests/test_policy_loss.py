@@ -1,6 +1,8 @@
 """GRPO-family policy loss on packed micro-batches: GRPO, GSPO, DAPO, Dr.GRPO, Fast-LLM GSPO.
 
-Every numeric check compares against an independent float64 loop over documents.
+Every numeric check compares against an independent float64 loop over documents. "Example N"
+is the worked example N of docs/algorithms/grpo.md §10; the Fast-LLM cases are those of
+docs/algorithms/accumulation.md.
 """
 
 import functools
@@ -318,7 +320,8 @@ def _layout_terms(theta, layout, flat, S, T, **kw):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_layout_invariance_value_gradient_and_metrics(loss_type, level):
     """Same documents as one micro-batch of 2 rows, or 3 micro-batches in another order:
-    Σ numerators / Σ denominators and its gradient are identical (grpo.md §8, fastllm.md 1.5)."""
+    Σ numerators / Σ denominators and its gradient are identical (docs/algorithms/grpo.md §8,
+    docs/algorithms/accumulation.md §1.5)."""
     rng = np.random.default_rng(7)
     lengths = [9, 14, 5, 11, 3]
     mask = [(np.arange(n) >= 2) & (np.arange(n) < n - 1) for n in lengths]
@@ -399,31 +402,58 @@ def test_example_16_dapo_window_normaliser():
 # ----------------------------------------------------------------- examples 17, 18, 21
 
 
+def _k3_float64(ref, lp):
+    """k3 in float64 numpy: ``exp(ref − lp) − (ref − lp) − 1``."""
+    d = np.asarray(ref, np.float64) - np.asarray(lp, np.float64)
+    return np.exp(d) - d - 1.0
+
+
 def test_example_17_gspo_ratio_and_clip_metrics():
     lp = jnp.array([[0.1, 0.3]])
     old = jnp.zeros((1, 2))
     seg = jnp.array([[1, 1]])
     adv = jnp.array([[0.0, 1.0]])
     m = jnp.ones((1, 2))
-    t = policy_loss_terms(
-        lp, old, None, adv, m, seg, loss_type="grpo", importance_sampling_level="sequence"
-    )
-    assert math.exp(0.2) == pytest.approx(1.22140, abs=1e-5)
-    np.testing.assert_allclose(float(t.numerator), -1.2, rtol=1e-6)  # uses 1 + ε = 1.2
+    gspo = functools.partial(policy_loss_terms, lp, old, None, adv, m, seg, loss_type="grpo")
+    # The sequence ratio itself: with ε_high wide enough nothing clips, ℓ = −ρ on both tokens.
+    rho = np.exp(np.mean([0.1, 0.3], dtype=np.float64))
+    wide = gspo(importance_sampling_level="sequence", epsilon_high=0.5)
+    np.testing.assert_allclose(-float(wide.numerator), rho, rtol=1e-6)
+    assert -float(wide.numerator) == pytest.approx(1.22140, abs=1e-5)  # the example's number
+    assert float(wide.metrics["clip_ratio/high_mean"][0]) == 0.0
+    # ε = 0.2: ρ = 1.2214 > 1.2 with A > 0, so the objective uses 1.2 and the sequence counts.
+    t = gspo(importance_sampling_level="sequence")
+    np.testing.assert_allclose(float(t.numerator), -1.2, rtol=1e-6)
     assert [float(x) for x in t.metrics["clip_ratio/high_mean"]] == [1.0, 1.0]
     assert float(t.metrics["clip_ratio/low_mean"][0]) == 0.0
-    tok = policy_loss_terms(lp, old, None, adv, m, seg, loss_type="grpo")
+    tok = gspo(importance_sampling_level="token")
     s, c = (float(x) for x in tok.metrics["clip_ratio/high_mean"])
-    assert s / c == 0.5
-    np.testing.assert_allclose(float(tok.numerator), -(math.exp(0.1) + 1.2) / 2, rtol=1e-6)
+    assert s / c == 0.5  # exp(0.3) = 1.35 clips, exp(0.1) = 1.105 does not
+    want = np.mean([-np.exp(np.float64(0.1)), -1.2])  # grpo: token mean of the document
+    np.testing.assert_allclose(float(tok.numerator), want, rtol=1e-6)
 
 
 def test_example_18_k3():
-    np.testing.assert_allclose(
-        float(k3_kl(jnp.float32(0.5), jnp.float32(0.0))), math.exp(0.5) - 1.5, rtol=1e-6
-    )
-    assert math.exp(0.5) - 1.5 == pytest.approx(0.14872, abs=1e-5)
+    assert float(k3_kl(jnp.float32(0.5), jnp.float32(0.0))) == pytest.approx(0.14872, abs=1e-5)
     assert float(k3_kl(jnp.float32(-1.3), jnp.float32(-1.3))) == 0.0
+    rng = np.random.default_rng(18)
+    lp = -np.abs(rng.normal(size=(4, 9))).astype(np.float32) - 0.1
+    ref = (lp + rng.uniform(-2.0, 2.0, size=lp.shape)).astype(np.float32)
+    np.testing.assert_allclose(
+        np.asarray(k3_kl(jnp.asarray(ref), jnp.asarray(lp))),
+        _k3_float64(ref, lp),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # masked positions: 0, and non-finite values there reach no gradient
+    mask = rng.uniform(size=lp.shape) < 0.5
+    poisoned = np.where(mask, ref, np.inf).astype(np.float32)
+    got = np.asarray(k3_kl(jnp.asarray(poisoned), jnp.asarray(lp), jnp.asarray(mask)))
+    np.testing.assert_allclose(got, np.where(mask, _k3_float64(ref, lp), 0.0), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(k3_kl(jnp.asarray(poisoned), x, jnp.asarray(mask))))
+    g = np.asarray(grad(jnp.asarray(lp)))
+    np.testing.assert_allclose(g, np.where(mask, 1.0 - np.exp(ref - lp.astype(np.float64)), 0.0),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
     # Through the loss: on-policy, A = 0, so ℓ = β·k3 and the kl metric is its token mean.
     lp = jnp.array([[-1.0, -2.0, -0.5]])
     ref = lp + jnp.array([[0.5, 0.0, -0.2]])
@@ -437,9 +467,9 @@ def test_example_18_k3():
         loss_type="dapo",
         beta=0.1,
     )
-    k = [math.exp(x) - x - 1 for x in (0.5, 0.0, -0.2)]
-    np.testing.assert_allclose(float(t.numerator), 0.1 * sum(k), rtol=1e-5)
-    np.testing.assert_allclose([float(x) for x in t.metrics["kl"]], [sum(k), 3.0], rtol=1e-5)
+    k = _k3_float64(ref, lp).sum()
+    np.testing.assert_allclose(float(t.numerator), 0.1 * k, rtol=1e-5)
+    np.testing.assert_allclose([float(x) for x in t.metrics["kl"]], [k, 3.0], rtol=1e-5)
 
 
 def test_example_21_clip_signs():
@@ -608,7 +638,7 @@ def test_delta_cap_gradient(rho, adv, expected):
     assert float(f(jnp.float32(rho))) == pytest.approx(want, rel=1e-6)
 
 
-# ----------------------------------------------------------------- fastllm.md §3 GSPO reference
+# ------------------------------------------- docs/algorithms/accumulation.md §3 GSPO reference
 
 
 def test_gspo_uneven_documents_forward_and_backward():
@@ -644,7 +674,8 @@ def test_gspo_uneven_documents_forward_and_backward():
     (value, t), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(z))
     assert float(t.denominator) == 4.0
 
-    # Loop reference (fastllm.md §3): skip documents with no loss tokens, add −min(...)·N_d, ÷D.
+    # Loop reference (docs/algorithms/accumulation.md §3): skip documents with no loss tokens,
+    # add −min(...)·N_d, ÷D.
     total, g_ref = 0.0, np.zeros_like(z, np.float64)
     z64 = z.astype(np.float64)
     soft = np.exp(z64) / np.exp(z64).sum(-1, keepdims=True)
@@ -698,7 +729,7 @@ def test_gspo_gradient_matches_autodiff_of_jax_loop_reference():
     np.testing.assert_allclose(jax.grad(ours)(lp), jax.grad(loop)(lp), rtol=1e-5, atol=1e-7)
 
 
-# ----------------------------------------------------------------- fastllm.md §6.4 divisors
+# ---------------------------------------- docs/algorithms/accumulation.md §6 case 4: divisors
 
 
 def test_divisor_linearity():
@@ -741,7 +772,7 @@ def test_divisor_linearity():
     np.testing.assert_allclose(ratio, 12 / 3, rtol=1e-4)
 
 
-# ----------------------------------------------------------------- fastllm.md §4 padding
+# ------------------------------------------------ docs/algorithms/accumulation.md §4 padding
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -1,4 +1,4 @@
-"""Reference log-prob cache (dpo.md §6, case 31) and the step-0 sanity check."""
+"""Reference log-prob cache (docs/algorithms/dpo.md §6, §8 case 31) and the step-0 sanity check."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.forward import micro_batch_logprobs
-from jaxrl.train.score import ROW_FIELDS, Scorer
+from jaxrl.train.score import ROW_FIELDS, DocumentScores, Scorer
 
 CHUNK = 8  # head chunk: rows of 32 tokens take 4 chunks
 
@@ -120,6 +120,18 @@ def test_documents_aggregate_the_scored_tokens(case):
         )
         assert total.scored[doc] == here.any()
         assert total.correct[doc] == (here.any() and scores.correct[r, k][here].all())
-    want = total.correct[total.scored].mean()
-    assert total.exact_match() == pytest.approx(want)
-    assert total.exact_match([0, 1]) == total.correct[[0, 1]][total.scored[[0, 1]]].mean()
+
+
+def test_exact_match_counts_correct_among_scored_documents():
+    """Hand-made scores: documents 0 and 2 right, 1 and 4 wrong, 3 unscored (no loss token)."""
+    scores = DocumentScores(
+        logps=np.array([-1.0, -2.0, -0.5, np.nan, -3.0], np.float32),
+        correct=np.array([True, False, True, False, False]),
+        scored=np.array([True, True, True, False, True]),
+    )
+    assert scores.exact_match() == 0.5  # 2 of 4 scored
+    assert scores.exact_match([0, 1]) == 0.5
+    assert scores.exact_match([0, 2, 3]) == 1.0  # the unscored document does not count
+    assert scores.exact_match(np.array([1, 4])) == 0.0
+    assert scores.exact_match([3]) == 0.0  # nothing scored: 0, not NaN
+    assert scores.exact_match([2, 2, 1]) == pytest.approx(2 / 3)  # ids as given, repeats too

@@ -80,7 +80,7 @@ def _group_stats(x_B: np.ndarray, num_generations: int) -> tuple[np.ndarray, np.
 
 
 def _reward_sigma(rewards_B: np.ndarray, num_generations: int, scale_rewards: str) -> np.ndarray:
-    """σ per row: group std for group/none, batch std for batch (§6)."""
+    """σ per row: group std for group/none, batch std for batch (docs/algorithms/grpo.md §6)."""
     _, std_grp_B = _group_stats(rewards_B, num_generations)
     if scale_rewards == "batch":
         return np.full_like(rewards_B, nanstd(rewards_B))
@@ -238,7 +238,8 @@ def reward_metrics(
     mode: str = "sum_then_normalize",
     reward_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
-    """Generation-side metrics of §9 over one or several generation batches (rows pooled).
+    """Generation-side metrics of docs/algorithms/grpo.md §9 over one or several generation batches
+    (rows pooled).
 
     ``reward`` / ``reward_std``: nanmean / nan-aware Bessel std of the weighted reward sum over
     all rows (unscorable rows excluded), whatever ``mode``. ``frac_reward_zero_std``: fraction of

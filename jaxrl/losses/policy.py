@@ -50,9 +50,15 @@ def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_BS, segment_ids_BT, axis=1)
 
 
-def k3_kl(ref_logp: jax.Array, logp: jax.Array) -> jax.Array:
-    """Schulman's k3 estimator of KL(π‖π_ref): ``exp(ref − lp) − (ref − lp) − 1`` (≥ 0)."""
+def k3_kl(ref_logp: jax.Array, logp: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Schulman's k3 estimator of KL(π‖π_ref): ``exp(ref − lp) − (ref − lp) − 1`` (≥ 0).
+
+    Where ``mask`` is False the difference is set to 0 before the exponential, so the value
+    there is 0 and whatever ``ref``/``lp`` hold (even inf/NaN) reaches no gradient.
+    """
     d = ref_logp - logp
+    if mask is not None:
+        d = jnp.where(mask, d, 0.0)
     return jnp.exp(d) - d - 1.0
 
 
@@ -214,8 +220,7 @@ def policy_loss_terms(
         keep_BT = entropy_mask(entropy_BT, m_BT, entropy_threshold)
         loss_BT = loss_BT * keep_BT.astype(jnp.float32)
     if beta != 0.0:
-        diff_BT = jnp.where(m_BT, jax.lax.stop_gradient(ref_logp_BT) - logp_BT, 0.0)
-        kl_BT = jnp.exp(diff_BT) - diff_BT - 1.0
+        kl_BT = k3_kl(jax.lax.stop_gradient(ref_logp_BT), logp_BT, m_BT)
         loss_BT = loss_BT + beta * kl_BT
         metrics["kl"] = (jnp.sum(segsum(kl_BT * mf_BT)[:, 1:]), jnp.sum(ntok_BS[:, 1:]))
     if entropy_BT is not None:

@@ -2,7 +2,8 @@
 
 Notation: P ranks, b completions per rank per micro-step, G completions per prompt, S micro-steps
 per generation buffer, μ passes over each buffer, g micro-steps per optimizer step,
-``B_gen = b·P·S`` completions per generation.
+``B_gen = b·P·S`` completions per generation. Section numbers (§) are those of
+docs/algorithms/grpo.md.
 
 Prompt order (TRL's ``RepeatSampler``, §3). Every epoch takes a seeded permutation of the prompt
 indices (the identity without shuffling), cuts it into chunks of ``B_gen/G`` prompts and drops an

@@ -53,9 +53,10 @@ class RolloutGenerator:
         ref_params: Any = None,
         mesh: Mesh | None = None,
     ):
-        """``old_logprobs``: score every batch under the generating parameters (§5);
-        ``ref_params``: the frozen reference parameters when β > 0; ``mesh``: the device mesh
-        the sampler and the scorer split their rows over (None: where the parameters are)."""
+        """``old_logprobs``: score every batch under the generating parameters
+        (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
+        β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
+        where the parameters are)."""
         self.config = config
         self.tokenizer = tokenizer
         self.reward_funcs = resolve_reward_funcs(

@@ -171,8 +171,9 @@ class GRPOTrainer:
     # -- generation ---------------------------------------------------------------------------
     @property
     def computes_old_logprobs(self) -> bool:
-        """Old log-probs when a buffered row may be trained on after an update (§5), or always
-        under docs_per_step (leftover documents wait for the next step)."""
+        """Old log-probs when a buffered row may be trained on after an update
+        (docs/algorithms/grpo.md §5), or always under docs_per_step (leftover documents wait for
+        the next step)."""
         return self.config.needs_old_logprobs or self.cfg.schedule.docs_per_step > 0
 
     def generate(self) -> dict[str, Any]:
