@@ -106,7 +106,7 @@ def stage_jaxrl(job: dict[str, Any]) -> dict[str, Any]:
 
     prompt_log: list[list[str]] = []
     funcs = resolve_reward_funcs(DEFAULT_REWARD_FUNCS)  # jaxrl's defaults, as `jaxrl train`
-    funcs[0] = recording(funcs[0], prompt_log, cfg.grpo_config.num_generations)
+    funcs[0] = recording(funcs[0], prompt_log, cfg.grpo.num_generations)
     trainer = GRPOTrainer(cfg, reward_funcs=funcs)
     steps: list[dict[str, float]] = []
     step = trainer.step

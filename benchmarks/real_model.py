@@ -482,12 +482,13 @@ def worker_train(job: dict[str, Any]) -> dict[str, Any]:
 def grpo_settings(sets: list[str]) -> dict[str, Any]:
     """The GRPO run's resolved settings, as ``GRPOTrainer`` resolves them from the config and
     the overrides: GRPOConfig fields, the GRPO-stage optimizer, its learning rate per step."""
-    from jaxrl.config import GRPOConfig, load_run_config, to_dict
+    from jaxrl.config import load_run_config, to_dict
     from jaxrl.train.optimizer import learning_rate_schedule
     from jaxrl.trainers.grpo import _resolve_run_config
+    from jaxrl.trainers.session import with_device_ranks
 
-    cfg = load_run_config(ROOT / CONFIGS["grpo"], sets)
-    config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.batch_ranks())
+    cfg = with_device_ranks(load_run_config(ROOT / CONFIGS["grpo"], sets))
+    config = cfg.grpo
     cfg = _resolve_run_config(cfg, config)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.max_steps)
     grpo = dataclass_dict(config) | {"reward_funcs": to_dict(cfg)["grpo"]["reward_funcs"]}

@@ -74,7 +74,7 @@ def same_global_batch(config: str, ranks: int = 8) -> list[str]:
     from jaxrl.config import load_run_config  # config only: jax is not imported
 
     cfg = load_run_config(config)
-    section = {"grpo": cfg.grpo_config, "dpo": cfg.dpo_config}.get(cfg.algorithm)
+    section = {"grpo": cfg.grpo, "dpo": cfg.dpo}.get(cfg.algorithm)
     if section is None:
         return []
     per_rank, rest = divmod(section.per_device_train_batch_size, ranks)

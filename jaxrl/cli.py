@@ -19,37 +19,26 @@ from typing import Any
 def _load_config(
     args: argparse.Namespace, *, distributed: bool = True, devices: int | None = None
 ) -> Any:
-    """The ``RunConfig`` of ``args.config`` with ``--set`` overrides, after asking XLA for the
-    CPU host devices the ``mesh`` section needs (before jax initialises; no effect on
-    accelerators). ``distributed``: start the multi-process job the ``distributed`` section
-    describes (``train``); without it this one process stands in for every device of the mesh
-    (``memory``), ``devices`` of them when given (a ``-1`` axis takes the rest). Raises
-    ``ConfigError``."""
-    from jaxrl.config import (
-        DistributedConfig,
-        MeshConfig,
-        RunConfig,
-        anchor_reward_paths,
-        apply_overrides,
-        from_dict,
-        load_yaml,
-    )
+    """The ``RunConfig`` of ``args.config`` with ``--set`` overrides (``load_run_config``),
+    after asking XLA for the CPU host devices the ``mesh`` section needs (before jax
+    initialises; no effect on accelerators). ``distributed``: start the multi-process job the
+    ``distributed`` section describes (``train``); without it this one process stands in for
+    every device of the mesh (``memory``), ``devices`` of them when given (a ``-1`` axis takes
+    the rest). Raises ``ConfigError``."""
+    from jaxrl.config import DistributedConfig, load_run_config
     from jaxrl.runtime import launch
 
-    raw = anchor_reward_paths(load_yaml(args.config), os.path.dirname(args.config) or ".")
-    raw = apply_overrides(raw, args.set)
-    mesh = from_dict(MeshConfig, raw.get("mesh") or {}, where="mesh")
-    dist = DistributedConfig()
-    if distributed:
-        dist = from_dict(DistributedConfig, raw.get("distributed") or {}, where="distributed")
-    if "jax" not in sys.modules:  # before jax initialises: CPU device count, processes
-        count = devices or launch.host_device_count(mesh, dist)
-        sizes = f"mesh.data={mesh.data} x mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor}"
-        what = f"--devices={devices}" if devices else sizes
-        launch.check_host_devices(count, what)
-        launch.ensure_host_devices(count)
-    launch.initialize(dist)
-    return from_dict(RunConfig, raw)
+    def start(mesh: Any, dist: Any) -> None:
+        dist = dist if distributed else DistributedConfig()
+        if "jax" not in sys.modules:  # before jax initialises: CPU device count, processes
+            count = devices or launch.host_device_count(mesh, dist)
+            sizes = f"mesh.data={mesh.data} x mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor}"
+            what = f"--devices={devices}" if devices else sizes
+            launch.check_host_devices(count, what)
+            launch.ensure_host_devices(count)
+        launch.initialize(dist)
+
+    return load_run_config(args.config, args.set, before_build=start)
 
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
@@ -90,6 +79,10 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(_interrupted(cfg.output_dir), file=sys.stderr)
         return 130
+    except ConfigError as e:  # what a run checks at start (the mesh, the reward functions)
+        if _debug(args):
+            raise
+        return _fail(e, 2)
     except Exception as e:
         if _debug(args):
             raise

@@ -186,8 +186,9 @@ def test_a_reward_function_that_hangs_stops_at_its_deadline():
 
 def test_reward_timeout_is_a_config_field_with_a_sane_default():
     cfg = load_run_config("configs/grpo_tiny.yaml")
-    assert cfg.grpo_config.reward_timeout == 300.0
-    assert load_run_config("configs/grpo_tiny.yaml", ["grpo.reward_timeout=null"]).grpo_config
+    assert cfg.grpo.reward_timeout == 300.0
+    off = load_run_config("configs/grpo_tiny.yaml", ["grpo.reward_timeout=null"])
+    assert off.grpo.reward_timeout is None
     for bad in ("0", "-1"):
         with pytest.raises(ConfigError, match=f"reward_timeout={float(bad)!r} is invalid"):
             load_run_config("configs/grpo_tiny.yaml", [f"grpo.reward_timeout={bad}"])

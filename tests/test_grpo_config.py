@@ -80,18 +80,16 @@ def test_example_6_group_size_and_auto_find_batch_size():
         cfg(auto_find_batch_size=True)
 
 
-def test_example_7_eval_batch_holds_whole_groups():
-    kw = dict(
-        do_eval=True,
-        eval_strategy="steps",
-        per_device_eval_batch_size=3,
-        world_size=1,
-        num_generations=2,
-    )
-    with pytest.raises(ConfigError, match=r"per_device_eval_batch_size=3.*group size 2"):
-        cfg(**kw)
-    assert cfg(**kw, num_generations_eval=3).num_generations_eval == 3
-    assert cfg(**{**kw, "eval_strategy": "no"}).do_eval  # eval off: not checked
+def test_example_7_trl_eval_batch_fields_are_removed():
+    """TRL's eval batch (example 7) has no counterpart: jaxrl evaluates every
+    logging.eval_every steps with logging.eval_samples samples per held-out prompt."""
+    for field, value in [("do_eval", True), ("eval_strategy", "steps"),
+                         ("per_device_eval_batch_size", 3)]:  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"^{field}={value!r} is invalid: removed: .*"
+                           "logging.eval_every"):  # fmt: skip
+            cfg(**{field: value})
+    with pytest.raises(ConfigError, match=r"num_generations_eval=3 .*logging.eval_samples"):
+        cfg(num_generations_eval=3)
 
 
 def test_example_8_group_larger_than_micro_batch():
@@ -161,7 +159,6 @@ def test_validation_order_follows_spec():
         ("importance_sampling_level", "seq"),
         ("scale_rewards", "std"),
         ("multi_objective_aggregation", "mean"),
-        ("eval_strategy", "always"),
     ],
 )
 def test_unknown_enumerations_name_supported_values(field, value):
@@ -184,7 +181,6 @@ def test_unknown_enumerations_name_supported_values(field, value):
         ("top_entropy_quantile", 0.0),
         ("top_entropy_quantile", 1.5),
         ("delta", 1.0),
-        ("docs_per_step", -1),
         ("generation_batch_size", 0),
         ("steps_per_generation", 0),
     ],
@@ -195,7 +191,7 @@ def test_ranges(field, value):
 
 
 def test_valid_range_edges_accepted():
-    c = cfg(top_entropy_quantile=1.0, delta=1.5, epsilon=0.0, beta=0.0, docs_per_step=0)
+    c = cfg(top_entropy_quantile=1.0, delta=1.5, epsilon=0.0, beta=0.0)
     assert c.delta == 1.5
     assert cfg(top_entropy_quantile=0.2).top_entropy_quantile == 0.2
 
@@ -227,7 +223,6 @@ def test_defaults_are_trl_defaults():
     assert (c.loss_type, c.importance_sampling_level, c.scale_rewards) == ("dapo", "token", "group")
     assert (c.epsilon, c.epsilon_high, c.delta, c.beta) == (0.2, None, None, 0.0)
     assert (c.max_completion_length, c.temperature, c.top_entropy_quantile) == (512, 1.0, 1.0)
-    assert (c.docs_per_step, c.fp32_lm_head) == (0, False)
     assert (c.generation_batch_size, c.steps_per_generation) == (8, 1)
 
 
@@ -283,6 +278,24 @@ def test_grpo_stage_schedule_fields_are_validated_and_reach_the_optimizer():
     from jaxrl.trainers.grpo import _resolve_run_config
 
     cfg = load_run_config("configs/grpo_tiny.yaml", ["grpo.lr_scheduler_type=linear"])
-    opt = _resolve_run_config(cfg, cfg.grpo_config).optimizer
+    opt = _resolve_run_config(cfg, cfg.grpo).optimizer
     assert (opt.learning_rate, opt.warmup_steps, opt.decay) == (3e-4, 10, "linear")
     assert cfg.optimizer.decay == "cosine" and cfg.optimizer.warmup_steps == 50  # SFT keeps its own
+
+
+def test_an_unknown_world_size_defers_what_needs_it():
+    """world_size=None (a run's section before its mesh is known): S = g and every check that
+    needs no P hold at construction; B_gen and the checks on it wait for for_world_size(P)."""
+    c = cfg(world_size=None, per_device_train_batch_size=1, num_generations=8)
+    assert (c.generation_batch_size, c.steps_per_generation) == (None, 1)
+    resolved = c.for_world_size(8)
+    assert (resolved.world_size, resolved.generation_batch_size) == (8, 8)
+    assert resolved.for_world_size(8) is resolved
+    with pytest.raises(ConfigError, match=r"generation_batch_size=2 .*num_generations=8"):
+        c.for_world_size(2)
+    given = cfg(world_size=None, generation_batch_size=40, per_device_train_batch_size=8)
+    assert given.steps_per_generation is None
+    with pytest.raises(ConfigError, match=r"generation_batch_size=40.*global batch size.*16"):
+        given.for_world_size(2)
+    with pytest.raises(ConfigError, match="both configured"):  # needs no P: fails at once
+        cfg(world_size=None, generation_batch_size=8, steps_per_generation=1)

@@ -1,5 +1,6 @@
-"""``grpo.reward_funcs`` from YAML (built-ins, parameters, modules, files) checked at config
-time, and reward functions called exactly as TRL's GRPOTrainer calls them."""
+"""``grpo.reward_funcs`` from YAML (built-ins, parameters, modules, files): their shape checked
+when the config is built, the functions loaded once by the trainer (``load_reward_funcs``), and
+called exactly as TRL's GRPOTrainer calls them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config
+from jaxrl.config.grpo import BUILTIN_REWARD_NAMES
 from jaxrl.losses.advantages import compute_advantages
-from jaxrl.rollout.builtin_rewards import ExactAnswer, FormatReward, LengthPenalty
+from jaxrl.rollout.builtin_rewards import (
+    BUILTIN_REWARDS,
+    ExactAnswer,
+    FormatReward,
+    LengthPenalty,
+    format_reward,
+)
 from jaxrl.rollout.rewards import (
     RewardFunctionError,
     TrainerState,
@@ -20,6 +28,7 @@ from jaxrl.rollout.rewards import (
     reward_names,
     score_completions,
 )
+from jaxrl.trainers.grpo import load_reward_funcs
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_MODULE = """
@@ -61,8 +70,7 @@ def test_yaml_names_built_ins_parameters_modules_and_files(tmp_path, user_module
         f"'{user_module}:by_length', '{user_module}.by_length', 'extra.py:by_length']",
         "  max_completion_length: 6\n  reward_weights: [1, 1, 0.5, 1, 1, 1]\n",
     )
-    cfg = load_run_config(path).grpo_config
-    funcs = cfg.resolved_reward_funcs
+    funcs = load_reward_funcs(load_run_config(path).grpo)
     assert reward_names(funcs) == [
         "exact_answer", "format", "length_penalty", "by_length", "by_length_2", "by_length_3"
     ]  # fmt: skip
@@ -77,25 +85,29 @@ def test_shipped_gsm8k_config_takes_a_shorter_completion_length():
     """The GSM8K recipe's length window is a fraction: --set max_completion_length alone works,
     and a fixed window longer than the completion is an error that names the fraction."""
     path = ROOT / "configs" / "grpo_gsm8k_qwen.yaml"
-    funcs = load_run_config(path).grpo_config.resolved_reward_funcs
+    funcs = load_reward_funcs(load_run_config(path).grpo)
     assert funcs[0] == ExactAnswer(fallback="last_number")
     assert funcs[2] == LengthPenalty(max_completion_len=512, soft_punish_cache=0.25)
     assert funcs[2].cache_tokens == 128
-    short = load_run_config(path, ["grpo.max_completion_length=64"]).grpo_config
-    assert short.resolved_reward_funcs[2].cache_tokens == 16
-    assert short.resolved_reward_funcs[2].max_completion_len == 64
+    short = load_reward_funcs(load_run_config(path, ["grpo.max_completion_length=64"]).grpo)
+    assert short[2].cache_tokens == 16
+    assert short[2].max_completion_len == 64
     fixed = ["grpo.max_completion_length=64", "grpo.reward_funcs=[{name: length_penalty, "
              "soft_punish_cache: 128}]", "grpo.reward_weights=null"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"reward_funcs\[0\].*soft_punish_cache=128 .*fraction"):
-        load_run_config(path, fixed)
+        load_reward_funcs(load_run_config(path, fixed).grpo)
 
 
 def test_python_callables_and_the_trainer_default():
     def mine(prompts, completions, **kwargs):
         return [1.0] * len(completions)
 
-    assert GRPOConfig(reward_funcs=(mine, "format")).resolved_reward_funcs[0] is mine
-    assert GRPOConfig().resolved_reward_funcs is None  # the trainer's default applies
+    config = GRPOConfig(reward_funcs=(mine, "format"))
+    assert config.reward_funcs[0] is mine  # kept as given
+    assert load_reward_funcs(config)[0] is mine
+    assert load_reward_funcs(config, [format_reward]) == [format_reward]  # the trainer's argument
+    assert GRPOConfig().reward_funcs is None  # the trainer's default applies
+    assert reward_names(load_reward_funcs(GRPOConfig())) == ["exact_answer", "format"]
 
 
 @pytest.mark.parametrize(
@@ -125,7 +137,39 @@ def test_bad_entries_are_config_errors_naming_field_value_and_problem(
 ):
     (tmp_path / "broken.py").write_text("1 / 0\n")
     with pytest.raises(ConfigError, match=match):
-        load_run_config(_yaml(tmp_path, funcs.replace("{mod}", user_module)))
+        load_reward_funcs(
+            load_run_config(_yaml(tmp_path, funcs.replace("{mod}", user_module))).grpo
+        )
+
+
+@pytest.mark.parametrize(
+    ("funcs", "match"),
+    [
+        ("[exact]", r"^grpo.reward_funcs\[0\]='exact' is invalid: not a built-in reward"),
+        ("[{name: fromat}]", r"^grpo.reward_funcs\[0\]=.*give 'name' as one of .*'format'"),
+        ("[3]", r"^grpo.reward_funcs\[0\]=3 is invalid: use a built-in name"),
+        ("exact_answer", r"^grpo.reward_funcs='exact_answer' is invalid: expected a list"),
+        ("[]", r"^grpo.reward_funcs=\[\] is invalid: GRPO needs at least one"),
+    ],
+)
+def test_the_config_checks_the_shape_of_entries(tmp_path, funcs, match):
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(_yaml(tmp_path, funcs))
+
+
+def test_building_the_config_runs_no_user_code(tmp_path, user_module):
+    """Modules and files are named, not imported: the trainer loads them."""
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    cfg = load_run_config(_yaml(tmp_path, f"['{user_module}:nope', broken.py:f, missing.py:f]"))
+    assert user_module not in sys.modules
+    assert cfg.grpo.reward_funcs[0] == f"{user_module}:nope"
+    assert cfg.grpo.reward_funcs[1] == f"{tmp_path}/broken.py:f"  # relative to the YAML
+    with pytest.raises(ConfigError, match=r"\[0\]=.* module 'myrewards.shaping' has no function"):
+        load_reward_funcs(cfg.grpo)
+
+
+def test_the_config_knows_the_built_in_names():
+    assert tuple(BUILTIN_REWARDS) == BUILTIN_REWARD_NAMES
 
 
 def test_weights_must_match_the_functions():
@@ -140,7 +184,7 @@ def test_command_line_paths_are_relative_to_the_current_directory(tmp_path, monk
     path = _yaml(tmp_path, "[format]", name="conf.yaml")
     monkeypatch.chdir(tmp_path)
     cfg = load_run_config(path, ["grpo.reward_funcs=[here.py:by_length]"])
-    assert cfg.grpo_config.resolved_reward_funcs[0](completions=["ab"]) == [2.0]
+    assert load_reward_funcs(cfg.grpo)[0](completions=["ab"]) == [2.0]
 
 
 def test_functions_are_called_like_trl():

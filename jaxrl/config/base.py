@@ -2,17 +2,21 @@
 
 Every config is a frozen, kw_only dataclass with its validation in ``__post_init__``. Errors are
 ``ConfigError`` (a ``ValueError``) and name the field, the value and the fix. Unknown keys are
-errors that suggest the closest known name.
+errors that suggest the closest known name; a key a config no longer has (``removed_fields``) is
+an error that names what replaced it. A config holds only data: building one touches no device
+and runs no user code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +25,10 @@ import yaml
 from jaxrl.runtime.errors import ConfigError
 
 T = TypeVar("T")
+# a section's world size is the run's (from the mesh), not a key of its own
+WORLD_SIZE_FROM_MESH = types.MappingProxyType(
+    {"world_size": "remove it: the data-parallel size comes from mesh.data"}
+)
 
 
 def config_error(field: str, value: Any, fix: str) -> ConfigError:
@@ -44,6 +52,51 @@ def suggest(name: str, known: Sequence[str]) -> str:
     """A "did you mean ...?" hint naming the closest of ``known``, else all of them."""
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+def removed_fields(**fixes: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator: keys the config no longer has, each with its fix (the key that replaced
+    it, or why to drop it). Setting one, as a keyword argument or as a YAML/dict key
+    (``from_dict``), raises ``ConfigError`` ``key=value is invalid: <fix>``."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: Any, **kwargs: Any) -> None:
+            for key, value in kwargs.items():
+                if key in fixes:
+                    raise config_error(key, value, fixes[key])
+            init(self, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        cls.REMOVED_FIELDS = types.MappingProxyType(dict(fixes))  # type: ignore[attr-defined]
+        return cls
+
+    return wrap
+
+
+def file_keys_error(cls: type, key: str, value: Any, where: str) -> ConfigError | None:
+    """The error for a key that ``cls`` accepts from Python but not from a config file: one of
+    its ``REMOVED_FIELDS``, or of its ``RUN_FIELDS`` (set by the run, e.g. the world size from
+    the mesh); None for any other key."""
+    for table in ("REMOVED_FIELDS", "RUN_FIELDS"):
+        fix = getattr(cls, table, {}).get(key)
+        if fix is not None:
+            return config_error(where, value, fix)
+    return None
+
+
+@contextlib.contextmanager
+def section(where: str) -> Iterator[None]:
+    """Prefix the ``ConfigError``s raised inside with the section's key (``grpo.``), as
+    ``from_dict(cls, data, where=where)`` does."""
+    try:
+        yield
+    except ConfigError as e:
+        if where and not str(e).startswith((where, "unknown config key")):
+            raise ConfigError(f"{where}.{e}") from None
+        raise
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -74,7 +127,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             return value
         if not isinstance(value, Mapping):
             raise config_error(where, value, f"expected a mapping of {tp.__name__} fields")
-        return from_dict(tp, value, where=where)
+        return from_dict(tp, value, where=where, section_of_run=True)
     if origin in (tuple, list):
         if isinstance(value, str) or not isinstance(value, Sequence):
             raise config_error(where, value, "expected a list")
@@ -116,30 +169,40 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping; unknown keys raise with a suggestion."""
+def from_dict(
+    cls: type[T], data: Mapping[str, Any], *, where: str = "", section_of_run: bool = False
+) -> T:
+    """Build dataclass ``cls`` from a mapping; unknown keys raise with a suggestion.
+    ``section_of_run``: ``cls`` is a section of a larger config, which sets the section's
+    ``RUN_FIELDS`` (they are None until then)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
         name = f"{where}.{key}" if where else str(key)
+        if (error := file_keys_error(cls, key, value, name)) is not None:
+            raise error
         if key not in fields:
             raise ConfigError(f"unknown config key {name!r}: {suggest(str(key), list(fields))}")
         kwargs[key] = _coerce(hints[key], value, name)
-    try:
+    if section_of_run:
+        kwargs.update(dict.fromkeys(getattr(cls, "RUN_FIELDS", {}), None))
+    with section(where):
         return cls(**kwargs)
-    except ConfigError as e:
-        if where and not str(e).startswith((where, "unknown config key")):
-            raise ConfigError(f"{where}.{e}") from None
-        raise
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain nested dict of a config (tuples become lists), for YAML/JSON dumps."""
+    """Plain nested dict of a config (tuples become lists), for YAML/JSON dumps that
+    ``from_dict`` reads back: a config's ``given_dict()`` when it has one (the values the user
+    gave, before resolution), without its ``RUN_FIELDS``."""
 
     def plain(v: Any) -> Any:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+            given = getattr(v, "given_dict", None)
+            fields = [f.name for f in dataclasses.fields(v) if f.init]
+            items = given() if given else {name: getattr(v, name) for name in fields}
+            skip = getattr(v, "RUN_FIELDS", {})
+            return {k: plain(items[k]) for k in fields if k not in skip}
         if isinstance(v, tuple | list):
             return [plain(x) for x in v]
         if isinstance(v, dict):

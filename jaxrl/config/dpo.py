@@ -9,8 +9,10 @@ types and normalisations accepted here are the lists ``jaxrl.losses.dpo`` checks
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
-from jaxrl.config.base import require, require_choice
+from jaxrl.config.base import WORLD_SIZE_FROM_MESH, require, require_choice
 from jaxrl.losses.loss_types import (
     DPO_ALIASES,
     DPO_LOSS_TYPES,
@@ -24,6 +26,8 @@ from jaxrl.losses.loss_types import (
 class DPOConfig:
     """DPO / IPO / SimPO / WPO algorithm settings (TRL names where TRL has the concept)."""
 
+    RUN_FIELDS: ClassVar[Mapping[str, str]] = WORLD_SIZE_FROM_MESH  # not config-file keys
+
     beta: float = 0.1  # β, > 0
     loss_type: str = "sigmoid"  # sigmoid (dpo), sigmoid_norm (dpo_norm), ipo, hinge, robust, ...
     label_smoothing: float = 0.0  # ε in [0, 0.5); only for sigmoid-family, simpo, wpo, robust
@@ -31,11 +35,14 @@ class DPOConfig:
     normalize: str = "pair"  # pair: Σℓ/N_pairs; token: Σ T_p ℓ_p / Σ T_p
     per_device_train_batch_size: int = 8  # pairs per rank per micro-step
     gradient_accumulation_steps: int = 1  # micro-steps per step; pairs/step = b · g · P
-    world_size: int = 1  # P: data-parallel size (the loader sets it from mesh.data)
+    world_size: int | None = 1  # P: data-parallel size; in a RunConfig its mesh's data × fsdp,
+    # None until the run knows it (a mesh axis of -1)
     max_length: int = 1024  # per sequence (prompt + response), applied at tokenisation
     max_prompt_length: int | None = None  # real data: prompt tokens kept (the last); None = all
-    learning_rate: float | None = None  # DPO-stage peak LR (TRL name); None → optimizer's
-    precompute_ref_log_probs: bool = True  # reference cache; False keeps a frozen reference
+    learning_rate: float | None = None  # the DPO stage's peak LR (an SFT warm start keeps
+    # optimizer.learning_rate); None → optimizer.learning_rate
+    precompute_ref_log_probs: bool = True  # the reference cache; False (a frozen reference
+    # forward every step, TRL's default) is not implemented: the DPO trainer refuses it
     reference_cache_dir: str | None = None  # None → <output_dir>/ref_cache
 
     def __post_init__(self) -> None:
@@ -61,12 +68,10 @@ class DPOConfig:
             self.learning_rate,
             "use a positive learning rate, or leave it unset to use optimizer.learning_rate",
         )
-        for name in (
-            "per_device_train_batch_size",
-            "gradient_accumulation_steps",
-            "world_size",
-            "max_length",
-        ):
+        names = ["per_device_train_batch_size", "gradient_accumulation_steps", "world_size"]
+        if self.world_size is None:  # a run's section before its mesh is known
+            names.remove("world_size")
+        for name in (*names, "max_length"):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
             require(ok, name, value, "use an integer ≥ 1")

@@ -2,20 +2,33 @@
 
 Field names, defaults and the resolution order follow huggingface/trl after PR #3388/#3725.
 ``generation_batch_size`` and ``steps_per_generation`` hold their resolved values after
-construction; ``replace`` rebuilds from the values the user gave. The accepted loss types,
+construction; ``replace`` rebuilds from the values the user gave. ``world_size`` is the run's
+(``RunConfig`` sets it from the mesh); in a config file it is an error. The accepted loss types,
 importance-sampling levels, reward scalings and aggregations are the lists the loss code itself
 checks (``jaxrl.losses.loss_types``, ``jaxrl.losses.advantages``), imported, not copied.
+
+``reward_funcs`` holds the entries as written (names, mappings, ``"pkg.module:function"``,
+``"file.py:function"``, or callables from Python), checked for their shape only: the trainer
+imports and checks the functions (``jaxrl.rollout.reward_specs``), so building a config runs no
+user code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
-from jaxrl.config.base import ConfigError, require, require_choice
+from jaxrl.config.base import (
+    WORLD_SIZE_FROM_MESH,
+    ConfigError,
+    config_error,
+    removed_fields,
+    require,
+    require_choice,
+)
 from jaxrl.losses.advantages import AGGREGATIONS, SCALE_REWARDS
 from jaxrl.losses.loss_types import (
     GRPO_LOSS_TYPES,
@@ -23,8 +36,13 @@ from jaxrl.losses.loss_types import (
     TOKEN_SUMMING_LOSS_TYPES,
 )
 
-EVAL_STRATEGIES = ("no", "steps", "epoch")
 LR_SCHEDULER_TYPES = ("constant", "cosine", "linear")  # the GRPO stage's decay after warmup
+# Names of the built-in reward functions (``jaxrl.rollout.builtin_rewards`` maps each to its class)
+BUILTIN_REWARD_NAMES = ("exact_answer", "format", "length_penalty")
+EVAL_FIX = (
+    "removed: jaxrl evaluates on data.eval (or the built-in task's eval problems) every "
+    "logging.eval_every steps; delete the key"
+)
 
 
 def reward_file_spec(spec: str) -> tuple[str, str] | None:
@@ -33,19 +51,56 @@ def reward_file_spec(spec: str) -> tuple[str, str] | None:
     return (path, func) if sep and path.endswith(".py") else None
 
 
-def anchor_reward_paths(data: dict[str, Any], base_dir: str | Path) -> dict[str, Any]:
-    """Make the relative ``file.py:function`` entries of a YAML dict's ``grpo.reward_funcs``
-    relative to ``base_dir`` (the YAML file's directory), in place; returns ``data``. Entries
-    given later (``--set``) stay relative to the current directory."""
-    section = data.get("grpo")
-    funcs = section.get("reward_funcs") if isinstance(section, dict) else None
-    if not isinstance(funcs, list):
-        return data
-    for i, spec in enumerate(funcs):
-        parts = reward_file_spec(spec) if isinstance(spec, str) else None
-        if parts and not Path(parts[0]).is_absolute():
-            funcs[i] = f"{Path(base_dir) / parts[0]}:{parts[1]}"
-    return data
+def check_reward_spec(where: str, spec: Any) -> None:
+    """Check the shape of one ``reward_funcs`` entry, without importing anything: a built-in
+    name, a mapping ``{name: <built-in>, ...}``, ``"pkg.module:function"`` (or
+    ``"pkg.module.function"``), ``"file.py:function"``, or a callable. ``where`` names the entry
+    in the ``ConfigError``."""
+    known = ", ".join(BUILTIN_REWARD_NAMES)
+    if isinstance(spec, Mapping):
+        name = spec.get("name")
+        if not isinstance(name, str) or name not in BUILTIN_REWARD_NAMES:
+            raise config_error(
+                where,
+                dict(spec),
+                "a mapping sets the parameters of a built-in reward: give 'name' as one of "
+                f"{known}" + did_you_mean(str(name), BUILTIN_REWARD_NAMES),
+            )
+    elif isinstance(spec, str):
+        if spec in BUILTIN_REWARD_NAMES or reward_file_spec(spec) is not None:
+            return
+        if ":" not in spec and "." not in spec:
+            raise config_error(
+                where,
+                spec,
+                f"not a built-in reward ({known})"
+                + did_you_mean(spec, BUILTIN_REWARD_NAMES)
+                + "; for your own function write 'package.module:function' or "
+                "'path/to/file.py:function'",
+            )
+    elif not callable(spec):
+        raise config_error(
+            where,
+            spec,
+            "use a built-in name, 'package.module:function', 'path/to/file.py:function', a "
+            "mapping {name: <built-in>, ...}, or (from Python) a callable",
+        )
+
+
+def check_reward_specs(specs: Any, field: str = "reward_funcs") -> None:
+    """``check_reward_spec`` of every entry of a list (``field[i]`` in errors); at least one."""
+    if isinstance(specs, str | Mapping) or not isinstance(specs, list | tuple):
+        raise config_error(field, specs, "give a list of reward functions")
+    if not specs:
+        raise config_error(field, list(specs), "GRPO needs at least one reward function")
+    for i, spec in enumerate(specs):
+        check_reward_spec(f"{field}[{i}]", spec)
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``known``, else empty."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _positive_int(field: str, value: Any) -> None:
@@ -53,15 +108,29 @@ def _positive_int(field: str, value: Any) -> None:
     require(ok, field, value, "use an integer ≥ 1")
 
 
+@removed_fields(
+    do_eval=EVAL_FIX,
+    eval_strategy=EVAL_FIX,
+    per_device_eval_batch_size=EVAL_FIX,
+    num_generations_eval="removed: logging.eval_samples sets the samples per held-out prompt",
+    auto_find_batch_size=(
+        "removed: jaxrl never shrinks the batch (it would break prompt groups, TRL PR #6411); "
+        "delete the key, and on OOM lower schedule.max_tokens"
+    ),
+    docs_per_step="removed: set schedule.docs_per_step instead (one setting for every trainer)",
+    fp32_lm_head="removed: set model.fp32_lm_head instead (one setting for every trainer)",
+)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
     """GRPO / GSPO / DAPO / Dr.GRPO algorithm settings (TRL names)."""
 
+    RUN_FIELDS: ClassVar[Mapping[str, str]] = WORLD_SIZE_FROM_MESH  # not config-file keys
+
     per_device_train_batch_size: int = 8  # b: completions per rank per micro-step
     gradient_accumulation_steps: int = 1  # g: micro-steps per optimizer step
-    world_size: int = 1  # P: data-parallel size (the loader sets it from mesh.data)
+    world_size: int | None = 1  # P: data-parallel size; in a RunConfig its mesh's data × fsdp,
+    # None until the run knows it (a mesh axis of -1)
     num_generations: int = 8  # G: completions per prompt, ≥ 2
-    num_generations_eval: int | None = None  # eval group size; None → num_generations
     generation_batch_size: int | None = None  # B_gen: completions per generation, all ranks
     steps_per_generation: int | None = None  # S: micro-steps served by one generation buffer
     num_iterations: int = 1  # μ: passes over each generation buffer
@@ -80,27 +149,21 @@ class GRPOConfig:
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
     reward_funcs: tuple[str | dict[str, Any] | Callable[..., Any], ...] | None = None  # None →
     # the trainer's default; built-in names, {name: ..., params}, "pkg.mod:fn", "file.py:fn"
+    # (the trainer loads them: docs/rewards.md)
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function; None → 1
     reward_timeout: float | None = 300.0  # seconds one reward function call may take; then the
     # run stops naming the function and rows (a hung call cannot be stopped); None = no limit
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum
     mask_truncated_completions: bool = False  # completions without EOS get no loss
     top_entropy_quantile: float = 1.0  # q: keep the top-q entropy tokens in the policy loss
-    per_device_eval_batch_size: int = 8  # eval completions per rank
-    do_eval: bool = False  # run evaluation
-    eval_strategy: str = "no"  # no, steps, epoch
-    auto_find_batch_size: bool = False  # accepted only as False (would break prompt groups)
-    docs_per_step: int = 0  # global documents per optimizer step; 0 = off (Fast-LLM's)
-    learning_rate: float | None = None  # GRPO-stage peak LR; None → optimizer.learning_rate
-    warmup_steps: int | None = None  # GRPO-stage LR warmup steps; None → optimizer.warmup_steps
-    lr_scheduler_type: str | None = None  # constant, cosine, linear; None → optimizer.decay
-    fp32_lm_head: bool = False  # fp32 logits from the bf16 body
+    learning_rate: float | None = None  # the GRPO stage's peak LR (an SFT warm start keeps
+    # optimizer.learning_rate); None → optimizer.learning_rate
+    warmup_steps: int | None = None  # the GRPO stage's LR warmup steps; None → optimizer's
+    lr_scheduler_type: str | None = None  # the GRPO stage's decay: constant, cosine, linear;
+    # None → optimizer.decay
 
     _given: tuple[int | None, int | None] = dataclasses.field(
         init=False, repr=False, compare=False, default=(None, None)
-    )
-    _reward_callables: tuple[Callable[..., Any], ...] | None = dataclasses.field(
-        init=False, repr=False, compare=False, default=None
     )
 
     def __post_init__(self) -> None:
@@ -114,20 +177,14 @@ class GRPOConfig:
         elif self.scale_rewards is False:
             set_("scale_rewards", "none")
 
-        # 2. auto_find_batch_size.
-        require(
-            self.auto_find_batch_size is False,
-            "auto_find_batch_size",
-            self.auto_find_batch_size,
-            "set it to False: shrinking the batch on OOM would break prompt groups "
-            "(TRL PR #6411); lower schedule.max_tokens instead",
-        )
+        # 2. (TRL refuses auto_find_batch_size=True; jaxrl has no such field.)
 
-        # 3. Batch resolution (b, P and g must be usable first).
+        # 3. Batch resolution (b, P and g must be usable first). P = None: a run's section
+        # before its mesh is known; what needs P waits for ``for_world_size``.
         _positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
-        _positive_int("world_size", self.world_size)
+        if self.world_size is not None:
+            _positive_int("world_size", self.world_size)
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        b_global = self.per_device_train_batch_size * self.world_size
         b_gen, steps = given
         if b_gen is not None and steps is not None:
             raise ConfigError(
@@ -135,45 +192,34 @@ class GRPOConfig:
                 "'generation_batch_size' and 'steps_per_generation' can not be both configured "
                 "at the same time; set only one of them"
             )
-        if b_gen is None and steps is None:
-            steps = self.gradient_accumulation_steps
-            b_gen = b_global * steps
-        elif b_gen is not None:
+        if b_gen is not None:
             _positive_int("generation_batch_size", b_gen)
-            require(
-                b_gen % b_global == 0,
-                "generation_batch_size",
-                b_gen,
-                f"it must be divisible by the global batch size per_device_train_batch_size × "
-                f"world_size = {self.per_device_train_batch_size} × {self.world_size} = "
-                f"{b_global}; use a multiple of {b_global}",
-            )
-            steps = b_gen // b_global
-        else:
+        elif steps is not None:
             _positive_int("steps_per_generation", steps)
-            b_gen = b_global * steps
+        else:
+            steps = self.gradient_accumulation_steps
+        if self.world_size is not None:
+            b_global = self.per_device_train_batch_size * self.world_size
+            if b_gen is None:
+                b_gen = b_global * steps
+            else:
+                require(
+                    b_gen % b_global == 0,
+                    "generation_batch_size",
+                    b_gen,
+                    f"it must be divisible by the global batch size per_device_train_batch_size "
+                    f"× world_size = {self.per_device_train_batch_size} × {self.world_size} = "
+                    f"{b_global}; use a multiple of {b_global}",
+                )
+                steps = b_gen // b_global
         set_("generation_batch_size", b_gen)
         set_("steps_per_generation", steps)
 
-        # 4. Evaluation batches hold whole groups.
-        if self.do_eval and self.eval_strategy != "no":
-            n_eval = self.num_generations_eval or self.num_generations
-            _positive_int(
-                "num_generations_eval" if self.num_generations_eval else "num_generations", n_eval
-            )
-            eval_global = self.per_device_eval_batch_size * self.world_size
-            require(
-                eval_global % n_eval == 0,
-                "per_device_eval_batch_size",
-                self.per_device_eval_batch_size,
-                f"the global eval batch per_device_eval_batch_size × world_size = {eval_global} "
-                f"must be divisible by the eval group size {n_eval} (num_generations_eval or "
-                "num_generations); change one of them",
-            )
+        # 4. (TRL's eval batches hold whole groups; jaxrl's evaluation has no eval batch fields.)
 
         # 5. The generation batch holds whole prompt groups.
         g_count = self.num_generations
-        if isinstance(g_count, int) and g_count >= 1:
+        if b_gen is not None and isinstance(g_count, int) and g_count >= 1:
             require(
                 b_gen % g_count == 0,
                 "generation_batch_size",
@@ -200,13 +246,10 @@ class GRPOConfig:
         require_choice(
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
-        require_choice("eval_strategy", self.eval_strategy, EVAL_STRATEGIES)
         if self.max_prompt_length is not None:
             _positive_int("max_prompt_length", self.max_prompt_length)
-        for name in ("num_iterations", "max_completion_length", "per_device_eval_batch_size"):
+        for name in ("num_iterations", "max_completion_length"):
             _positive_int(name, getattr(self, name))
-        if self.num_generations_eval is not None:
-            _positive_int("num_generations_eval", self.num_generations_eval)
         require(self.temperature > 0, "temperature", self.temperature, "use a value > 0")
         if self.top_k is not None:
             ok = isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
@@ -226,9 +269,6 @@ class GRPOConfig:
         require(0 < q <= 1, "top_entropy_quantile", q, "use a value in (0, 1]; 1 disables it")
         if self.delta is not None:
             require(self.delta > 1, "delta", self.delta, "use a value > 1, or None to disable")
-        docs = self.docs_per_step
-        ok = isinstance(docs, int) and not isinstance(docs, bool) and docs >= 0
-        require(ok, "docs_per_step", docs, "use an integer ≥ 0 (0 = off)")
         if self.reward_timeout is not None:
             require(
                 self.reward_timeout > 0,
@@ -244,17 +284,12 @@ class GRPOConfig:
                 "give one weight per reward function, or None for all 1",
             )
         if self.reward_funcs is not None:
-            from jaxrl.rollout.reward_specs import resolve_reward_funcs
-
-            funcs = resolve_reward_funcs(
-                self.reward_funcs, max_completion_length=self.max_completion_length
-            )
-            set_("_reward_callables", tuple(funcs))
-            weights = self.reward_weights
-            if weights is not None and len(weights) != len(funcs):
+            check_reward_specs(self.reward_funcs)
+            weights, count = self.reward_weights, len(self.reward_funcs)
+            if weights is not None and len(weights) != count:
                 raise ConfigError(
                     f"reward_weights={list(weights)} has {len(weights)} entries but "
-                    f"reward_funcs has {len(funcs)}: give one weight per reward function"
+                    f"reward_funcs has {count}: give one weight per reward function"
                 )
 
         if (
@@ -282,11 +317,6 @@ class GRPOConfig:
         return self.gradient_accumulation_steps % window != 0
 
     @property
-    def resolved_reward_funcs(self) -> tuple[Callable[..., Any], ...] | None:
-        """The callables ``reward_funcs`` names (loaded and checked at construction), or None."""
-        return self._reward_callables
-
-    @property
     def prompts_per_generation(self) -> int:
         """Unique prompts per generation batch, B_gen / G (the RepeatSampler batch size)."""
         return self.generation_batch_size // self.num_generations
@@ -298,6 +328,15 @@ class GRPOConfig:
         ``steps_per_generation`` and trip rule 3; use this instead.
         """
         return GRPOConfig(**{**self.given_dict(), **changes})
+
+    def for_world_size(self, world_size: int) -> GRPOConfig:
+        """This config resolved for ``world_size`` data-parallel ranks (a run's mesh); itself
+        when it already is. Its warnings were given when it was built."""
+        if world_size == self.world_size:
+            return self
+        with warnings.catch_warnings():  # the same warnings as at construction
+            warnings.simplefilter("ignore", UserWarning)
+            return self.replace(world_size=world_size)
 
     def given_dict(self) -> dict[str, Any]:
         """The constructor arguments (batch fields as given), for dumps that reload."""

@@ -2,9 +2,10 @@
 
 Every section of ``RunConfig`` becomes a table of its fields: key, type, default and the field's
 own one-line comment in the source (``name: type = default  # comment``, continuation comment
-lines included). The ``grpo`` and ``dpo`` sections are ``GRPOConfig`` and ``DPOConfig``;
-``model.init`` is the model shape, ``ModelConfig``. Because the page is built from the classes,
-it cannot drift: ``tests/test_docs.py`` fails when the file in docs/ is stale.
+lines included), and the keys a section no longer has (``removed_fields``). The ``grpo`` and
+``dpo`` sections are ``GRPOConfig`` and ``DPOConfig`` (less their ``RUN_FIELDS``, which the run
+sets); ``model.init`` is the model shape, ``ModelConfig``. Because the page is built from the
+classes, it cannot drift: ``tests/test_docs.py`` fails when the file in docs/ is stale.
 
     python -m jaxrl.config.reference --write   # regenerate docs/config_reference.md
 """
@@ -118,8 +119,6 @@ def _table(
 
 def sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """``(key prefix, dataclass, fields left out)`` for every section of the reference."""
-    from jaxrl.config.dpo import DPOConfig
-    from jaxrl.config.grpo import GRPOConfig
     from jaxrl.config.run import MODEL_SECTION_KEYS, RunConfig
     from jaxrl.models.model_config import ModelConfig
 
@@ -131,15 +130,12 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
             continue
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out.append((f"{f.name}.", tp, ()))
-        elif f.name not in ("grpo", "dpo"):
+            out.append((f"{f.name}.", tp, tuple(getattr(tp, "RUN_FIELDS", ()))))
+        else:
             top.append(f.name)
     skip_top = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in top)
     out.insert(0, ("", RunConfig, skip_top))
-    # world_size comes from the mesh (an error when given); dtypes, the head and the kernels
-    # come from the `model` section itself, not from model.init
-    out.append(("grpo.", GRPOConfig, ("world_size",)))
-    out.append(("dpo.", DPOConfig, ("world_size",)))
+    # dtypes, the head and the kernels come from the `model` section itself, not model.init
     out.append(("model.init.", ModelConfig, MODEL_SECTION_KEYS))
     return out
 
@@ -171,6 +167,11 @@ def render() -> str:
             parts.append(doc + "\n")
         defaults = _tiny_defaults() if prefix == "model.init." else None
         parts.append("\n".join(_table(cls, prefix, skip, defaults)) + "\n")
+        removed = getattr(cls, "REMOVED_FIELDS", {})
+        if removed:
+            parts.append("Removed keys (setting one is an error that says this):\n")
+            lines = [f"- `{prefix}{k}`: {f.removeprefix('removed: ')}" for k, f in removed.items()]
+            parts.append("\n".join(lines) + "\n")
     return re.sub(r"\n{3,}", "\n\n", "\n".join(parts))
 
 

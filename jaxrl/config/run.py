@@ -7,7 +7,9 @@ import importlib.util
 import sys
 from typing import Any, Literal
 
-from jaxrl.config.base import ConfigError, config_error, require, require_choice, suggest
+from jaxrl.config.base import ConfigError, config_error, require, require_choice, section, suggest
+from jaxrl.config.dpo import DPOConfig
+from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.sft import SFTConfig
 
 MAX_MESH_DEVICES = 1 << 20  # no machine has more; a larger product is a typo
@@ -85,15 +87,11 @@ class MeshConfig:
     def sizes(self) -> tuple[int, int, int]:
         return self.data, self.fsdp, self.tensor
 
-    def batch_ranks(self) -> int:
-        """Data-parallel ranks ``data × fsdp``; a -1 axis is resolved against the devices the
-        run uses (``jaxrl.runtime.mesh.run_devices``), which imports jax."""
-        if -1 not in self.sizes:
-            return self.data * self.fsdp
-        from jaxrl.runtime.mesh import resolve_shape, run_devices
-
-        data, fsdp, _ = resolve_shape(*self.sizes, len(run_devices(self.sizes)))
-        return data * fsdp
+    @property
+    def static_batch_ranks(self) -> int | None:
+        """Data-parallel ranks ``data × fsdp``; None when an axis is -1 (the run resolves it
+        against its devices at start)."""
+        return None if -1 in self.sizes else self.data * self.fsdp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -424,6 +422,12 @@ __all__ = [
 ]
 
 
+def _algorithm_section(cls: type) -> Any:
+    """A RunConfig field holding an algorithm section, by default with its world size unknown
+    (None: the mesh sets it)."""
+    return dataclasses.field(default_factory=lambda: cls(world_size=None))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A whole run, as ``jaxrl train CONFIG.yaml`` reads it."""
@@ -446,16 +450,10 @@ class RunConfig:
     sft_warmup_steps: int = 0  # grpo/dpo: first run this many SFT steps (output_dir/sft)
     sft_warmup_target: float = 0.0  # stop the warm start once held-out accuracy >= this; 0 = off
     sft_warmup_eval_every: int = 10  # with a target: SFT steps between held-out checks
-    grpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # GRPOConfig fields
-    dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
-    grpo_config: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
-    dpo_config: Any = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    grpo: GRPOConfig = _algorithm_section(GRPOConfig)  # world_size: the mesh's data × fsdp
+    dpo: DPOConfig = _algorithm_section(DPOConfig)  # world_size: the mesh's data × fsdp
 
     def __post_init__(self):
-        from jaxrl.config.base import from_dict
-        from jaxrl.config.dpo import DPOConfig
-        from jaxrl.config.grpo import GRPOConfig
-
         check_algorithm(self.algorithm)
         check_max_steps(self.max_steps)
         self._check_data_source()
@@ -490,23 +488,34 @@ class RunConfig:
             self.sft_warmup_eval_every,
             "use a positive number of SFT steps between held-out checks",
         )
-        for name, cls in (("grpo", GRPOConfig), ("dpo", DPOConfig)):
-            section = dict(getattr(self, name))
-            if "world_size" in section:
-                raise config_error(
-                    f"{name}.world_size",
-                    section["world_size"],
-                    "remove it: the data-parallel size comes from mesh.data",
-                )
-            if self.algorithm == name or section:
-                section["world_size"] = self.mesh.batch_ranks()
-                object.__setattr__(self, f"{name}_config", from_dict(cls, section, where=name))
+        ranks = self.mesh.static_batch_ranks
+        if ranks is not None:  # else the run sets it at start (with_batch_ranks)
+            for name, value in self._sections_at(ranks).items():
+                object.__setattr__(self, name, value)
         if self.sft.max_length > self.schedule.max_tokens:
             raise ConfigError(
                 f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
                 f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
                 "schedule.max_tokens or lower sft.max_length"
             )
+
+    def with_batch_ranks(self, ranks: int) -> RunConfig:
+        """This config with the grpo and dpo sections resolved for ``ranks`` data-parallel
+        ranks: what a run does at start when a mesh axis is -1 (``ranks`` from its devices).
+        Raises the sections' ``ConfigError`` when their batches do not fit ``ranks``."""
+        changed = self._sections_at(ranks)
+        return dataclasses.replace(self, **changed) if changed else self
+
+    def _sections_at(self, ranks: int) -> dict[str, Any]:
+        """The grpo / dpo sections whose world size is not yet ``ranks``, resolved for it."""
+        out: dict[str, Any] = {}
+        with section("grpo"):
+            if self.grpo.world_size != ranks:
+                out["grpo"] = self.grpo.for_world_size(ranks)
+        with section("dpo"):
+            if self.dpo.world_size != ranks:
+                out["dpo"] = dataclasses.replace(self.dpo, world_size=ranks)
+        return out
 
     def _check_precision(self) -> None:
         """A bf16 master keeps AdamW's updates only with an explicit rounding choice; the

@@ -21,7 +21,6 @@ from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.losses.advantages import compute_advantages, reward_metrics
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import (
     RewardFunc,
     TrainerState,
@@ -46,22 +45,21 @@ class RolloutGenerator:
         graphdef: Any,
         tokenizer: TextTokenizer,
         *,
-        reward_funcs: Sequence[str | RewardFunc],
+        reward_funcs: Sequence[RewardFunc],
         row_len: int,
         chunk_size: int = 0,
         old_logprobs: bool = False,
         ref_params: Any = None,
         mesh: Mesh | None = None,
     ):
-        """``old_logprobs``: score every batch under the generating parameters
+        """``reward_funcs``: the loaded functions (``jaxrl.rollout.reward_specs``);
+        ``old_logprobs``: score every batch under the generating parameters
         (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
         β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
         where the parameters are)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.reward_funcs = resolve_reward_funcs(
-            reward_funcs, max_completion_length=config.max_completion_length
-        )
+        self.reward_funcs = list(reward_funcs)
         self.reward_names = reward_names(self.reward_funcs)
         weights = config.reward_weights
         if weights is not None and len(weights) != len(self.reward_funcs):

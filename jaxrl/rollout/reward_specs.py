@@ -13,15 +13,15 @@ An entry is one of (docs/rewards.md):
   (``--set``, Python) it is relative to the current directory;
 - from Python, any callable.
 
-Every failure is a ``ConfigError`` naming the entry, its value and what is wrong ("module 'x'
-has no function 'y'", "file '...' does not exist", ...), raised when the config is built, so a
-typo stops the run before any compile.
+The config checks each entry's shape when it is built (``jaxrl.config.grpo.check_reward_spec``);
+the trainer loads them here, once, when a run starts, before the SFT warm start and before any
+compile. Every failure is a ``ConfigError`` naming the entry, its value and what is wrong
+("module 'x' has no function 'y'", "file '...' does not exist", ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import importlib.util
 import inspect
@@ -33,18 +33,13 @@ from types import ModuleType
 from typing import Any
 
 from jaxrl.config.base import ConfigError, config_error, from_dict
-from jaxrl.config.grpo import reward_file_spec
+from jaxrl.config.grpo import check_reward_spec, check_reward_specs, did_you_mean, reward_file_spec
 from jaxrl.rollout.builtin_rewards import BUILTIN_REWARDS
 from jaxrl.rollout.rewards import RewardFunc
 
 __all__ = ["load_reward_func", "resolve_reward_funcs"]
 
 _FILE_MODULES = "_jaxrl_reward_files"  # sys.modules prefix of functions loaded from files
-
-
-def _suggest(name: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _load_file(where: str, spec: str, path: str) -> ModuleType:
@@ -95,7 +90,7 @@ def _attribute(where: str, spec: str, module: ModuleType, label: str, attr: str)
         if not hasattr(obj, part):
             public = [n for n in dir(module) if not n.startswith("_")]
             raise config_error(
-                where, spec, f"{label} has no function {attr!r}{_suggest(attr, public)}"
+                where, spec, f"{label} has no function {attr!r}{did_you_mean(attr, public)}"
             )
         obj = getattr(obj, part)
     return obj
@@ -110,7 +105,7 @@ def _builtin(where: str, name: str, params: Mapping[str, Any], max_completion_le
             known = f"its parameters: {', '.join(names)}" if names else "it has no parameters"
             raise ConfigError(
                 f"{where}={name!r} is invalid: the built-in {name!r} has no parameter {key!r}"
-                f"{_suggest(str(key), names)}; {known}"
+                f"{did_you_mean(str(key), names)}; {known}"
             )
     if "max_completion_len" in names and "max_completion_len" not in params:
         if max_completion_length is not None:
@@ -137,46 +132,21 @@ def load_reward_func(
 ) -> RewardFunc:
     """The callable an entry names (see the module docstring); ``where`` names the entry in
     errors, ``max_completion_length`` is ``length_penalty``'s default length."""
+    check_reward_spec(where, spec)
     if isinstance(spec, Mapping):
         params = dict(spec)
-        name = params.pop("name", None)
-        if not isinstance(name, str) or name not in BUILTIN_REWARDS:
-            raise config_error(
-                where,
-                dict(spec),
-                "a mapping sets the parameters of a built-in reward: give 'name' as one of "
-                f"{', '.join(BUILTIN_REWARDS)}" + _suggest(str(name), list(BUILTIN_REWARDS)),
-            )
-        return _builtin(where, name, params, max_completion_length)
-    if isinstance(spec, str):
-        if spec in BUILTIN_REWARDS:
-            return _builtin(where, spec, {}, max_completion_length)
-        parts = reward_file_spec(spec)
-        if parts is not None:
-            module = _load_file(where, spec, parts[0])
-            func = _attribute(where, spec, module, f"file '{parts[0]}'", parts[1])
-        elif ":" in spec or "." in spec:
-            module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-            module = _import(where, spec, module_name)
-            func = _attribute(where, spec, module, f"module {module_name!r}", attr)
-        else:
-            raise config_error(
-                where,
-                spec,
-                f"not a built-in reward ({', '.join(BUILTIN_REWARDS)})"
-                + _suggest(spec, list(BUILTIN_REWARDS))
-                + "; for your own function write 'package.module:function' or "
-                "'path/to/file.py:function'",
-            )
-    elif callable(spec):
-        func = spec
-    else:
-        raise config_error(
-            where,
-            spec,
-            "use a built-in name, 'package.module:function', 'path/to/file.py:function', a "
-            "mapping {name: <built-in>, ...}, or (from Python) a callable",
-        )
+        return _builtin(where, params.pop("name"), params, max_completion_length)
+    if not isinstance(spec, str):
+        func = spec  # a callable
+    elif spec in BUILTIN_REWARDS:
+        return _builtin(where, spec, {}, max_completion_length)
+    elif (parts := reward_file_spec(spec)) is not None:
+        module = _load_file(where, spec, parts[0])
+        func = _attribute(where, spec, module, f"file '{parts[0]}'", parts[1])
+    else:  # "package.module:function" or "package.module.function"
+        module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        module = _import(where, spec, module_name)
+        func = _attribute(where, spec, module, f"module {module_name!r}", attr)
     if not callable(func):
         raise config_error(where, spec, f"it names a {type(func).__name__}, not a function")
     _check_signature(where, spec, func)
@@ -203,10 +173,7 @@ def resolve_reward_funcs(
     specs: Sequence[Any], *, field: str = "reward_funcs", max_completion_length: int | None = None
 ) -> list[RewardFunc]:
     """``load_reward_func`` of every entry (``field[i]`` in errors); at least one."""
-    if isinstance(specs, str | Mapping) or not isinstance(specs, Sequence):
-        raise config_error(field, specs, "give a list of reward functions")
-    if not specs:
-        raise config_error(field, list(specs), "GRPO needs at least one reward function")
+    check_reward_specs(specs, field)
     return [
         load_reward_func(s, where=f"{field}[{i}]", max_completion_length=max_completion_length)
         for i, s in enumerate(specs)

@@ -239,7 +239,7 @@ def _compute_copies(cfg: RunConfig) -> int:
     frozen reference when β > 0."""
     if cfg.algorithm != "grpo":
         return 0
-    return 2 if cfg.grpo_config.beta != 0.0 else 1
+    return 2 if cfg.grpo.beta != 0.0 else 1
 
 
 _MODEL_FIELDS = (

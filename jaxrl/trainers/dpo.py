@@ -47,7 +47,7 @@ from jaxrl.train.ref_cache import (
     weight_fingerprint,
 )
 from jaxrl.train.score import Scorer
-from jaxrl.trainers.session import Session, build_task
+from jaxrl.trainers.session import Session, build_task, with_device_ranks
 
 REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, rejected → ref_r
 
@@ -68,9 +68,8 @@ class DPOTrainer:
         train_pairs: list[PreferencePair] | None = None,
         eval_pairs: list[PreferencePair] | None = None,
     ):
-        dpo = cfg.dpo_config
-        if dpo is None:
-            raise ConfigError("DPOTrainer needs algorithm: dpo (or a dpo section)")
+        cfg = with_device_ranks(cfg)
+        dpo = cfg.dpo
         if dpo.learning_rate is not None:  # the DPO stage's own peak LR (SFT keeps optimizer's)
             optimizer = dataclasses.replace(cfg.optimizer, learning_rate=dpo.learning_rate)
             cfg = dataclasses.replace(cfg, optimizer=optimizer)

@@ -27,13 +27,14 @@ from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
+from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import RewardFunc, TrainerState, check_reward
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.grpo_loss import grpo_loss
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.plots import plot_reward_and_accuracy
 from jaxrl.train.precision import compute_copy
-from jaxrl.trainers.session import Session, build_task
+from jaxrl.trainers.session import Session, build_task, with_device_ranks
 
 DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
 PLOT_NAME = "grpo_progress.png"
@@ -47,12 +48,14 @@ class GRPOTrainer:
     ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards``) or the
     config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.reward_specs``); when not given,
     ``grpo.reward_funcs``, and without that the built-in task's ``exact_answer`` and
-    ``format``. Weighted by ``grpo.reward_weights``. The task's ``answer`` is passed as a
-    column.
+    ``format`` (``load_reward_funcs``). Weighted by ``grpo.reward_weights``. The task's
+    ``answer`` is passed as a column.
     """
 
     def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
-        config = cfg.grpo_config or GRPOConfig(world_size=cfg.mesh.batch_ranks())
+        cfg = with_device_ranks(cfg)
+        config = cfg.grpo
+        funcs = load_reward_funcs(config, reward_funcs)
         cfg = _resolve_run_config(cfg, config)
         self.cfg, self.config = cfg, config
         self.data_report: dict[str, int] = {}  # prompts the length limit cut (real data)
@@ -99,7 +102,7 @@ class GRPOTrainer:
             self.session.model_config,
             self.session.graphdef,
             tok,
-            reward_funcs=reward_funcs or config.resolved_reward_funcs or DEFAULT_REWARD_FUNCS,
+            reward_funcs=funcs,
             row_len=cfg.schedule.max_tokens,
             chunk_size=chunk,
             old_logprobs=self.computes_old_logprobs,
@@ -407,30 +410,31 @@ class GRPOTrainer:
         }
 
 
+def load_reward_funcs(
+    config: GRPOConfig, given: Sequence[str | RewardFunc] | None = None
+) -> list[RewardFunc]:
+    """The run's reward functions, loaded and checked (``jaxrl.rollout.reward_specs``; user
+    modules run here): ``given`` (``GRPOTrainer``'s argument), else ``grpo.reward_funcs``, else
+    the built-in task's ``DEFAULT_REWARD_FUNCS``."""
+    length = config.max_completion_length
+    if given:
+        return resolve_reward_funcs(given, max_completion_length=length)
+    specs = config.reward_funcs or DEFAULT_REWARD_FUNCS
+    return resolve_reward_funcs(specs, field="grpo.reward_funcs", max_completion_length=length)
+
+
 def _resolve_run_config(cfg: RunConfig, config: GRPOConfig) -> RunConfig:
-    """Apply the GRPO section's run-level settings: ``learning_rate``, ``warmup_steps`` and
-    ``lr_scheduler_type`` (the GRPO stage's schedule; the SFT warm start keeps ``optimizer``'s),
-    ``fp32_lm_head`` (the model's head), and ``docs_per_step`` (one setting with
-    ``schedule.docs_per_step``, which the engine reads)."""
-    mine, theirs = config.docs_per_step, cfg.schedule.docs_per_step
-    if mine and theirs and mine != theirs:
-        raise ConfigError(
-            f"grpo.docs_per_step={mine} and schedule.docs_per_step={theirs} disagree: set one"
-        )
-    changes: dict[str, Any] = {}
-    if mine and not theirs:
-        changes["schedule"] = dataclasses.replace(cfg.schedule, docs_per_step=mine)
+    """The GRPO stage's optimizer: ``grpo.learning_rate``, ``warmup_steps`` and
+    ``lr_scheduler_type`` over ``optimizer``'s (an SFT warm start keeps ``optimizer``'s)."""
     stage = {
         "learning_rate": config.learning_rate,
         "warmup_steps": config.warmup_steps,
         "decay": config.lr_scheduler_type,
     }
     stage = {k: v for k, v in stage.items() if v is not None}
-    if stage:
-        changes["optimizer"] = dataclasses.replace(cfg.optimizer, **stage)
-    if config.fp32_lm_head and not cfg.model.fp32_lm_head:
-        changes["model"] = dataclasses.replace(cfg.model, fp32_lm_head=True)
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+    if not stage:
+        return cfg
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **stage))
 
 
 LOGPROB_TOLERANCE = 1e-3  # sampler log-probs may exceed 0 by this much (rounding in the sampler)

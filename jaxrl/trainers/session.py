@@ -35,7 +35,15 @@ from jaxrl.models.hf import (
 )
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from jaxrl.runtime.mesh import barrier, batch_ranks, is_primary, local_ranks, mesh_from_config
+from jaxrl.runtime.mesh import (
+    barrier,
+    batch_ranks,
+    is_primary,
+    local_ranks,
+    mesh_from_config,
+    resolve_shape,
+    run_devices,
+)
 from jaxrl.train.accumulate import LossFn
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.metrics import MetricsWriter, to_python
@@ -44,7 +52,17 @@ from jaxrl.train.precision import lost_update_fraction
 from jaxrl.train.state import create_state
 from jaxrl.train.step import TrainStep
 
-__all__ = ["Session", "build_model", "build_task"]
+__all__ = ["Session", "build_model", "build_task", "with_device_ranks"]
+
+
+def with_device_ranks(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its grpo / dpo world size taken from the devices the run uses when a mesh
+    axis is -1 (a config touches no device: ``RunConfig.with_batch_ranks``); ``ConfigError``
+    when the mesh does not fit the devices or the sections' batches do not fit the ranks."""
+    if cfg.mesh.static_batch_ranks is not None:  # resolved when the config was built
+        return cfg
+    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, len(run_devices(cfg.mesh.sizes)))
+    return cfg.with_batch_ranks(data * fsdp)
 
 
 def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:

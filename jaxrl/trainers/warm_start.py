@@ -39,8 +39,6 @@ def warm_start(cfg: RunConfig) -> RunConfig:
             max_steps=cfg.sft_warmup_steps,
             sft_warmup_steps=0,
             sft_warmup_target=0.0,
-            grpo={},
-            dpo={},
         )
         target = cfg.sft_warmup_target or None
         if target is not None:  # check the target every sft_warmup_eval_every steps
