@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxrl.config import ConfigError, GRPOConfig, load_run_config
+from jaxrl.config import ConfigError, GRPOConfig, load_run_config, to_dict
 from jaxrl.config.grpo import BUILTIN_REWARD_NAMES
 from jaxrl.losses.advantages import compute_advantages
 from jaxrl.rollout.builtin_rewards import (
@@ -104,6 +104,7 @@ def test_python_callables_and_the_trainer_default():
 
     config = GRPOConfig(reward_funcs=(mine, "format"))
     assert config.reward_funcs[0] is mine  # kept as given
+    assert to_dict(config)["reward_funcs"] == [f"{__name__}:{mine.__qualname__}", "format"]
     assert load_reward_funcs(config)[0] is mine
     assert load_reward_funcs(config, [format_reward]) == [format_reward]  # the trainer's argument
     assert GRPOConfig().reward_funcs is None  # the trainer's default applies

@@ -194,7 +194,8 @@ def from_dict(
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict of a config (tuples become lists), for YAML/JSON dumps that
     ``from_dict`` reads back: a config's ``given_dict()`` when it has one (the values the user
-    gave, before resolution), without its ``RUN_FIELDS``."""
+    gave, before resolution), without its ``RUN_FIELDS``. A function given from Python (a
+    reward function) is written as its ``"module:name"``."""
 
     def plain(v: Any) -> Any:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -207,6 +208,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, types.FunctionType):
+            return f"{v.__module__}:{v.__qualname__}"
         return v
 
     return plain(cfg)
