@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config, to_dict
-from jaxrl.config.grpo import BUILTIN_REWARD_NAMES
+from jaxrl.config.reward_entries import BUILTIN_REWARD_NAMES
 from jaxrl.losses.advantages import compute_advantages
 from jaxrl.rollout.builtin_rewards import (
     BUILTIN_REWARDS,

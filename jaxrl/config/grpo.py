@@ -10,25 +10,24 @@ checks (``jaxrl.losses.loss_types``, ``jaxrl.losses.advantages``), imported, not
 ``reward_funcs`` holds the entries as written (names, mappings, ``"pkg.module:function"``,
 ``"file.py:function"``, or callables from Python), checked for their shape only: the trainer
 imports and checks the functions (``jaxrl.rollout.reward_specs``), so building a config runs no
-user code.
+user code (``jaxrl.config.reward_entries``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from jaxrl.config.base import (
     WORLD_SIZE_FROM_MESH,
     ConfigError,
-    config_error,
     removed_fields,
     require,
     require_choice,
 )
+from jaxrl.config.reward_entries import check_reward_specs
 from jaxrl.losses.advantages import AGGREGATIONS, SCALE_REWARDS
 from jaxrl.losses.loss_types import (
     GRPO_LOSS_TYPES,
@@ -37,70 +36,10 @@ from jaxrl.losses.loss_types import (
 )
 
 LR_SCHEDULER_TYPES = ("constant", "cosine", "linear")  # the GRPO stage's decay after warmup
-# Names of the built-in reward functions (``jaxrl.rollout.builtin_rewards`` maps each to its class)
-BUILTIN_REWARD_NAMES = ("exact_answer", "format", "length_penalty")
 EVAL_FIX = (
     "removed: jaxrl evaluates on data.eval (or the built-in task's eval problems) every "
     "logging.eval_every steps; delete the key"
 )
-
-
-def reward_file_spec(spec: str) -> tuple[str, str] | None:
-    """``(path, function)`` of a ``"path/to/file.py:function"`` reward entry, else None."""
-    path, sep, func = spec.rpartition(":")
-    return (path, func) if sep and path.endswith(".py") else None
-
-
-def check_reward_spec(where: str, spec: Any) -> None:
-    """Check the shape of one ``reward_funcs`` entry, without importing anything: a built-in
-    name, a mapping ``{name: <built-in>, ...}``, ``"pkg.module:function"`` (or
-    ``"pkg.module.function"``), ``"file.py:function"``, or a callable. ``where`` names the entry
-    in the ``ConfigError``."""
-    known = ", ".join(BUILTIN_REWARD_NAMES)
-    if isinstance(spec, Mapping):
-        name = spec.get("name")
-        if not isinstance(name, str) or name not in BUILTIN_REWARD_NAMES:
-            raise config_error(
-                where,
-                dict(spec),
-                "a mapping sets the parameters of a built-in reward: give 'name' as one of "
-                f"{known}" + did_you_mean(str(name), BUILTIN_REWARD_NAMES),
-            )
-    elif isinstance(spec, str):
-        if spec in BUILTIN_REWARD_NAMES or reward_file_spec(spec) is not None:
-            return
-        if ":" not in spec and "." not in spec:
-            raise config_error(
-                where,
-                spec,
-                f"not a built-in reward ({known})"
-                + did_you_mean(spec, BUILTIN_REWARD_NAMES)
-                + "; for your own function write 'package.module:function' or "
-                "'path/to/file.py:function'",
-            )
-    elif not callable(spec):
-        raise config_error(
-            where,
-            spec,
-            "use a built-in name, 'package.module:function', 'path/to/file.py:function', a "
-            "mapping {name: <built-in>, ...}, or (from Python) a callable",
-        )
-
-
-def check_reward_specs(specs: Any, field: str = "reward_funcs") -> None:
-    """``check_reward_spec`` of every entry of a list (``field[i]`` in errors); at least one."""
-    if isinstance(specs, str | Mapping) or not isinstance(specs, list | tuple):
-        raise config_error(field, specs, "give a list of reward functions")
-    if not specs:
-        raise config_error(field, list(specs), "GRPO needs at least one reward function")
-    for i, spec in enumerate(specs):
-        check_reward_spec(f"{field}[{i}]", spec)
-
-
-def did_you_mean(name: str, known: Sequence[str]) -> str:
-    """``"; did you mean 'x'?"`` for the closest of ``known``, else empty."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _positive_int(field: str, value: Any) -> None:

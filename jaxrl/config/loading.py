@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config.base import apply_overrides, from_dict, load_yaml
-from jaxrl.config.grpo import reward_file_spec
+from jaxrl.config.reward_entries import reward_file_spec
 from jaxrl.config.run import DistributedConfig, MeshConfig, RunConfig
 
 __all__ = ["anchor_reward_paths", "load_run_config"]

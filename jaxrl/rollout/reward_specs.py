@@ -13,7 +13,7 @@ An entry is one of (docs/rewards.md):
   (``--set``, Python) it is relative to the current directory;
 - from Python, any callable.
 
-The config checks each entry's shape when it is built (``jaxrl.config.grpo.check_reward_spec``);
+The config checks each entry's shape when it is built (``jaxrl.config.reward_entries``);
 the trainer loads them here, once, when a run starts, before the SFT warm start and before any
 compile. Every failure is a ``ConfigError`` naming the entry, its value and what is wrong
 ("module 'x' has no function 'y'", "file '...' does not exist", ...).
@@ -33,7 +33,12 @@ from types import ModuleType
 from typing import Any
 
 from jaxrl.config.base import ConfigError, config_error, from_dict
-from jaxrl.config.grpo import check_reward_spec, check_reward_specs, did_you_mean, reward_file_spec
+from jaxrl.config.reward_entries import (
+    check_reward_spec,
+    check_reward_specs,
+    did_you_mean,
+    reward_file_spec,
+)
 from jaxrl.rollout.builtin_rewards import BUILTIN_REWARDS
 from jaxrl.rollout.rewards import RewardFunc
 
