@@ -191,3 +191,25 @@ def test_schedule_plot_has_integer_rank_ticks_and_titles_that_fit(dp):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         if dp <= 32:
             assert [int(t) for t in ticks] == list(range(dp))
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["grpo.reward_funcs=[no_such_pkg.mod:f]"],
+         "config error: grpo.reward_funcs[0]='no_such_pkg.mod:f' is invalid: cannot import module"),
+        (["mesh.data=-1", "grpo.per_device_train_batch_size=1", "grpo.num_generations=16"],
+         "config error: grpo.generation_batch_size=8 is invalid: it must be divisible by "
+         "num_generations=16"),
+    ],
+)  # fmt: skip
+def test_what_a_run_checks_at_start_is_one_line_before_the_warm_start(tmp_path, capsys, sets,
+                                                                     message):  # fmt: skip
+    """The reward functions and a -1 mesh axis's world size are not the config's to check (it
+    imports nothing and touches no device); the run checks them first, before its SFT warm
+    start (grpo_tiny has 500 steps of it), with the config's one-line error and exit 2."""
+    args = ["train", "configs/grpo_tiny.yaml", "--set", f"output_dir={tmp_path}"]
+    assert main([*args, *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "sft").exists()
