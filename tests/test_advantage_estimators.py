@@ -77,3 +77,15 @@ def test_estimator_through_the_reward_matrix():
 def test_bad_estimator_settings_are_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         grpo_advantages(np.zeros(4), 2, **kwargs)
+
+
+def test_config_names_the_estimator_and_rejects_grpo_only_settings():
+    from jaxrl import ConfigError, GRPOConfig
+
+    assert GRPOConfig(advantage_estimator="rloo").advantage_estimator == "rloo"
+    with pytest.raises(ConfigError, match="advantage_estimator"):
+        GRPOConfig(advantage_estimator="ppo")
+    with pytest.raises(ConfigError, match="scale_rewards='none'.*GRPO's normalisation"):
+        GRPOConfig(advantage_estimator="reinforce_pp", scale_rewards="none")
+    with pytest.raises(ConfigError, match="multi_objective_aggregation.*sum_then_normalize"):
+        GRPOConfig(advantage_estimator="rloo", multi_objective_aggregation="normalize_then_sum")

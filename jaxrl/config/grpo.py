@@ -28,7 +28,7 @@ from jaxrl.config.base import (
     require_choice,
 )
 from jaxrl.config.reward_entries import check_reward_specs
-from jaxrl.losses.advantages import AGGREGATIONS, SCALE_REWARDS
+from jaxrl.losses.advantages import AGGREGATIONS, ESTIMATORS, SCALE_REWARDS
 from jaxrl.losses.loss_types import (
     GRPO_LOSS_TYPES,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -86,6 +86,8 @@ class GRPOConfig:
     loss_type: str = "dapo"  # grpo, bnpo, dr_grpo, dapo, seq_mean_token_sum
     importance_sampling_level: str = "token"  # token, or sequence (GSPO)
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
+    advantage_estimator: str = "grpo"  # grpo; rloo (leave-one-out); reinforce_pp (batch-
+    # normalised REINFORCE++): docs/algorithms/grpo.md §6
     reward_funcs: tuple[str | dict[str, Any] | Callable[..., Any], ...] | None = None  # None →
     # the trainer's default; built-in names, {name: ..., params}, "pkg.mod:fn", "file.py:fn"
     # (the trainer loads them: docs/rewards.md)
@@ -185,6 +187,22 @@ class GRPOConfig:
         require_choice(
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
+        require_choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        if self.advantage_estimator != "grpo":
+            require(
+                self.scale_rewards == "group",
+                "scale_rewards",
+                self.scale_rewards,
+                f"it is GRPO's normalisation; advantage_estimator={self.advantage_estimator!r} "
+                "scales its own way: remove scale_rewards",
+            )
+            require(
+                self.multi_objective_aggregation == "sum_then_normalize",
+                "multi_objective_aggregation",
+                self.multi_objective_aggregation,
+                f"normalize_then_sum is GRPO's; with advantage_estimator="
+                f"{self.advantage_estimator!r} use sum_then_normalize",
+            )
         if self.max_prompt_length is not None:
             _positive_int("max_prompt_length", self.max_prompt_length)
         for name in ("num_iterations", "max_completion_length"):

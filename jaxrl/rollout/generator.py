@@ -120,6 +120,7 @@ class RolloutGenerator:
             weights=self.reward_columns(rewards_BF.shape[1])[0],
             scale_rewards=c.scale_rewards,
             mode=c.multi_objective_aggregation,
+            estimator=c.advantage_estimator,
         )
         r = Rollouts(
             prompt_ids=[np.asarray(p, np.int32) for p in prompt_ids],
