@@ -24,7 +24,7 @@ from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import (
     RewardFunc,
-    TrainerState,
+    TrainingProgress,
     reward_inputs,
     reward_names,
     score_completions,
@@ -150,7 +150,7 @@ class RolloutGenerator:
         columns: Mapping[str, Sequence[Any]],
         key: jax.Array,
         *,
-        trainer_state: TrainerState | None = None,
+        trainer_state: TrainingProgress | None = None,
     ) -> Rollouts:
         """Sample one completion per prompt row with ``params``, score and build the batch.
 

@@ -122,10 +122,11 @@ class RunParts:
 
 
 def build_run(
-    cfg: RunConfig, vocab_size: int | None, objective: Objective, *, abstract: bool = False
+    cfg: RunConfig, vocab_size: int | None, objective: Objective | None, *, abstract: bool = False
 ) -> RunParts:
     """The mesh (``mesh_from_config``), model, train state and compiled step of ``cfg``,
-    minimising ``objective``.
+    minimising ``objective`` (``jaxrl.train.objectives``; None for a run that is never stepped,
+    e.g. one that only exports).
 
     ``abstract``: shapes only, for planning (``jaxrl memory``): nothing is allocated, a
     ``model.path`` contributes its config.json alone, and the attention kernel is not checked

@@ -27,7 +27,7 @@ from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
-from jaxrl.rollout.rewards import RewardFunc, TrainerState, check_reward
+from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
 from jaxrl.rollout.rollouts import Rollouts, documents_of
 from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
@@ -187,7 +187,9 @@ class GRPOTrainer:
             [r["prompt"] for r in rows],
             {k: [r.get(k) for r in rows] for k in self.columns},
             jax.random.fold_in(jax.random.key(self.cfg.seed), n),
-            trainer_state=TrainerState(global_step=self.session.step, max_steps=self.cfg.max_steps),
+            trainer_state=TrainingProgress(
+                global_step=self.session.step, max_steps=self.cfg.max_steps
+            ),
         )
         self.current_id = self._keep(rollouts)
         return {"row": np.arange(len(idx)), "generation": np.asarray(self.current_id)}
