@@ -103,7 +103,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 
 def abstract_batch(mesh: Any, max_tokens: int, slots: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
-    """The train step's batch ``[R, K, T]`` (``doc_sample_index``: ``[R, K, S]``) as abstract
+    """The train step's batch ``[R, M, T]`` (``doc_sample_index``: ``[R, M, S]``) as abstract
     arrays split over the batch axes, with the dtypes the step planner produces."""
     ranks, sharding = batch_ranks(mesh), batch_sharding(mesh)
     batch = {}

@@ -74,13 +74,13 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
         logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
-        ref_c_BP, ref_r_BP = pair_documents(mb[REF_FIELD]) if needs_ref else (None, None)
+        ref_c_BPr, ref_r_BPr = pair_documents(mb[REF_FIELD]) if needs_ref else (None, None)
         return dpo_loss_terms(
             logp_BT,
             mb["loss_mask"],
             mb["segment_ids"],
-            ref_c_BP,
-            ref_r_BP,
+            ref_c_BPr,
+            ref_r_BPr,
             num_segments=mb["doc_sample_index"].shape[-1],
             **kwargs,
         )
