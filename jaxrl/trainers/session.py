@@ -99,7 +99,8 @@ def make_output_dir(path: Path) -> None:
 
 
 class Session:
-    """One run's model, compiled step, state, checkpointer and metrics file."""
+    """One run (``build_run``: mesh, model, state, compiled step) with its output directory,
+    checkpointer and metrics file."""
 
     def __init__(self, cfg: RunConfig, vocab_size: int, objective: Objective | None):
         """``objective``: what the train step minimises (``jaxrl.train.objectives``); None for
