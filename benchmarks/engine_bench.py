@@ -22,11 +22,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from jaxrl.config import SFTConfig  # noqa: E402
 from jaxrl.data.packing import pack_sequences  # noqa: E402
-from jaxrl.losses.sft import sft_terms  # noqa: E402
 from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
-from jaxrl.train.forward import micro_batch_logprobs  # noqa: E402
+from jaxrl.train.objectives import on_params, sft_objective  # noqa: E402
 from jaxrl.train.state import TrainState  # noqa: E402
 from jaxrl.train.step import TrainStep, make_mesh  # noqa: E402
 
@@ -66,7 +66,6 @@ def main() -> None:
     k = real
     batch_np = {f: getattr(packed, f) for f in FIELDS}
     bucket_np = {f: getattr(bucket, f) for f in FIELDS}
-    segments = 64
 
     cfg = ModelConfig.tiny(
         args.vocab,
@@ -76,12 +75,7 @@ def main() -> None:
     )
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
 
-    def loss(p, mb):
-        model = nnx.merge(graphdef, p)
-        logp, _ = micro_batch_logprobs(model, mb)
-        return sft_terms(
-            logp, mb["loss_mask"], mb["segment_ids"], mode="token", num_segments=segments
-        )
+    loss = on_params(sft_objective(SFTConfig(loss_normalization="token")), graphdef)
 
     tx = optax.adamw(1e-3)
     mesh = make_mesh(1)

@@ -49,11 +49,11 @@ import numpy as np  # noqa: E402
 from jaxrl.config import load_run_config  # noqa: E402
 from jaxrl.data.feed import DocumentFeed  # noqa: E402
 from jaxrl.data.tokenizer import char_tokenizer  # noqa: E402
-from jaxrl.losses.sft import sft_terms  # noqa: E402
 from jaxrl.models.hf import save_pretrained  # noqa: E402
-from jaxrl.train.forward import micro_batch_logprobs  # noqa: E402
+from jaxrl.train.build import build_task  # noqa: E402
+from jaxrl.train.objectives import sft_objective  # noqa: E402
 from jaxrl.train.optimizer import learning_rate_schedule  # noqa: E402
-from jaxrl.trainers.session import Session, build_task  # noqa: E402
+from jaxrl.trainers.session import Session  # noqa: E402
 from jaxrl.trainers.sft import encode_examples  # noqa: E402
 
 SHAPES = {
@@ -108,16 +108,8 @@ class JaxrlVariant:
 
     def __init__(self, args, overrides, vocab, seqs, masks, out):
         self.cfg = load_run_config(args.config, [*overrides, f"output_dir={out}"])
-        mode, chunk = self.cfg.sft.loss_normalization, self.cfg.model.logprob_chunk
-
-        def loss(model, mb):
-            logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
-            segments = mb["doc_sample_index"].shape[-1]
-            return sft_terms(
-                logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
-            )
-
-        self.session = Session(self.cfg, vocab, loss)
+        objective = sft_objective(self.cfg.sft, chunk_size=self.cfg.model.logprob_chunk)
+        self.session = Session(self.cfg, vocab, objective)
         self.seqs, self.masks = seqs, masks
         self.lengths = np.asarray([len(s) for s in seqs], np.int64)
 

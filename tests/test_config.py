@@ -49,17 +49,6 @@ def test_missing_config_file():
         load_run_config("configs/nope.yaml")
 
 
-def test_model_init_may_name_the_vocabulary_size():
-    from jaxrl.trainers.session import model_config
-
-    cfg = load_run_config("configs/sft_tiny.yaml", ["model.init.vocab_size=64"])
-    assert model_config(cfg, 19).vocab_size == 64  # padded past the tokenizer, as HF models are
-    assert model_config(load_run_config("configs/sft_tiny.yaml"), 19).vocab_size == 19
-    small = load_run_config("configs/sft_tiny.yaml", ["model.init.vocab_size=10"])
-    with pytest.raises(ConfigError, match=r"model.init.vocab_size=10 .* tokenizer has 19"):
-        model_config(small, 19)
-
-
 # -- a config is plain data: no devices, no user code; the run fills in the world size ------
 
 

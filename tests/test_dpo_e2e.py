@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 from jaxrl.cli import main
-from jaxrl.config import ConfigError, load_run_config
+from jaxrl.config import ConfigError, DPOConfig, load_run_config
 from jaxrl.data.packing import pack_micro_batches
 from jaxrl.data.preference import PairDocuments, pair_micro_batches
-from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.accumulate import make_accumulate
-from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.metrics import read_metrics
+from jaxrl.train.objectives import dpo_objective, on_params
 from jaxrl.train.step import make_mesh
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.session import Session
@@ -96,22 +95,8 @@ def _reference(graphdef, params, docs: PairDocuments, refs: np.ndarray, normaliz
 
 
 def _loss_fn(graphdef, normalize):
-    def loss_fn(p, mb):
-        logp_BT, _ = micro_batch_logprobs(nnx.merge(graphdef, p), mb)
-        ref_c, ref_r = pair_documents(mb["ref_logp"])
-        segments = mb["doc_sample_index"].shape[-1]
-        return dpo_loss_terms(
-            logp_BT,
-            mb["loss_mask"],
-            mb["segment_ids"],
-            ref_c,
-            ref_r,
-            num_segments=segments,
-            beta=BETA,
-            normalize=normalize,
-        )
-
-    return loss_fn
+    """The trainer's DPO objective on parameters, as the engine calls it."""
+    return on_params(dpo_objective(DPOConfig(beta=BETA, normalize=normalize)), graphdef)
 
 
 def _packed(docs, refs, ids, dp, max_tokens):

@@ -16,9 +16,9 @@ from hf_fixtures import write_chat_checkpoint
 
 from jaxrl.config import load_run_config
 from jaxrl.rollout.sampler import Sampler, SamplingParams
+from jaxrl.train.build import build_task
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.grpo import GRPOTrainer
-from jaxrl.trainers.session import build_task
 from jaxrl.trainers.sft import SFTTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

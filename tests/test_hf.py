@@ -259,7 +259,7 @@ def _export(tmp_path: Path, path: Path | None, *sets: str) -> Path:
          "model.remat=none", *sets],
     )  # fmt: skip
     tokenizer = load_tokenizer(path) if path else char_tokenizer("0123456789+=")
-    session = Session(cfg, tokenizer.vocab_size, loss=None)
+    session = Session(cfg, tokenizer.vocab_size, objective=None)
     try:
         return session.export(tokenizer)
     finally:

@@ -14,10 +14,10 @@ from jaxrl.cli import main
 from jaxrl.config import load_run_config
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.runtime.mesh import mesh_from_config, use_devices
+from jaxrl.train.build import build_model, build_task
 from jaxrl.train.memory import plan_memory
 from jaxrl.train.optimizer import make_optimizer
 from jaxrl.train.state import create_state
-from jaxrl.trainers.session import build_model, build_task
 
 TINY = "configs/sft_tiny.yaml"
 TINY_8 = ["mesh.data=2", "mesh.fsdp=4"]

@@ -53,7 +53,7 @@ def _first_moments(opt_state):
 def _one_step(trainer: SFTTrainer):
     before = _host(trainer.session.state.params)
     trainer.session.resume({})
-    trainer.session.train_on(trainer.plan_step())
+    trainer.session.train_on(trainer.next_batch())
     after = _host(trainer.session.state.params)
     mu = _host(_first_moments(trainer.session.state.opt_state))
     return before, after, mu

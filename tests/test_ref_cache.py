@@ -12,18 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.config import load_run_config
+from jaxrl.config import DPOConfig, load_run_config
 from jaxrl.data.packing import pack_micro_batches
 from jaxrl.data.preference import arithmetic_pairs, encode_pairs, pair_micro_batches
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
-from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime import mesh as mesh_lib
 from jaxrl.train import ref_cache
 from jaxrl.train.accumulate import make_accumulate
-from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.objectives import dpo_objective, on_params
 from jaxrl.train.ref_cache import (
     CacheIdentity,
     ReferenceCache,
@@ -217,13 +216,7 @@ def test_step_zero_policy_equals_reference():
     np.testing.assert_allclose(again.rejected, cache.rejected, rtol=1e-5)
 
     # the training loss through the engine, 8 ranks, many micro-batches, params = reference
-    def loss_fn(p, mb):
-        logp_BT, _ = micro_batch_logprobs(nnx.merge(graphdef, p), mb)
-        ref_c, ref_r = pair_documents(mb["ref_logp"])
-        segments = mb["doc_sample_index"].shape[-1]
-        return dpo_loss_terms(
-            logp_BT, mb["loss_mask"], mb["segment_ids"], ref_c, ref_r, num_segments=segments
-        )
+    loss_fn = on_params(dpo_objective(DPOConfig()), graphdef)
 
     ids = np.random.default_rng(0).permutation(40)
     layout = pair_micro_batches(ids, docs.pair_lengths, dp_size=8, max_tokens=48)

@@ -180,7 +180,7 @@ def test_micro_batch_buckets_set_the_slot_count(tmp_path):
          "schedule.micro_batch_buckets=[3, 12]"],
     )  # fmt: skip
     trainer = SFTTrainer(cfg)
-    batch = trainer.plan_step()
+    batch = trainer.next_batch()
     trainer.session.close()
     assert (
         batch.arrays["tokens"].shape[1] in (3, 12)

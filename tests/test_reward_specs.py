@@ -23,7 +23,7 @@ from jaxrl.rollout.builtin_rewards import (
 )
 from jaxrl.rollout.rewards import (
     RewardFunctionError,
-    TrainerState,
+    TrainingProgress,
     reward_inputs,
     reward_names,
     score_completions,
@@ -195,7 +195,7 @@ def test_functions_are_called_like_trl():
         seen.append(kwargs)
         return [0.0] * len(kwargs["completions"])
 
-    state = TrainerState(global_step=3, max_steps=10)
+    state = TrainingProgress(global_step=3, max_steps=10)
     score_completions(
         [spy],
         ["p0", "p1"],

@@ -97,7 +97,7 @@ def test_parameters_and_moments_are_sharded_over_fsdp(tmp_path):
     shardings = jax.tree.map(lambda x: x.sharding, state.params)
     assert bytes_per_device(state.params, shardings) == per_device
     # The train step returns the state in the same shardings (no silent replication).
-    trainer.session.train_on(trainer.plan_step())
+    trainer.session.train_on(trainer.next_batch())
     after = trainer.session.state
     assert jax.tree.map(lambda x: x.sharding, after.params) == shardings
     leaf = jax.tree.leaves(after.params)[0]

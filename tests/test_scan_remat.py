@@ -316,7 +316,7 @@ def test_scanned_training_on_a_data_fsdp_tensor_mesh(tmp_path):
             mu = session.state.opt_state[0].mu["layers"]["attn"]["q_kernel"].get_value()
             assert mu.sharding.spec == q.sharding.spec
             shardings = jax.tree.map(lambda x: x.sharding, session.state.params)
-        rows[scan] = [session.train_on(trainer.plan_step()) for _ in range(2)]
+        rows[scan] = [session.train_on(trainer.next_batch()) for _ in range(2)]
     assert jax.tree.map(lambda x: x.sharding, session.state.params) == shardings
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(

@@ -108,12 +108,12 @@ def test_running_out_of_data_raises_before_a_partial_step(tmp_path):
     )
     trainer = SFTTrainer(cfg)
     trainer.feed = DocumentFeed(50, seed=0, num_epochs=1)
-    trainer.plan_step()
-    trainer.plan_step()  # 40 of 50 consumed
+    trainer.next_batch()
+    trainer.next_batch()  # 40 of 50 consumed
     with pytest.raises(
         OutOfDataError, match=r"ran out with \d+ documents available for a step of 20"
     ):
-        trainer.plan_step()
+        trainer.next_batch()
 
 
 def test_rows_are_as_long_as_their_content_not_the_budget(tmp_path):

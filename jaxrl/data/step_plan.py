@@ -53,7 +53,7 @@ def device_arrays(packed: PackedBatch, extra: Sequence[str] = ()) -> dict[str, n
     return arrays
 
 
-def plan_step(
+def step_micro_batches(
     ids: Sequence[int],
     lengths: Any,
     *,
@@ -113,12 +113,13 @@ def plan_device_batch(
     doc_fields: Mapping[str, Sequence[float] | np.ndarray] | None = None,
     local_ranks: Sequence[int] | None = None,
 ) -> StepBatch:
-    """Plan (``plan_step``) and pack one step; ``sequences`` etc. are indexed by document.
+    """Plan (``step_micro_batches``) and pack one step; ``sequences`` etc. are indexed by
+    document.
 
     ``local_ranks``: the ranks this process feeds (``jaxrl.runtime.mesh.local_ranks``); None packs
     every rank. The arrays include ``token_fields`` and ``doc_fields`` by name.
     """
-    micro_batches, used, returned = plan_step(
+    micro_batches, used, returned = step_micro_batches(
         ids, lengths, ranks=ranks, schedule=schedule, pairs=pairs
     )
     packed = pack_micro_batches(

@@ -47,20 +47,12 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")  # dtypes save_pretrained write
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def config_from_hf(
-    hf: Mapping[str, Any],
-    *,
-    param_dtype: str = "float32",
-    dtype: str | None = None,
-    fp32_lm_head: bool = False,
-    attention_impl: str = "auto",
-    attention_block_size: int = 128,
-    scan_layers: bool = False,
-    remat: str = "none",
-) -> ModelConfig:
-    """ModelConfig from a transformers ``config.json`` dict (v4 or v5 rope format); the
-    keyword arguments are jaxrl's run settings (precision, attention kernel, layer stack;
-    ``ModelConfig``), which config.json does not hold."""
+def config_from_hf(hf: Mapping[str, Any], **settings: Any) -> ModelConfig:
+    """ModelConfig from a transformers ``config.json`` dict (v4 or v5 rope format); ``settings``
+    are jaxrl's run settings, which config.json does not hold: ``ModelConfig``'s precision,
+    attention kernel and layer stack fields (``param_dtype``, ``dtype``, ``fp32_lm_head``,
+    ``attention_impl``, ``attention_block_size``, ``scan_layers``, ``remat``), its defaults
+    where left out."""
     archs = list(hf.get("architectures") or [])
     model_type = hf.get("model_type")
     known = [a for a in archs if a in ARCHITECTURES]
@@ -108,13 +100,7 @@ def config_from_hf(
         attention_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        param_dtype=param_dtype,
-        dtype=dtype,
-        fp32_lm_head=fp32_lm_head,
-        attention_impl=attention_impl,
-        attention_block_size=attention_block_size,
-        scan_layers=scan_layers,
-        remat=remat,
+        **settings,
     )
 
 
@@ -290,6 +276,22 @@ def from_pretrained(
     (``ModelConfig``); a scanned model's stacked parameters are filled layer by layer on the
     devices, so the host still holds one tensor at a time.
     """
+    config = read_config(
+        path,
+        param_dtype=param_dtype,
+        dtype=dtype,
+        fp32_lm_head=fp32_lm_head,
+        attention_impl=attention_impl,
+        attention_block_size=attention_block_size,
+        scan_layers=scan_layers,
+        remat=remat,
+    )
+    return load_pretrained(path, config, mesh=mesh)
+
+
+def read_config(path: str | os.PathLike[str], **settings: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a local HF directory: its config.json (``config_from_hf``) with
+    the run ``settings``; no weight is read."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(
@@ -299,20 +301,18 @@ def from_pretrained(
     config_path = root / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a HF model directory needs it")
-    hf_config = _read_json(config_path)
     try:
-        config = config_from_hf(
-            hf_config,
-            param_dtype=param_dtype,
-            dtype=dtype,
-            fp32_lm_head=fp32_lm_head,
-            attention_impl=attention_impl,
-            attention_block_size=attention_block_size,
-            scan_layers=scan_layers,
-            remat=remat,
-        )
+        return config_from_hf(_read_json(config_path), **settings)
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
+
+
+def load_pretrained(
+    path: str | os.PathLike[str], config: ModelConfig, *, mesh: Mesh | None = None
+) -> Transformer:
+    """The weights of a local HF directory in a model of ``config`` (``read_config`` of the same
+    directory), each tensor placed on its shards when ``mesh`` is given."""
+    root = Path(path)
     with contextlib.ExitStack() as stack:
         # name -> open file; tensors are read one at a time, as the state is filled.
         tensors = {

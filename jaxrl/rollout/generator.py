@@ -23,7 +23,7 @@ from jaxrl.losses.advantages import compute_advantages, reward_metrics
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.rewards import (
     RewardFunc,
-    TrainerState,
+    TrainingProgress,
     reward_inputs,
     reward_names,
     score_completions,
@@ -150,7 +150,7 @@ class RolloutGenerator:
         columns: Mapping[str, Sequence[Any]],
         key: jax.Array,
         *,
-        trainer_state: TrainerState | None = None,
+        trainer_state: TrainingProgress | None = None,
     ) -> Rollouts:
         """Sample one completion per prompt row with ``params``, score and build the batch.
 

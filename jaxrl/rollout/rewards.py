@@ -11,8 +11,9 @@ TRL (``GRPOTrainer._calculate_rewards``, v0.20 and later, including 1.x) calls i
   ``[{"role": "assistant", "content": text}]`` and, as in TRL, a prompt ending in an assistant
   message has that message removed from ``prompts`` and its content put before the text;
 - ``completion_ids``: each completion's token ids (a list of ints, EOS included);
-- ``trainer_state``: ``TrainerState`` (``global_step``, ``max_steps``; TRL passes transformers'
-  ``TrainerState``, whose fields of those names mean the same; TRL added it in v0.20);
+- ``trainer_state``: ``TrainingProgress`` (``global_step``, ``max_steps``; TRL passes
+  transformers' ``TrainerState``, whose fields of those names mean the same; TRL added it in
+  v0.20);
 - every other dataset column (``answer``, ...) as a list in row order.
 
 So a TRL reward function runs unchanged: it names what it needs and takes ``**kwargs`` for the
@@ -52,7 +53,7 @@ __all__ = [
     "check_reward",
     "RewardFunctionError",
     "RewardTimeoutError",
-    "TrainerState",
+    "TrainingProgress",
     "reward_inputs",
     "reward_name",
     "reward_names",
@@ -69,8 +70,9 @@ class RewardTimeoutError(RewardFunctionError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainerState:
-    """What TRL's ``trainer_state`` argument offers reward functions (transformers' names)."""
+class TrainingProgress:
+    """What TRL's ``trainer_state`` argument (transformers' ``TrainerState``) offers reward
+    functions, under transformers' field names."""
 
     global_step: int = 0  # optimizer steps done before this generation
     max_steps: int = 0  # optimizer steps the run trains for
@@ -150,7 +152,7 @@ def score_completions(
     columns: Mapping[str, Sequence[Any]] | None = None,
     *,
     completion_ids: Sequence[Sequence[int]] | None = None,
-    trainer_state: TrainerState | None = None,
+    trainer_state: TrainingProgress | None = None,
     timeout: float | None = None,
 ) -> np.ndarray:
     """float64 ``[B, F]``: function k's reward of row i at ``[i, k]``; None → NaN.

@@ -1,9 +1,10 @@
 """Will it fit? Per-device memory of a run, planned without allocating the model.
 
-:func:`plan_memory` builds the run's mesh, the *abstract* model and train state
-(``nnx.eval_shape`` / ``jax.eval_shape``: shapes and dtypes, no buffers), their shardings under
-the package's rule table, and lowers and compiles the real train step (``TrainStep``: the
-``shard_map`` accumulation loop, clipping, AdamW) on abstract inputs of the configured shapes.
+:func:`plan_memory` builds the run as training does (``jaxrl.train.build.build_run``: mesh,
+model, train state, shardings under the package's rule table, compiled step) but *abstract*
+(``nnx.eval_shape`` / ``jax.eval_shape``: shapes and dtypes, no buffers), and lowers and
+compiles the real train step (``TrainStep``: the ``shard_map`` accumulation loop, clipping,
+AdamW) on abstract inputs of the configured shapes.
 Nothing the size of a parameter is ever allocated, so a 7B plan runs on a laptop; CPU host
 devices stand in for the target's accelerators (``jaxrl memory`` asks XLA for as many as the
 mesh needs).
@@ -27,18 +28,16 @@ Numbers are bytes on the largest device:
   sampler copy and, with β > 0, its frozen reference (0 for SFT and DPO: the step casts each
   weight where it is used, inside its temporaries; DPO's reference is a cache of log-probs).
 - ``total_bytes`` = params + optimizer + grads + compute copies + temp: the peak on the device
-  (the
-  arguments stay live throughout, the temporaries peak on top). The batch (a few int32 rows of
-  ``max_tokens``) is left out, and so are the outputs: the state is donated, so the new state
-  is written over the old one (``output_bytes`` / ``alias_bytes`` give XLA's view).
+  (the arguments stay live throughout, the temporaries peak on top). The batch (a few int32
+  rows of ``max_tokens``) is left out, and so are the outputs: the state is donated, so the new
+  state is written over the old one (``output_bytes`` / ``alias_bytes`` give XLA's view).
 
-Every algorithm is planned with the SFT loss (``loss: "sft"``): GRPO and DPO run the same
-forward and backward through the same engine and only add a few per-token / per-document fp32
-fields. What the plan does not cover is reported in ``notes`` (e.g. GRPO's generation: the
-sampler's KV cache). The compiler's
-temporaries are
-the CPU backend's: a GPU or TPU compile fuses and schedules differently, so treat
-``temp_bytes`` as an estimate and leave headroom.
+Every algorithm is planned with the SFT objective (``loss: "sft"``; ``jaxrl.train.objectives``):
+GRPO and DPO run the same forward and backward through the same engine and only add a few
+per-token / per-document fp32 fields. What the plan does not cover is reported in ``notes``
+(e.g. GRPO's generation: the sampler's KV cache). The compiler's temporaries are the CPU
+backend's: a GPU or TPU compile fuses and schedules differently, so treat ``temp_bytes`` as an
+estimate and leave headroom.
 
 Cost: the compile dominates. Unrolled (the default), it grows with the layer count, because the
 layers are a Python loop in the step's HLO, forward and backward: a 28-layer 7B step compiles
@@ -51,27 +50,21 @@ batch has one slot per rank.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.step_plan import DEVICE_FIELDS
-from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.sharding import bytes_per_device, state_shardings
-from jaxrl.models.transformer import Transformer
-from jaxrl.runtime.mesh import batch_ranks, batch_sharding, mesh_from_config, replicated
-from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl.train.state import TrainState
-from jaxrl.train.step import TrainStep
+from jaxrl.data.tokenizer import char_tokenizer
+from jaxrl.models.sharding import bytes_per_device
+from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
+from jaxrl.train.build import RunParts, build_run, build_task
+from jaxrl.train.objectives import sft_objective
 
 SEGMENT_SLOTS = 2  # documents per packed row in the abstract batch (shapes only)
 _FLOAT_FIELDS = ("loss_mask",)
@@ -81,64 +74,23 @@ _FLOAT_FIELDS = ("loss_mask",)
 _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def model_shape(cfg: RunConfig) -> ModelConfig:
-    """The model the run trains, as the trainers build it, without reading any weight.
-
-    ``model.path``: its ``config.json``. Otherwise ``model.init`` (``ModelConfig.tiny``
-    overrides); the vocabulary is ``model.init.vocab_size`` when given, else the built-in
-    task's character tokenizer, as the trainers size it.
-    """
-    from jaxrl.trainers.session import build_task, model_config
-
+def plan_run(cfg: RunConfig) -> RunParts:
+    """The run the trainers would build (``build_run``), on abstract values, with the SFT
+    objective. The vocabulary is ``model.path``'s config.json, else ``model.init.vocab_size``
+    when given, else the built-in task's character tokenizer, as the trainers size it. A bad
+    ``model`` section is a ``ConfigError`` naming it."""
     m = cfg.model
-    if m.path is not None:
-        from jaxrl.models.hf import config_from_hf
-
-        config_json = Path(m.path) / "config.json"
-        if not config_json.is_file():
-            raise ConfigError(
-                f"model.path={m.path!r} is invalid: {config_json} does not exist; point it at a "
-                "local Hugging Face model directory (only config.json is read)"
-            )
-        try:
-            return config_from_hf(
-                json.loads(config_json.read_text()),
-                param_dtype=m.param_dtype,
-                dtype=m.dtype,
-                fp32_lm_head=m.fp32_lm_head,
-                attention_impl=m.attention_impl,
-                attention_block_size=m.attention_block_size,
-                scan_layers=m.scan_layers,
-                remat=m.remat,
-            )
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"model.path={m.path!r}: {e}") from e
-    init = dict(m.init)
-    vocab_size = init.pop("vocab_size", None)
-    if vocab_size is None:
-        from jaxrl.data.tokenizer import char_tokenizer
-
+    vocab_size = None
+    if m.path is None and "vocab_size" not in m.init:
         vocab_size = char_tokenizer(build_task(cfg).alphabet).vocab_size
-    section = dataclasses.replace(m, init=init)
+    objective = sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk)
     try:
-        return model_config(dataclasses.replace(cfg, model=section), vocab_size)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"model.init: {e}") from e
-
-
-def _sft_loss(cfg: RunConfig, graphdef: Any) -> Any:
-    """The SFT trainer's loss, bound to the model's graph as ``Session`` binds it."""
-    from jaxrl.losses.sft import sft_terms
-    from jaxrl.train.forward import micro_batch_logprobs
-
-    mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
-
-    def loss_fn(params: Any, mb: dict[str, jax.Array]) -> Any:
-        logp, _ = micro_batch_logprobs(nnx.merge(graphdef, params), mb, chunk_size=chunk)
-        segments = mb["doc_sample_index"].shape[-1]
-        return sft_terms(logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments)
-
-    return loss_fn
+        return build_run(cfg, vocab_size, objective, abstract=True)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
+        where = f"model.path={m.path!r}" if m.path is not None else "model.init"
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -151,7 +103,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 
 def abstract_batch(mesh: Any, max_tokens: int, slots: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
-    """The train step's batch ``[R, K, T]`` (``doc_sample_index``: ``[R, K, S]``) as abstract
+    """The train step's batch ``[R, M, T]`` (``doc_sample_index``: ``[R, M, S]``) as abstract
     arrays split over the batch axes, with the dtypes the step planner produces."""
     ranks, sharding = batch_ranks(mesh), batch_sharding(mesh)
     batch = {}
@@ -174,17 +126,8 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     lowering and compile times and ``notes``. Raises ``ConfigError`` when the mesh does not
     match the devices (the rule training applies) or the model section is invalid.
     """
-    mesh = mesh_from_config(cfg.mesh)
-    config = model_shape(cfg)
-    tx = make_optimizer(cfg.optimizer, cfg.max_steps)
-
-    def init() -> TrainState:  # what create_state runs under jit, here only traced
-        params = nnx.split(Transformer(config, rngs=nnx.Rngs(params=cfg.seed)))[1]
-        return TrainState.create(params, tx, cfg.seed)
-
-    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
-    state = jax.eval_shape(init)
-    shardings = state_shardings(state, mesh)
+    run = plan_run(cfg)
+    mesh, config, state, shardings = run.mesh, run.model_config, run.state, run.shardings
     params_bytes = bytes_per_device(state.params, shardings.params)
     optimizer_bytes = bytes_per_device(state.opt_state, shardings.opt_state)
     grads32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
@@ -200,7 +143,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     )
     compute_copy_bytes = copies * bytes_per_device(compute_shapes, shardings.params)
 
-    analysis, lower_s, compile_s = _compile_step(cfg, mesh, graphdef, tx, state, shardings)
+    analysis, lower_s, compile_s = _compile_step(cfg, run)
     compiled_temp = int(analysis.temp_size_in_bytes)
     temp_bytes = max(compiled_temp - grads_bytes, 0)  # the accumulator is one of XLA's temps
     platform = mesh.devices.flat[0].platform
@@ -257,27 +200,15 @@ _MODEL_FIELDS = (
 )
 
 
-def _compile_step(
-    cfg: RunConfig, mesh: Any, graphdef: Any, tx: Any, state: Any, shardings: Any
-) -> tuple[Any, float, float]:
-    """``(memory_analysis, lower_s, compile_s)`` of the real train step, built as ``Session``
-    builds it, lowered on abstract state / batch / bounds in their shardings."""
-    step = TrainStep(
-        _sft_loss(cfg, graphdef),
-        tx,
-        mesh,
-        learning_rate=learning_rate_schedule(cfg.optimizer, cfg.max_steps),
-        max_grad_norm=cfg.optimizer.max_grad_norm,
-        docs_per_step=cfg.schedule.docs_per_step,
-        state_shardings=shardings,
-        master_rounding=cfg.optimizer.master_rounding,
-    )
-    batch = abstract_batch(mesh, cfg.schedule.max_tokens)
-    bounds = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated(mesh))
+def _compile_step(cfg: RunConfig, run: RunParts) -> tuple[Any, float, float]:
+    """``(memory_analysis, lower_s, compile_s)`` of the run's train step, lowered on abstract
+    state / batch / bounds in their shardings."""
+    batch = abstract_batch(run.mesh, cfg.schedule.max_tokens)
+    bounds = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated(run.mesh))
     started = time.perf_counter()
-    lowered = step._jitted.lower(_abstract(state, shardings), batch, bounds)
+    lowered = run.step._jitted.lower(_abstract(run.state, run.shardings), batch, bounds)
     lowered_at = time.perf_counter()
-    cpu = mesh.devices.flat[0].platform == "cpu"
+    cpu = run.mesh.devices.flat[0].platform == "cpu"
     compiled = lowered.compile(_CPU_COMPILER_OPTIONS if cpu else None)
     done = time.perf_counter()
     return compiled.memory_analysis(), lowered_at - started, done - lowered_at

@@ -37,6 +37,16 @@ class TrainState:
         )
 
 
+def abstract_state(
+    params_fn: Callable[[], Any] | Any, tx: optax.GradientTransformation, seed: int, mesh: Mesh
+) -> tuple[TrainState, Any]:
+    """``(shapes, shardings)`` of the state :func:`create_state` builds: ``ShapeDtypeStruct``s
+    (nothing is allocated) and their shardings under the ``jaxrl.models.sharding`` rules."""
+    init, args = _initializer(params_fn, tx, seed)
+    shapes = jax.eval_shape(init, *args)
+    return shapes, state_shardings(shapes, mesh)
+
+
 def create_state(
     params_fn: Callable[[], Any] | Any, tx: optax.GradientTransformation, seed: int, mesh: Mesh
 ) -> tuple[TrainState, Any]:
@@ -47,11 +57,15 @@ def create_state(
     under ``jit`` with sharded outputs), or already-placed parameters (e.g. from
     ``from_pretrained(..., mesh=mesh)``), which are not copied to one device either.
     """
-    if callable(params_fn):
-        init = lambda: TrainState.create(params_fn(), tx, seed)  # noqa: E731
-        args: tuple[Any, ...] = ()
-    else:
-        init = lambda params: TrainState.create(params, tx, seed)  # noqa: E731
-        args = (params_fn,)
-    shardings = state_shardings(jax.eval_shape(init, *args), mesh)
+    init, args = _initializer(params_fn, tx, seed)
+    _, shardings = abstract_state(params_fn, tx, seed, mesh)
     return jax.jit(init, out_shardings=shardings)(*args), shardings
+
+
+def _initializer(
+    params_fn: Callable[[], Any] | Any, tx: optax.GradientTransformation, seed: int
+) -> tuple[Callable[..., TrainState], tuple[Any, ...]]:
+    """``(init, args)`` with ``init(*args)`` the fresh state."""
+    if callable(params_fn):
+        return lambda: TrainState.create(params_fn(), tx, seed), ()
+    return lambda params: TrainState.create(params, tx, seed), (params_fn,)

@@ -2,7 +2,8 @@
 
 Orchestration only: pairs and their packing live in ``jaxrl.data.preference``, the reference
 cache in ``jaxrl.train.ref_cache``, the no-grad forward it shares with held-out evaluation in
-``jaxrl.train.score`` (every device), the loss in ``jaxrl.losses.dpo``.
+``jaxrl.train.score`` (every device), the objective in ``jaxrl.train.objectives`` (the loss in
+``jaxrl.losses.dpo``).
 A step takes ``dpo.pairs_per_step`` pairs (b · g · P) from a seeded feed of pair ids, schedules
 them as ``len_c + len_r`` samples, lays each pair out as adjacent chosen/rejected documents, and
 hands the cached reference values to the loss as per-document fields.
@@ -16,7 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
@@ -33,10 +33,8 @@ from jaxrl.data.preference import (
 from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
-from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
-from jaxrl.losses.normalize import LossTerms
-from jaxrl.models.transformer import Transformer
-from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.build import build_task
+from jaxrl.train.objectives import REF_FIELD, dpo_objective
 from jaxrl.train.ref_cache import (
     CacheIdentity,
     ReferenceCache,
@@ -47,9 +45,7 @@ from jaxrl.train.ref_cache import (
     weight_fingerprint,
 )
 from jaxrl.train.score import Scorer
-from jaxrl.trainers.session import Session, build_task, with_device_ranks
-
-REF_FIELD = "ref_logp"  # per-document reference value: chosen → ref_c, rejected → ref_r
+from jaxrl.trainers.session import Session, with_device_ranks
 
 
 class DPOTrainer:
@@ -105,33 +101,11 @@ class DPOTrainer:
         self.refs: dict[str, ReferenceCache] = {}
         self.doc_fields: dict[str, Any] = {}  # per-document fields of the training pairs
         self.initial: dict[str, Any] = {}  # the starting model's held-out numbers
-        chunk = cfg.model.logprob_chunk or None
-        kwargs = dict(
-            beta=dpo.beta,
-            loss_type=dpo.loss_type,
-            label_smoothing=dpo.label_smoothing,
-            simpo_gamma=dpo.simpo_gamma,
-            normalize=dpo.normalize,
-        )
-        needs_ref = dpo.needs_reference
-
-        def loss(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-            logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
-            ref_c_BP, ref_r_BP = pair_documents(mb[REF_FIELD]) if needs_ref else (None, None)
-            return dpo_loss_terms(
-                logp_BT,
-                mb["loss_mask"],
-                mb["segment_ids"],
-                ref_c_BP,
-                ref_r_BP,
-                num_segments=mb["doc_sample_index"].shape[-1],
-                **kwargs,
-            )
-
-        self.session = Session(cfg, self.tokenizer.vocab_size, loss)
+        chunk = cfg.model.logprob_chunk
+        self.session = Session(cfg, self.tokenizer.vocab_size, dpo_objective(dpo, chunk_size=chunk))
         self.session.say(self.warnings)
         # reference values and held-out evaluation: the no-grad scorer on every device
-        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk or 0)
+        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
 
     def _pair_documents(
         self, train_pairs: list[PreferencePair] | None, eval_pairs: list[PreferencePair] | None
@@ -284,7 +258,7 @@ class DPOTrainer:
             )
 
     # -- planning ---------------------------------------------------------------------------
-    def plan_step(self) -> StepBatch:
+    def next_batch(self) -> StepBatch:
         """The next step's ``dpo.pairs_per_step`` pairs, planned and packed (pair p → documents
         2p, 2p + 1, adjacent in one row), with their cached reference values."""
         want = self.dpo.pairs_per_step
@@ -346,23 +320,17 @@ class DPOTrainer:
             self.doc_fields[REF_FIELD] = self.refs["train"].document_values()
         last = session.loop(
             "dpo",
-            lambda: session.train_on(self.plan_step()),
+            lambda: session.train_on(self.next_batch()),
             first_row=self.data_report,  # rows the length limits touched
             epoch=lambda: self.feed.epochs,
             host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
             evaluate=self.evaluate,
             info=lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",
         )
-        export = session.export(self.tokenizer)
-        session.close()
-        final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()
+        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
         return {
-            "steps": session.step,
-            "final_loss": last.get("loss"),
-            **final,
+            **summary,
             "start": self.initial,
-            "wall_s": round(time.perf_counter() - start, 1),
-            "hf_export": str(export),
             "reference_cache": [str(r.path) for r in self.refs.values()],
             **self.data_report,
         }

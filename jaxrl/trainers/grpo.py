@@ -5,7 +5,7 @@ Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order →
 the whole batch, old / reference log-probs when needed) → the generation buffer. Per optimizer
 step: the window's completions (g micro-steps of every rank, or ``docs_per_step`` documents) →
 ``build_dp_schedule`` as one step → packed ``[R, K, T]`` batch → the train step with
-``grpo_loss``. Orchestration only: the numerics live in losses/, train/ and rollout/.
+``grpo_objective``. Orchestration only: the numerics live in losses/, train/ and rollout/.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
-from jaxrl.rollout.rewards import RewardFunc, TrainerState, check_reward
+from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
 from jaxrl.rollout.rollouts import Rollouts, documents_of
-from jaxrl.train.grpo_loss import grpo_loss
+from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
+from jaxrl.train.objectives import grpo_objective
 from jaxrl.train.plots import plot_reward_and_accuracy
 from jaxrl.train.precision import compute_copy
-from jaxrl.trainers.session import Session, build_task, with_device_ranks
+from jaxrl.trainers.session import Session, with_device_ranks
 
 DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
 PLOT_NAME = "grpo_progress.png"
@@ -95,7 +96,7 @@ class GRPOTrainer:
                 "fit one row; raise schedule.max_tokens or lower max_completion_length"
             )
         chunk = cfg.model.logprob_chunk
-        self.session = Session(cfg, tok.vocab_size, grpo_loss(config, chunk_size=chunk))
+        self.session = Session(cfg, tok.vocab_size, grpo_objective(config, chunk_size=chunk))
         self.session.say(self.warnings)
         self.generator = RolloutGenerator(
             config,
@@ -190,7 +191,9 @@ class GRPOTrainer:
             [r["prompt"] for r in rows],
             {k: [r.get(k) for r in rows] for k in self.columns},
             jax.random.fold_in(jax.random.key(self.cfg.seed), n),
-            trainer_state=TrainerState(global_step=self.session.step, max_steps=self.cfg.max_steps),
+            trainer_state=TrainingProgress(
+                global_step=self.session.step, max_steps=self.cfg.max_steps
+            ),
         )
         self.current_id = self._keep(rollouts)
         return {"row": np.arange(len(idx)), "generation": np.asarray(self.current_id)}
@@ -395,18 +398,12 @@ class GRPOTrainer:
         plot = session.output_dir / PLOT_NAME
         if session.primary:
             plot_reward_and_accuracy(read_metrics(session.writer.path), plot, start=self.start_eval)
-        export = session.export(self.tokenizer)
-        session.close()
-        final = {k: v for k, v in last.items() if k.startswith("eval/")} or self.evaluate()
+        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
         return {
-            "steps": session.step,
-            "final_loss": last.get("loss"),
+            **summary,
             **{f"{k}_start": v for k, v in self.start_eval.items()},
-            **final,
             **self.data_report,
-            "wall_s": round(time.perf_counter() - start, 1),
             "plot": str(plot),
-            "hf_export": str(export),
         }
 
 

@@ -1,7 +1,9 @@
-"""What every trainer shares: mesh, model, compiled step, state, checkpoints, metrics, progress,
-the step planner and the loop.
+"""What every trainer shares around the run ``jaxrl.train.build`` builds (mesh, model, state,
+compiled step): output directory, checkpoints and resuming, metrics, progress, the step planner,
+the loop and the run's end (export, final evaluation, summary).
 
-Orchestration only; the numerics live in losses/ and train/. With several processes every
+Orchestration only; the numerics live in losses/ and train/ (the objectives in
+``jaxrl.train.objectives``). With several processes every
 process runs the same session; only process 0 writes config.json, metrics.jsonl and exports
 (orbax checkpoints are written by all, as orbax intends).
 """
@@ -16,43 +18,30 @@ from pathlib import Path
 from typing import Any
 
 import flax.nnx as nnx
-import jax
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.data.step_plan import StepBatch, plan_device_batch
-from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.losses.normalize import LossTerms
-from jaxrl.models.attention_dispatch import resolve_attention_impl
-from jaxrl.models.hf import (
-    checkpoint_dtype,
-    from_pretrained,
-    read_generation_config,
-    save_pretrained,
-)
-from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import (
     barrier,
     batch_ranks,
     is_primary,
     local_ranks,
-    mesh_from_config,
     resolve_shape,
     run_devices,
 )
-from jaxrl.train.accumulate import LossFn
+from jaxrl.train.build import build_run
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.metrics import MetricsWriter, to_python
-from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import lost_update_fraction
-from jaxrl.train.state import create_state
-from jaxrl.train.step import TrainStep
 
-__all__ = ["Session", "build_model", "build_task", "with_device_ranks"]
+__all__ = ["Session", "with_device_ranks"]
 
 
 def with_device_ranks(cfg: RunConfig) -> RunConfig:
@@ -63,78 +52,6 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
         return cfg
     data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, len(run_devices(cfg.mesh.sizes)))
     return cfg.with_batch_ranks(data * fsdp)
-
-
-def model_config(cfg: RunConfig, vocab_size: int) -> ModelConfig:
-    """The ``ModelConfig.tiny`` shape that ``model.init`` describes (no ``model.path``)."""
-    m = cfg.model
-    init = dict(m.init)
-    vocab = int(init.pop("vocab_size", vocab_size))
-    if vocab < vocab_size:
-        raise ConfigError(
-            f"model.init.vocab_size={vocab} is invalid: the tokenizer has {vocab_size} tokens; "
-            f"use at least {vocab_size} (or leave it out to take the tokenizer's size)"
-        )
-    init.update(
-        param_dtype=m.param_dtype,
-        dtype=m.dtype or m.param_dtype,
-        fp32_lm_head=m.fp32_lm_head,
-        attention_impl=m.attention_impl,
-        attention_block_size=m.attention_block_size,
-        scan_layers=m.scan_layers,
-        remat=m.remat,
-    )
-    return ModelConfig.tiny(vocab, **init)
-
-
-def build_model(cfg: RunConfig, vocab_size: int, mesh: Any = None) -> tuple[Any, Any, ModelConfig]:
-    """``(graphdef, params, config)``: a local HF checkpoint (``model.path``), each tensor placed
-    on its shards, or a fresh model whose ``params`` is a function that initialises it (run under
-    ``jit`` into its shardings by ``create_state``)."""
-    m = cfg.model
-    try:
-        resolve_attention_impl(m.attention_impl)  # a kernel the backend lacks fails here
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if m.path is not None:
-        model = from_pretrained(
-            m.path,
-            param_dtype=m.param_dtype,
-            dtype=m.dtype,
-            fp32_lm_head=m.fp32_lm_head,
-            scan_layers=m.scan_layers,
-            remat=m.remat,
-            mesh=mesh,
-            attention_impl=m.attention_impl,
-            attention_block_size=m.attention_block_size,
-        )
-        graphdef, params = nnx.split(model)
-        return graphdef, params, model.config
-    config = model_config(cfg, vocab_size)
-
-    def init() -> Any:
-        return nnx.split(Transformer(config, rngs=nnx.Rngs(params=cfg.seed)))[1]
-
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    return graphdef, init, config
-
-
-def build_task(cfg: RunConfig) -> ArithmeticTask:
-    """The built-in task the ``task`` section describes, seeded by the run."""
-    t = cfg.task
-    if t is None:
-        raise ConfigError(
-            f"data.train={cfg.data.train!r} is set, so there is no built-in task to build "
-            "(internal: a trainer asked for the task on real data)"
-        )
-    return ArithmeticTask(
-        min_digits=t.min_digits,
-        max_digits=t.max_digits,
-        ops=t.ops,
-        reverse_answer=t.reverse_answer,
-        pad_operands=t.pad_operands,
-        seed=cfg.seed,
-    )
 
 
 class CheckpointError(RuntimeError):
@@ -199,9 +116,12 @@ def make_output_dir(path: Path) -> None:
 
 
 class Session:
-    """One run's model, compiled step, state, checkpointer and metrics file."""
+    """One run (``build_run``: mesh, model, state, compiled step) with its output directory,
+    checkpointer and metrics file."""
 
-    def __init__(self, cfg: RunConfig, vocab_size: int, loss: Any):
+    def __init__(self, cfg: RunConfig, vocab_size: int, objective: Objective | None):
+        """``objective``: what the train step minimises (``jaxrl.train.objectives``); None for
+        a session that never trains (e.g. one that only exports)."""
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.primary = is_primary()
@@ -209,28 +129,11 @@ class Session:
         self.previous_config = _read_json(previous) if previous.is_file() else None
         if self.primary:
             make_output_dir(self.output_dir)
-        self.mesh = mesh_from_config(cfg.mesh)
+        run = build_run(cfg, vocab_size, objective)
+        self.mesh, self.model_config, self.graphdef = run.mesh, run.model_config, run.graphdef
+        self.state, self.step_fn = run.state, run.step
         self.ranks = batch_ranks(self.mesh)  # data-parallel ranks: data × fsdp
         self.local_ranks = local_ranks(self.mesh)  # the ranks whose rows this process packs
-        self.graphdef, params, self.model_config = build_model(cfg, vocab_size, self.mesh)
-        if vocab_size > self.model_config.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {vocab_size} tokens but the model at model.path="
-                f"{cfg.model.path} has a vocabulary of {self.model_config.vocab_size}: ids past "
-                "it would be clamped silently; use the model's own tokenizer"
-            )
-        tx = make_optimizer(cfg.optimizer, cfg.max_steps)
-        self.state, shardings = create_state(params, tx, cfg.seed, self.mesh)
-        self.step_fn = TrainStep(
-            self._bind(loss),
-            tx,
-            self.mesh,
-            learning_rate=learning_rate_schedule(cfg.optimizer, cfg.max_steps),
-            max_grad_norm=cfg.optimizer.max_grad_norm,
-            docs_per_step=cfg.schedule.docs_per_step,
-            state_shardings=shardings,
-            master_rounding=cfg.optimizer.master_rounding,
-        )
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.console = Console(stderr=True)
         if cfg.optimizer.master_rounding == "nearest":
@@ -240,14 +143,6 @@ class Session:
         self.empty_steps = 0  # steps with no loss token (or a zero denominator): no gradient
         self.warned_empty = False
         self.started = time.perf_counter()
-
-    def _bind(self, loss: Any) -> LossFn:
-        graphdef = self.graphdef
-
-        def loss_fn(params: Any, mb: dict[str, jax.Array]) -> LossTerms:
-            return loss(nnx.merge(graphdef, params), mb)
-
-        return loss_fn
 
     @property
     def model(self) -> Transformer:
@@ -527,6 +422,29 @@ class Session:
             tokenizer.save(path)
         barrier("export")  # other processes may read the export next (e.g. after a warm start)
         return path
+
+    def finish(
+        self,
+        last: dict[str, Any],
+        tokenizer: TextTokenizer,
+        evaluate: Callable[[], dict[str, Any]],
+        *,
+        started: float,
+    ) -> dict[str, Any]:
+        """The end of every trainer's ``run()``: export (``export``), close, and the summary's
+        common fields: ``steps``, ``final_loss``, the final held-out numbers (the ``eval/``
+        fields of ``last``, the loop's last row, or else a fresh ``evaluate()``), ``wall_s``
+        since ``started`` (``time.perf_counter``) and ``hf_export``."""
+        export = self.export(tokenizer)
+        self.close()
+        final = {k: v for k, v in last.items() if k.startswith("eval/")} or evaluate()
+        return {
+            "steps": self.step,
+            "final_loss": last.get("loss"),
+            **final,
+            "wall_s": round(time.perf_counter() - started, 1),
+            "hf_export": str(export),
+        }
 
     def close(self) -> None:
         self.checkpointer.close()

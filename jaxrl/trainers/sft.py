@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
@@ -17,12 +16,10 @@ from jaxrl.data.packing import pack_sequences
 from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
-from jaxrl.losses.normalize import LossTerms
-from jaxrl.losses.sft import sft_terms
-from jaxrl.models.transformer import Transformer
-from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.build import build_task
+from jaxrl.train.objectives import sft_objective
 from jaxrl.train.score import Scorer
-from jaxrl.trainers.session import Session, build_task
+from jaxrl.trainers.session import Session
 
 
 def encode_examples(
@@ -70,16 +67,9 @@ class SFTTrainer:
                 "into a new epoch only between documents, never within one step)"
             )
         self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
-        mode, chunk = cfg.sft.loss_normalization, cfg.model.logprob_chunk
-
-        def loss(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-            logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk)
-            segments = mb["doc_sample_index"].shape[-1]
-            return sft_terms(
-                logp, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
-            )
-
-        self.session = Session(cfg, self.tokenizer.vocab_size, loss)
+        chunk = cfg.model.logprob_chunk
+        objective = sft_objective(cfg.sft, chunk_size=chunk)
+        self.session = Session(cfg, self.tokenizer.vocab_size, objective)
         self.session.say(self.warnings)
         ranks = self.session.ranks
         if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
@@ -136,7 +126,7 @@ class SFTTrainer:
                 self.warnings.append(line)
 
     # -- planning ---------------------------------------------------------------------------
-    def plan_step(self) -> StepBatch:
+    def next_batch(self) -> StepBatch:
         """The next step's planned batch (``sft.batch_size`` documents, or ``docs_per_step``
         with the rest given back to the feed); nothing is ever dropped."""
         target = self.cfg.schedule.docs_per_step
@@ -184,25 +174,17 @@ class SFTTrainer:
         start = time.perf_counter()
         last = session.loop(
             "sft",
-            lambda: session.train_on(self.plan_step()),
+            lambda: session.train_on(self.next_batch()),
             first_row=self.data_report,  # rows the length limits touched
             epoch=lambda: self.feed.epochs,
             host_state=lambda: {"feed": self.feed.state_dict()},
             evaluate=self.evaluate,
             stop=lambda row: self._reached(row.get("eval/accuracy")),
         )
-        export = session.export(self.tokenizer)
-        final = {k: v for k, v in last.items() if k.startswith("eval/")}
-        if not last:
-            final = self.evaluate()
-        session.close()
+        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
         return {
-            "steps": session.step,
+            **summary,
             "stopped_at_target": self._reached(last.get("eval/accuracy")),
-            "final_loss": last.get("loss"),
-            "eval/accuracy": final.get("eval/accuracy"),
-            **final,
+            "eval/accuracy": summary.get("eval/accuracy"),
             **self.data_report,
-            "wall_s": round(time.perf_counter() - start, 1),
-            "hf_export": str(export),
         }

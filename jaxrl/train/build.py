@@ -1,0 +1,154 @@
+"""A run's parts from its config: the built-in task, the model, the train state and the compiled
+step, built one way for ``Session`` (which trains with them) and for ``jaxrl memory`` (which
+plans them on abstract values).
+
+:func:`model_config` is the one mapping from the config's ``model`` section to a
+``ModelConfig``: ``model.path``'s config.json (``jaxrl.models.hf.read_config``) or
+``model.init`` (``ModelConfig.tiny`` overrides), with the section's run settings (precision,
+attention kernel, layer stack: ``MODEL_SECTION_KEYS``) in both cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.config import ConfigError, RunConfig
+from jaxrl.config.run import MODEL_SECTION_KEYS, ModelSection
+from jaxrl.data.tasks import ArithmeticTask
+from jaxrl.models.attention_dispatch import resolve_attention_impl
+from jaxrl.models.hf import load_pretrained, read_config
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.mesh import mesh_from_config
+from jaxrl.train.objectives import Objective, on_params
+from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxrl.train.state import TrainState, abstract_state, create_state
+from jaxrl.train.step import TrainStep
+
+__all__ = ["RunParts", "build_model", "build_run", "build_task", "model_config"]
+
+
+def build_task(cfg: RunConfig) -> ArithmeticTask:
+    """The built-in task the ``task`` section describes, seeded by the run."""
+    t = cfg.task
+    if t is None:
+        raise ConfigError(
+            f"data.train={cfg.data.train!r} is set, so there is no built-in task to build "
+            "(internal: a trainer asked for the task on real data)"
+        )
+    return ArithmeticTask(
+        min_digits=t.min_digits,
+        max_digits=t.max_digits,
+        ops=t.ops,
+        reverse_answer=t.reverse_answer,
+        pad_operands=t.pad_operands,
+        seed=cfg.seed,
+    )
+
+
+def model_config(section: ModelSection, vocab_size: int | None) -> ModelConfig:
+    """The ``ModelConfig`` the ``model`` section describes; no weight is read.
+
+    ``vocab_size``: the tokenizer's, when known. ``model.init`` takes it as the vocabulary
+    unless ``model.init.vocab_size`` names a larger one (padded, as HF models are); a model
+    smaller than the tokenizer is refused (``ConfigError``), since ids past its vocabulary would
+    be clamped silently. ``model.path`` errors are those of ``read_config``.
+    """
+    settings = {name: getattr(section, name) for name in MODEL_SECTION_KEYS}
+    if section.path is not None:
+        config = read_config(section.path, **settings)
+        if vocab_size is not None and vocab_size > config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {vocab_size} tokens but the model at model.path="
+                f"{section.path} has a vocabulary of {config.vocab_size}: ids past it would be "
+                "clamped silently; use the model's own tokenizer"
+            )
+        return config
+    init = dict(section.init)
+    vocab = init.pop("vocab_size", vocab_size)
+    if vocab is None:
+        raise ConfigError(
+            "model.init.vocab_size is missing and there is no tokenizer to take it from; set it"
+        )
+    if vocab_size is not None and int(vocab) < vocab_size:
+        raise ConfigError(
+            f"model.init.vocab_size={vocab} is invalid: the tokenizer has {vocab_size} tokens; "
+            f"use at least {vocab_size} (or leave it out to take the tokenizer's size)"
+        )
+    return ModelConfig.tiny(int(vocab), **init, **settings)
+
+
+def fresh_model(config: ModelConfig, seed: int) -> tuple[Any, Callable[[], Any]]:
+    """``(graphdef, init)``: a new model's graph (traced, never allocated) and the function that
+    initialises its parameters (run under ``jit`` into their shardings by ``create_state``)."""
+
+    def init() -> Any:
+        return nnx.split(Transformer(config, rngs=nnx.Rngs(params=seed)))[1]
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    return graphdef, init
+
+
+def build_model(cfg: RunConfig, vocab_size: int, mesh: Mesh | None = None) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, config)``: a local HF checkpoint (``model.path``), each tensor placed
+    on its shards, or a fresh model whose ``params`` is a function that initialises it (run under
+    ``jit`` into its shardings by ``create_state``)."""
+    try:
+        resolve_attention_impl(cfg.model.attention_impl)  # a kernel the backend lacks fails here
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    config = model_config(cfg.model, vocab_size)
+    if cfg.model.path is None:
+        return (*fresh_model(config, cfg.seed), config)
+    graphdef, params = nnx.split(load_pretrained(cfg.model.path, config, mesh=mesh))
+    return graphdef, params, config
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What a run trains with: its mesh, model, state (in its shardings) and compiled step."""
+
+    mesh: Mesh
+    model_config: ModelConfig
+    graphdef: Any
+    state: TrainState  # ShapeDtypeStructs when built ``abstract``
+    shardings: TrainState  # the state's NamedShardings
+    step: TrainStep
+
+
+def build_run(
+    cfg: RunConfig, vocab_size: int | None, objective: Objective | None, *, abstract: bool = False
+) -> RunParts:
+    """The mesh (``mesh_from_config``), model, train state and compiled step of ``cfg``,
+    minimising ``objective`` (``jaxrl.train.objectives``; None for a run that is never stepped,
+    e.g. one that only exports).
+
+    ``abstract``: shapes only, for planning (``jaxrl memory``): nothing is allocated, a
+    ``model.path`` contributes its config.json alone, and the attention kernel is not checked
+    against this backend. ``vocab_size``: the tokenizer's (None: not known, planning only).
+    """
+    mesh = mesh_from_config(cfg.mesh)
+    tx = make_optimizer(cfg.optimizer, cfg.max_steps)
+    if abstract:
+        config = model_config(cfg.model, vocab_size)
+        graphdef, params = fresh_model(config, cfg.seed)
+        state, shardings = abstract_state(params, tx, cfg.seed, mesh)
+    else:
+        graphdef, params, config = build_model(cfg, vocab_size, mesh)
+        state, shardings = create_state(params, tx, cfg.seed, mesh)
+    step = TrainStep(
+        on_params(objective, graphdef),
+        tx,
+        mesh,
+        learning_rate=learning_rate_schedule(cfg.optimizer, cfg.max_steps),
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        docs_per_step=cfg.schedule.docs_per_step,
+        state_shardings=shardings,
+        master_rounding=cfg.optimizer.master_rounding,
+    )
+    return RunParts(mesh, config, graphdef, state, shardings, step)

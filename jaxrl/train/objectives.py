@@ -1,0 +1,140 @@
+"""The objectives the train step minimises: SFT, DPO and the GRPO family, one factory each.
+
+An objective is ``objective(model, mb) -> LossTerms``: one packed micro-batch (``[1, T]``
+tokens, ``[1, S]`` documents) through the trainer's forward (``micro_batch_logprobs``: the
+model's head, fp32 log-probs and entropy) into the pure loss of ``jaxrl.losses`` (numerator,
+denominator and metric (sum, count) pairs, which the engine sums over micro-batches and ranks
+and divides once). A trainer builds its objective from its config section and hands it to the
+run as a value (``jaxrl.train.build``); ``jaxrl memory`` plans with :func:`sft_objective`.
+:func:`on_params` turns one into the engine's ``loss_fn(params, mb)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.config import DPOConfig, GRPOConfig, SFTConfig
+from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
+from jaxrl.losses.normalize import LossTerms
+from jaxrl.losses.policy import policy_loss_terms
+from jaxrl.losses.sft import sft_terms
+from jaxrl.models.transformer import Transformer
+from jaxrl.train.accumulate import LossFn
+from jaxrl.train.forward import micro_batch_logprobs
+
+Objective = Callable[[Transformer, dict[str, jax.Array]], LossTerms]
+
+REF_FIELD = "ref_logp"  # DPO's per-document reference value: chosen → ref_c, rejected → ref_r
+MISMATCH = "sampler/logprob_mismatch"
+OFF_POLICY = "policy/abs_log_ratio"
+
+
+def on_params(objective: Objective, graphdef: Any) -> LossFn:
+    """The engine's ``loss_fn(params, mb)``: ``objective`` on the model ``graphdef`` and the
+    differentiated ``params`` make."""
+
+    def loss_fn(params: Any, mb: dict[str, jax.Array]) -> LossTerms:
+        return objective(nnx.merge(graphdef, params), mb)
+
+    return loss_fn
+
+
+def sft_objective(config: SFTConfig, *, chunk_size: int = 0) -> Objective:
+    """Cross-entropy of the loss-masked targets (``sft_terms``), divided per
+    ``config.loss_normalization`` (token / sequence / document)."""
+    mode = config.loss_normalization
+
+    def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+        logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
+        segments = mb["doc_sample_index"].shape[-1]
+        return sft_terms(
+            logp_BT, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
+        )
+
+    return objective
+
+
+def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
+    """DPO and its variants (``dpo_loss_terms``) on pairs laid out as adjacent chosen / rejected
+    documents; the reference log-probs come per document in ``mb[REF_FIELD]`` (from the
+    reference cache) unless the loss needs none (SimPO)."""
+    kwargs = dict(
+        beta=config.beta,
+        loss_type=config.loss_type,
+        label_smoothing=config.label_smoothing,
+        simpo_gamma=config.simpo_gamma,
+        normalize=config.normalize,
+    )
+    needs_ref = config.needs_reference
+
+    def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+        logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
+        ref_c_BPr, ref_r_BPr = pair_documents(mb[REF_FIELD]) if needs_ref else (None, None)
+        return dpo_loss_terms(
+            logp_BT,
+            mb["loss_mask"],
+            mb["segment_ids"],
+            ref_c_BPr,
+            ref_r_BPr,
+            num_segments=mb["doc_sample_index"].shape[-1],
+            **kwargs,
+        )
+
+    return objective
+
+
+def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
+    """The GRPO family (``policy_loss_terms``) at the sampling temperature.
+
+    Batch fields: ``advantage`` per document; ``sampler_logp`` and, when present, ``old_logp`` /
+    ``ref_logp`` per token (target-aligned); ``entropy_threshold`` ``[1]`` when
+    ``top_entropy_quantile < 1`` (τ_H of the whole step, from a no-grad pre-pass).
+
+    Adds ``sampler/logprob_mismatch`` = (Σ |logp − sampler_logp|·m, Σ m) over loss tokens, so the
+    step reports the mean absolute gap between the trainer's and the sampler's log-probs; with
+    scored old log-probs also ``policy/abs_log_ratio`` = the mean |log ρ| = |logp − old_logp|,
+    which is exactly 0 at a batch's first use (the scorer runs the train step's forward).
+    """
+    use_entropy_mask = config.top_entropy_quantile < 1.0
+
+    def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+        logp_BT, entropy_BT = micro_batch_logprobs(
+            model, mb, chunk_size=chunk_size, temperature=config.temperature
+        )
+        terms = policy_loss_terms(
+            logp_BT,
+            mb.get("old_logp"),
+            mb.get("ref_logp"),
+            mb["advantage"],
+            mb["loss_mask"],
+            mb["segment_ids"],
+            entropy_BT,
+            loss_type=config.loss_type,
+            importance_sampling_level=config.importance_sampling_level,
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            delta=config.delta,
+            beta=config.beta,
+            max_completion_length=config.max_completion_length,
+            entropy_threshold=mb["entropy_threshold"][0] if use_entropy_mask else None,
+        )
+        m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
+        gap_BT = jnp.abs(jax.lax.stop_gradient(logp_BT) - mb["sampler_logp"])
+        terms.metrics[MISMATCH] = (
+            jnp.sum(jnp.where(m_BT, gap_BT, 0.0)),
+            jnp.sum(m_BT.astype(jnp.float32)),
+        )
+        if "old_logp" in mb:
+            log_ratio_BT = jnp.abs(jax.lax.stop_gradient(logp_BT) - mb["old_logp"])
+            terms.metrics[OFF_POLICY] = (
+                jnp.sum(jnp.where(m_BT, log_ratio_BT, 0.0)),
+                jnp.sum(m_BT.astype(jnp.float32)),
+            )
+        return terms
+
+    return objective
