@@ -56,6 +56,7 @@ EXAMPLE_15 = {
     "dapo": ((2.0, 6.0), (2.0, 6.0)),  # Σ mℓ / Σ m
     "dr_grpo": ((2.0, 2.0 * 4), (2.0, 3.0 * 4)),  # Σ mℓ / (N_seq · max_completion_length)
     "seq_mean_token_sum": ((2.0, 2.0), (2.0, 3.0)),  # Σ mℓ / N_seq
+    "cispo": ((2.0, 6.0), (2.0, 6.0)),  # Σ mℓ / Σ m
 }
 
 
@@ -80,6 +81,7 @@ def test_every_grpo_loss_type_normalises_example_15(loss_type, masked_document):
     assert (float(num), float(den)) == EXAMPLE_15[loss_type][masked_document]
     # the example's step values: grpo 0, bnpo = dapo 1/3, dr_grpo 0.25 (seq_mean_token_sum 1)
     want = {"grpo": 0.0, "bnpo": 1 / 3, "dapo": 1 / 3, "dr_grpo": 0.25, "seq_mean_token_sum": 1.0}
+    want["cispo"] = 1 / 3
     if not masked_document:
         assert float(finalize(num, den)) == pytest.approx(want[loss_type], rel=1e-6)
 

@@ -1,4 +1,4 @@
-"""GRPO-family policy loss on packed micro-batches: GRPO, GSPO, DAPO, Dr.GRPO, Fast-LLM GSPO.
+"""GRPO-family policy loss on packed micro-batches: GRPO, GSPO, DAPO, Dr.GRPO, Fast-LLM GSPO, CISPO.
 
 Every numeric check compares against an independent float64 loop over documents. "Example N"
 is the worked example N of docs/algorithms/grpo.md §10; the Fast-LLM cases are those of
@@ -25,6 +25,15 @@ from jaxrl.losses.policy import (
 )
 
 CLIP_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CISPO_CAP = 1.25  # ε_high of the CISPO cases: a cap on the IS weight the random ratios cross
+
+
+def for_type(kind, **kw):
+    """``kw`` for loss type ``kind``: CISPO caps the weight at ``epsilon_high`` (set), no δ."""
+    if kind == "cispo":
+        kw.pop("delta", None)
+        kw["epsilon_high"] = CISPO_CAP
+    return kw
 
 
 # ----------------------------------------------------------------- packing helpers
@@ -97,7 +106,11 @@ def reference(
             lr = lp[b, idx] - old[b, idx]
             rho = np.exp(lr) if level == "token" else np.full(n, np.exp(lr.mean()) if n else 1.0)
             rho_u = np.minimum(rho, cap)
-            obj = np.minimum(rho_u * a, np.clip(rho, lo, hi) * a)
+            if loss_type == "cispo":  # sg(min(ρ, ε_high)) · A · lp, no clip width
+                lo, hi = 0.0, eps_high
+                obj = np.minimum(rho, hi) * a * lp[b, idx]
+            else:
+                obj = np.minimum(rho_u * a, np.clip(rho, lo, hi) * a)
             if a > 0:
                 live = rho <= min(hi, cap)
             elif a < 0:
@@ -114,6 +127,8 @@ def reference(
             dpol = -keep * a * live * rho  # ∂(policy loss_t)/∂(log ρ_t)
             if level == "sequence" and n:
                 dpol = np.full(n, dpol.sum() / n)
+            if loss_type == "cispo":  # the weight is not differentiated: ∂ℓ_t/∂lp_t = −w·A
+                dpol = -keep * a * np.minimum(rho, hi)
             grad[b, idx] += coef * (dpol + beta * (1 - np.exp(diff)))
             lo_hit = (rho_u < lo) & (a < 0)
             hi_hit = (rho_u > hi) & (a > 0)
@@ -135,6 +150,7 @@ def reference(
         "dapo": tokens,
         "dr_grpo": n_seq * L,
         "seq_mean_token_sum": n_seq,
+        "cispo": tokens,
     }[loss_type]
     metrics = {
         "clip_ratio/low_mean": (low, clip_count),
@@ -172,7 +188,7 @@ def test_matches_float64_reference(loss_type, level, variant):
     seg, mask = pack(ROWS, T, S)
     seed = zlib.crc32(f"{loss_type}/{level}/{variant}".encode())
     lp, old, ref, adv, ent = random_inputs(seg, S, seed=seed)
-    kw = dict(VARIANTS[variant])
+    kw = for_type(loss_type, **VARIANTS[variant])
     q = kw.pop("top_entropy_quantile", None)
     tau = tau_ref = None
     if q is not None:
@@ -240,7 +256,14 @@ def test_jit_equals_eager():
 
 # ----------------------------------------------------------------- example 15 (+ invariance)
 
-EX15 = {"grpo": 0.0, "bnpo": 1 / 3, "dr_grpo": 0.25, "dapo": 1 / 3, "seq_mean_token_sum": 1.0}
+EX15 = {
+    "grpo": 0.0,
+    "bnpo": 1 / 3,
+    "dr_grpo": 0.25,
+    "dapo": 1 / 3,
+    "seq_mean_token_sum": 1.0,
+    "cispo": 0.0,  # −w·A·lp with lp = 0
+}
 
 
 def _ex15_batch(docs):
@@ -254,18 +277,15 @@ def _ex15_batch(docs):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_example_15_one_and_two_micro_batches(loss_type):
     lp, m, seg, adv = _ex15_batch([(2, 1.0), (4, -1.0)])
-    t = policy_loss_terms(lp, None, None, adv, m, seg, loss_type=loss_type, max_completion_length=4)
+    kw = for_type(loss_type, max_completion_length=4)
+    t = policy_loss_terms(lp, None, None, adv, m, seg, loss_type=loss_type, **kw)
     np.testing.assert_allclose(
         float(finalize(t.numerator, t.denominator)), EX15[loss_type], rtol=1e-6
     )
     parts = []
     for doc in [(2, 1.0), (4, -1.0)]:
         lp1, m1, seg1, adv1 = _ex15_batch([doc])
-        parts.append(
-            policy_loss_terms(
-                lp1, None, None, adv1, m1, seg1, loss_type=loss_type, max_completion_length=4
-            )
-        )
+        parts.append(policy_loss_terms(lp1, None, None, adv1, m1, seg1, loss_type=loss_type, **kw))
     total = finalize(sum(p.numerator for p in parts), sum(p.denominator for p in parts))
     np.testing.assert_allclose(float(total), EX15[loss_type], rtol=1e-6)
     if loss_type == "bnpo":  # TRL's per-micro-batch bnpo averages the two means: 0, not 1/3
@@ -337,7 +357,8 @@ def test_layout_invariance_value_gradient_and_metrics(loss_type, level):
     theta = jnp.asarray(np.asarray(flat["old"]) + rng.normal(size=total) * 0.25, jnp.float32)
     loss_tokens = np.concatenate(mask)
     tau = entropy_threshold(flat["ent"], jnp.asarray(loss_tokens), 0.7)
-    kw = dict(
+    kw = for_type(
+        loss_type,
         loss_type=loss_type,
         importance_sampling_level=level,
         beta=0.05,
@@ -574,9 +595,7 @@ def test_example_20_all_masked_loss_zero_and_zero_gradient(loss_type, level):
             adv,
             jnp.zeros((2, 12)),
             seg,
-            loss_type=loss_type,
-            importance_sampling_level=level,
-            beta=0.1,
+            **for_type(loss_type, loss_type=loss_type, importance_sampling_level=level, beta=0.1),
         )
         return finalize(t.numerator, t.denominator), t
 
@@ -586,9 +605,15 @@ def test_example_20_all_masked_loss_zero_and_zero_gradient(loss_type, level):
     np.testing.assert_array_equal(grad, np.zeros_like(grad))
     assert all(np.isfinite(float(s)) for s, _ in t.metrics.values())
     # grpo / dr_grpo / seq_mean_token_sum still count the 3 documents; dapo counts 0 tokens
-    assert (
-        float(t.denominator)
-        == {"grpo": 3, "dr_grpo": 3 * 512, "seq_mean_token_sum": 3, "dapo": 0, "bnpo": 0}[loss_type]
+    assert float(t.denominator) == {
+        "grpo": 3,
+        "dr_grpo": 3 * 512,
+        "seq_mean_token_sum": 3,
+        "dapo": 0,
+        "bnpo": 0,
+    }.get(
+        loss_type,
+        0,  # cispo: tokens, as dapo
     )
 
 
@@ -784,7 +809,8 @@ def test_padded_row_is_bit_identical_to_unpadded(loss_type, level):
     lp7, old7, ref7, _, ent7 = random_inputs(seg7, 3, seed=1, spread=0.4)
     adv = jnp.array([[0.0, 1.3, -0.7]])
     pad = lambda x, v: np.concatenate([x, np.full((1, 3), v, x.dtype)], axis=1)
-    kw = dict(
+    kw = for_type(
+        loss_type,
         loss_type=loss_type,
         importance_sampling_level=level,
         beta=0.1,
@@ -812,7 +838,7 @@ def test_padded_row_is_bit_identical_to_unpadded(loss_type, level):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_fully_padded_row_contributes_nothing(loss_type, level):
-    kw = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.1)
+    kw = for_type(loss_type, loss_type=loss_type, importance_sampling_level=level, beta=0.1)
     S, T = 4, 40
     empty = np.zeros((1, T), np.int32)
     lp, old, ref, adv, ent = random_inputs(empty, S, seed=4)
@@ -846,8 +872,12 @@ def test_fully_padded_row_contributes_nothing(loss_type, level):
 def test_argument_errors():
     lp, seg = jnp.zeros((1, 3)), jnp.ones((1, 3), jnp.int32)
     adv, m = jnp.zeros((1, 2)), jnp.ones((1, 3))
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
+    with pytest.raises(ValueError, match="loss_type='ppo' is invalid"):
+        policy_loss_terms(lp, None, None, adv, m, seg, loss_type="ppo")
+    with pytest.raises(ValueError, match="caps the importance weight at epsilon_high"):
         policy_loss_terms(lp, None, None, adv, m, seg, loss_type="cispo")
+    with pytest.raises(ValueError, match="takes no delta"):
+        policy_loss_terms(lp, None, None, adv, m, seg, loss_type="cispo", epsilon_high=5.0, delta=2)
     with pytest.raises(ValueError, match="importance_sampling_level"):
         policy_loss_terms(lp, None, None, adv, m, seg, importance_sampling_level="seq")
     with pytest.raises(ValueError, match="needs ref_logp_BT"):

@@ -80,10 +80,11 @@ class GRPOConfig:
     top_k: int | None = None  # sample from the k most likely tokens; None or 0 = off
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = off
     epsilon: float = 0.2  # ε_low: lower clip width
-    epsilon_high: float | None = None  # ε_high: upper clip width; None → epsilon
+    epsilon_high: float | None = None  # ε_high: upper clip width; None → epsilon; with cispo
+    # the cap on the importance weight itself (required; ScaleRL: 5.0)
     delta: float | None = None  # cap on the unclipped ratio (two-sided clipping), > 1
     beta: float = 0.0  # KL coefficient; 0 → no reference model
-    loss_type: str = "dapo"  # grpo, bnpo, dr_grpo, dapo, seq_mean_token_sum
+    loss_type: str = "dapo"  # grpo, bnpo, dr_grpo, dapo, seq_mean_token_sum, cispo
     importance_sampling_level: str = "token"  # token, or sequence (GSPO)
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
     advantage_estimator: str = "grpo"  # grpo; rloo (leave-one-out); reinforce_pp (batch-
@@ -226,6 +227,20 @@ class GRPOConfig:
         require(0 < q <= 1, "top_entropy_quantile", q, "use a value in (0, 1]; 1 disables it")
         if self.delta is not None:
             require(self.delta > 1, "delta", self.delta, "use a value > 1, or None to disable")
+        if self.loss_type == "cispo":
+            require(
+                self.epsilon_high is not None and self.epsilon_high > 0,
+                "epsilon_high",
+                self.epsilon_high,
+                "loss_type='cispo' caps the importance weight at epsilon_high (not a clip width): "
+                "set it, e.g. 5.0 (ScaleRL)",
+            )
+            require(
+                self.delta is None,
+                "delta",
+                self.delta,
+                "loss_type='cispo' caps the weight with epsilon_high; remove delta",
+            )
         if self.reward_timeout is not None:
             require(
                 self.reward_timeout > 0,

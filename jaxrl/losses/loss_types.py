@@ -17,11 +17,12 @@ GRPO_LOSS_MODES: dict[str, str] = {
     "dr_grpo": "constant",  # token sum over documents × max_completion_length (Dr.GRPO)
     "dapo": "token",  # token mean over the whole step (TRL dapo)
     "seq_mean_token_sum": "document",  # token sum over documents (Fast-LLM GSPO)
+    "cispo": "token",  # clipped IS weight, token mean over the whole step (MiniMax-M1; TRL cispo)
 }
 GRPO_LOSS_TYPES = tuple(GRPO_LOSS_MODES)
 # Types whose numerator sums tokens with a step-wide denominator, so sequence-level importance
 # sampling weights each sequence by its length (TRL #3823, #6042): the config warns.
-TOKEN_SUMMING_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo")
+TOKEN_SUMMING_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 # SFT (``SFTConfig.loss_normalization``): normalize modes a cross-entropy step may divide by.

@@ -1,4 +1,5 @@
-"""GRPO-family policy loss on one packed micro-batch: GRPO, GSPO, DAPO, Dr.GRPO (TRL semantics).
+"""GRPO-family policy loss on one packed micro-batch (TRL semantics): GRPO, GSPO, DAPO, Dr.GRPO,
+CISPO.
 
 Inputs are per-token arrays ``[B, T]`` of one packed micro-batch, target-aligned (the value at t
 belongs to the prediction of token t+1). ``segment_ids`` are 1-based documents (one completion with
@@ -15,6 +16,15 @@ Per token::
     ρ̂ = clip(ρ, 1 − ε_low, 1 + ε_high);  ρ ← min(ρ, δ) if δ is set
     ℓ_t = −min(ρ A_d, ρ̂ A_d) · [H_t ≥ τ_H]  +  β k3_t,   k3_t = e^(ref−lp) − (ref−lp) − 1
 
+CISPO (MiniMax-M1, arXiv:2506.13585; TRL ``loss_type="cispo"``) replaces the clipped surrogate by
+a REINFORCE term weighted with the clipped importance weight, which is not differentiated, so
+every token keeps a gradient (none is clipped to zero)::
+
+    ℓ_t = −sg(min(ρ_t, ε_high)) · A_d · lp_t · [H_t ≥ τ_H]  +  β k3_t
+
+with ``ε_high`` the cap on the weight itself (ScaleRL recommends 5), not a clip width; the
+clip metrics count ρ > ε_high with A > 0 as ``clip_ratio/high_mean``.
+
 The ratio, the clipped surrogate and the KL term form ℓ_t; the entropy gate ``[H_t ≥ τ_H]``
 (τ_H the step-wide quantile, only when ``entropy_threshold`` is given) keeps the policy term of
 high-entropy tokens only. ``loss_type`` then picks how ℓ_t becomes this micro-batch's numerator
@@ -25,6 +35,7 @@ both over micro-batches and ranks and divides once, ``finalize``):
     bnpo, dapo          token      Σ m ℓ                            /  Σ m
     dr_grpo             constant   Σ m ℓ                            /  N_seq · max_completion_length
     seq_mean_token_sum  document   Σ m ℓ                            /  N_seq   (Fast-LLM GSPO, #544)
+    cispo               token      Σ m ℓ                            /  Σ m
 
 N_seq counts every document present in the micro-batch, fully masked ones included. Every sum
 goes through per-document segment sums, so padding a row changes no bit of any result, and values
@@ -190,7 +201,13 @@ def policy_loss_terms(
     m_BT = (loss_mask_BT > 0) & (seg_BT > 0)
     mf_BT = m_BT.astype(jnp.float32)
     eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
-    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    cispo = loss_type == "cispo"
+    if cispo and (epsilon_high is None or delta is not None):
+        raise ValueError(
+            "loss_type='cispo' caps the importance weight at epsilon_high (set it, e.g. 5.0) "
+            "and takes no delta"
+        )
+    lo, hi = (0.0, eps_high) if cispo else (1.0 - eps_low, 1.0 + eps_high)
     segsum = lambda x_BT: segment_sum(x_BT, seg_BT, num_segments)
 
     logp_BT = logp_BT.astype(jnp.float32)
@@ -212,9 +229,13 @@ def policy_loss_terms(
             ratio_BS, adv_BS, present_BS.astype(jnp.float32), lo, hi, delta, None, num_segments
         )
 
-    objective_BT = clipped_surrogate(
-        ratio_BT, adv_BT, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta
-    )
+    if cispo:
+        weight_BT = jax.lax.stop_gradient(jnp.minimum(ratio_BT, eps_high))
+        objective_BT = weight_BT * adv_BT * jnp.where(m_BT, logp_BT, 0.0)
+    else:
+        objective_BT = clipped_surrogate(
+            ratio_BT, adv_BT, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta
+        )
     loss_BT = -objective_BT
     if entropy_threshold is not None:
         keep_BT = entropy_mask(entropy_BT, m_BT, entropy_threshold)

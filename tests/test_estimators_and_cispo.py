@@ -1,4 +1,5 @@
-"""Advantage estimators of ``grpo_advantages(..., estimator=)``: RLOO and REINFORCE++ against
+"""Advantage estimators of ``grpo_advantages(..., estimator=)`` (RLOO, REINFORCE++) against
+loop references in float64, and the config rules of the estimators and of CISPO
 loop references in float64 (docs/algorithms/grpo.md, advantages)."""
 
 import numpy as np
@@ -89,3 +90,13 @@ def test_config_names_the_estimator_and_rejects_grpo_only_settings():
         GRPOConfig(advantage_estimator="reinforce_pp", scale_rewards="none")
     with pytest.raises(ConfigError, match="multi_objective_aggregation.*sum_then_normalize"):
         GRPOConfig(advantage_estimator="rloo", multi_objective_aggregation="normalize_then_sum")
+
+
+def test_cispo_config_needs_the_weight_cap():
+    from jaxrl import ConfigError, GRPOConfig
+
+    assert GRPOConfig(loss_type="cispo", epsilon_high=5.0).loss_type == "cispo"
+    with pytest.raises(ConfigError, match="epsilon_high=None.*caps the importance weight"):
+        GRPOConfig(loss_type="cispo")
+    with pytest.raises(ConfigError, match="delta=2.0.*remove delta"):
+        GRPOConfig(loss_type="cispo", epsilon_high=5.0, delta=2.0)
