@@ -1,6 +1,6 @@
 """Advantage estimators of ``grpo_advantages(..., estimator=)`` (RLOO, REINFORCE++) against
-loop references in float64, and the config rules of the estimators and of CISPO
-loop references in float64 (docs/algorithms/grpo.md, advantages)."""
+loop references in float64 (docs/algorithms/grpo.md §6), and the config rules of the estimators
+and of CISPO (its numerics: tests/test_policy_loss.py)."""
 
 import numpy as np
 import pytest
