@@ -64,7 +64,7 @@ def random_docs(rng: np.random.Generator, n: int, vocab: int = 17, lo: int = 2, 
 
 
 def build_rows(layout, docs, row_len: int, num_slots: int | None = None):
-    """Pack ``layout[r][k] = [doc indices]`` into ``[R, K, T]`` arrays (segment 0 = padding).
+    """Pack ``layout[r][m] = [doc indices]`` into ``[R, M, T]`` arrays (segment 0 = padding).
 
     ``loss_mask[t]`` is the mask of token t+1 when it belongs to the same document.
     """

@@ -151,13 +151,13 @@ def test_packed_pairs_sit_in_segments_2p_minus_1_and_2p():
     docs = encode_pairs(arithmetic_pairs(TASK, 12), tok, max_length=16)
     layout = pair_micro_batches(range(12), docs.pair_lengths, dp_size=2, max_tokens=48)
     packed = pack_micro_batches(layout, docs.sequences, loss_masks=docs.masks, row_len=48)
-    chosen_BP, rejected_BP = pair_documents(
+    chosen_BPr, rejected_BPr = pair_documents(
         packed.doc_sample_index.reshape(-1, packed.num_segments)
     )
-    real = chosen_BP >= 0
-    np.testing.assert_array_equal(real, rejected_BP >= 0)
-    assert np.all(chosen_BP[real] % 2 == 0) and np.all(rejected_BP[real] == chosen_BP[real] + 1)
-    assert sorted((chosen_BP[real] // 2).tolist()) == list(range(12))
+    real = chosen_BPr >= 0
+    np.testing.assert_array_equal(real, rejected_BPr >= 0)
+    assert np.all(chosen_BPr[real] % 2 == 0) and np.all(rejected_BPr[real] == chosen_BPr[real] + 1)
+    assert sorted((chosen_BPr[real] // 2).tolist()) == list(range(12))
 
 
 def test_pair_longer_than_a_row_is_rejected_by_the_schedule():

@@ -154,7 +154,7 @@ class ScheduleConfig:
     docs_per_step: int = 0  # global document target per step; 0 = off (static steps)
     packing: Literal["ffd", "first_fit"] = "ffd"  # bin packing of documents into rows
     balance: Literal["cost", "strided", "kk"] = "cost"  # distribution of rows over ranks
-    micro_batch_buckets: tuple[int, ...] = ()  # per-rank micro-batch slots K a step may use
+    micro_batch_buckets: tuple[int, ...] = ()  # per-rank micro-batch slots M a step may use
     # (one compiled program each; the smallest that holds the step); () = powers of two
 
     def __post_init__(self):

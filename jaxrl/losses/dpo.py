@@ -13,10 +13,11 @@ values, β = ``beta``, ε = ``label_smoothing``, σ the logistic sigmoid, and th
     wpo                             sg(min(1, exp(ā_c + ā_r))) · ℓ_sigmoid    sums (Zhou 2024)
 
 Packing: a pair is two adjacent documents of one row, chosen = segment 2p−1 and rejected =
-segment 2p (p = 1..P, P = (S−1)//2 slots per row). The step objective is a ratio of global sums
-(``normalize.pair_terms``): ``pair`` → Σ_p ℓ_p / N_pairs; ``token`` → Σ_p T_p ℓ_p / Σ_p T_p, with
-T_p the chosen plus rejected non-padding tokens, prompt included. Metrics are plain means over
-pairs: reward accuracy, margin, chosen and rejected rewards and log-probs (``dpo_metrics``).
+segment 2p (p = 1..Pr, Pr = (S−1)//2 pair slots per row). The step objective is a ratio of
+global sums (``normalize.pair_terms``): ``pair`` → Σ_p ℓ_p / N_pairs; ``token`` → Σ_p T_p ℓ_p /
+Σ_p T_p, with T_p the chosen plus rejected non-padding tokens, prompt included. Metrics are plain
+means over pairs: reward accuracy, margin, chosen and rejected rewards and log-probs
+(``dpo_metrics``).
 
 The loss-type names (``LOSS_TYPES``, ``MEAN_LOSS_TYPES``, ``SMOOTHING_LOSS_TYPES``) are defined
 once, in ``jaxrl.losses.loss_types``; ``DPOConfig`` validates against the same lists.
@@ -195,30 +196,30 @@ def sequence_logps(
 
 
 def pair_documents(x_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-document ``[B, S]`` → (chosen ``[B, P]``, rejected ``[B, P]``): slots 2p−1 and 2p."""
+    """Per-document ``[B, S]`` → (chosen ``[B, Pr]``, rejected ``[B, Pr]``): slots 2p−1 and 2p."""
     num_pairs = (x_BS.shape[1] - 1) // 2
     return x_BS[:, 1 : 1 + 2 * num_pairs : 2], x_BS[:, 2 : 2 + 2 * num_pairs : 2]
 
 
 def pair_mask(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
-    """``[B, P]`` bool: pair slot p holds both its chosen and its rejected document."""
-    chosen_BP, rejected_BP = pair_documents(documents_present(segment_ids_BT, num_segments))
-    return chosen_BP & rejected_BP
+    """``[B, Pr]`` bool: pair slot p holds both its chosen and its rejected document."""
+    chosen_BPr, rejected_BPr = pair_documents(documents_present(segment_ids_BT, num_segments))
+    return chosen_BPr & rejected_BPr
 
 
 def pair_tokens(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
-    """``[B, P]`` T_p: non-padding tokens of the chosen plus rejected documents (prompt incl.)."""
+    """``[B, Pr]`` T_p: non-padding tokens of the chosen plus rejected documents (prompt incl.)."""
     real_BT = (segment_ids_BT > 0).astype(jnp.float32)
-    chosen_BP, rejected_BP = pair_documents(segment_sum(real_BT, segment_ids_BT, num_segments))
-    return chosen_BP + rejected_BP
+    chosen_BPr, rejected_BPr = pair_documents(segment_sum(real_BT, segment_ids_BT, num_segments))
+    return chosen_BPr + rejected_BPr
 
 
 def dpo_loss_terms(
     token_logp_BT: jax.Array,
     loss_mask_BT: jax.Array,
     segment_ids_BT: jax.Array,
-    ref_chosen_BP: jax.Array | None,
-    ref_rejected_BP: jax.Array | None,
+    ref_chosen_BPr: jax.Array | None,
+    ref_rejected_BPr: jax.Array | None,
     *,
     num_segments: int,
     beta: float = 0.1,
@@ -235,34 +236,34 @@ def dpo_loss_terms(
     """
     check_loss_type(loss_type, label_smoothing)
     seg_BT = segment_ids_BT.astype(jnp.int32)
-    valid_BP = pair_mask(seg_BT, num_segments)
+    valid_BPr = pair_mask(seg_BT, num_segments)
     means_BS = sequence_logps(token_logp_BT, loss_mask_BT, seg_BT, num_segments, mean=True)
     if uses_mean_logps(loss_type):
         values_BS = means_BS
     else:
         values_BS = sequence_logps(token_logp_BT, loss_mask_BT, seg_BT, num_segments, mean=False)
-    pc_BP, pr_BP = pair_documents(values_BS)
-    rc_BP = rr_BP = None
+    pc_BPr, pr_BPr = pair_documents(values_BS)
+    rc_BPr = rr_BPr = None
     if loss_type != "simpo":
-        if ref_chosen_BP is None or ref_rejected_BP is None:
-            raise ValueError(f"loss_type={loss_type!r} needs ref_chosen_BP and ref_rejected_BP")
-        rc_BP = jnp.where(valid_BP, ref_chosen_BP.astype(jnp.float32), 0.0)
-        rr_BP = jnp.where(valid_BP, ref_rejected_BP.astype(jnp.float32), 0.0)
-    weights_BP = wpo_weights(*pair_documents(means_BS)) if loss_type == "wpo" else None
-    losses_BP = dpo_loss(
-        pc_BP,
-        pr_BP,
-        rc_BP,
-        rr_BP,
+        if ref_chosen_BPr is None or ref_rejected_BPr is None:
+            raise ValueError(f"loss_type={loss_type!r} needs ref_chosen_BPr and ref_rejected_BPr")
+        rc_BPr = jnp.where(valid_BPr, ref_chosen_BPr.astype(jnp.float32), 0.0)
+        rr_BPr = jnp.where(valid_BPr, ref_rejected_BPr.astype(jnp.float32), 0.0)
+    weights_BPr = wpo_weights(*pair_documents(means_BS)) if loss_type == "wpo" else None
+    losses_BPr = dpo_loss(
+        pc_BPr,
+        pr_BPr,
+        rc_BPr,
+        rr_BPr,
         beta=beta,
         loss_type=loss_type,
         label_smoothing=label_smoothing,
         simpo_gamma=simpo_gamma,
-        weights=weights_BP,
+        weights=weights_BPr,
     )
-    tokens_BP = pair_tokens(seg_BT, num_segments)
-    numerator, denominator = pair_terms(losses_BP, valid_BP, tokens_BP, normalize)
+    tokens_BPr = pair_tokens(seg_BT, num_segments)
+    numerator, denominator = pair_terms(losses_BPr, valid_BPr, tokens_BPr, normalize)
     metrics = dpo_metrics(
-        pc_BP, pr_BP, rc_BP, rr_BP, beta=beta, loss_type=loss_type, valid=valid_BP
+        pc_BPr, pr_BPr, rc_BPr, rr_BPr, beta=beta, loss_type=loss_type, valid=valid_BPr
     )
     return DPOLossTerms(numerator, denominator, metrics)

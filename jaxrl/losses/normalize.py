@@ -127,16 +127,16 @@ def token_terms(
 
 
 def pair_terms(
-    losses_BP: jax.Array, valid_BP: jax.Array, tokens_BP: jax.Array, normalize: str
+    losses_BPr: jax.Array, valid_BPr: jax.Array, tokens_BPr: jax.Array, normalize: str
 ) -> tuple[jax.Array, jax.Array]:
     """(numerator, denominator) of per-pair losses (DPO): ``normalize='pair'`` → (Σ ℓ_p,
-    N_pairs); ``'token'`` → (Σ T_p ℓ_p, Σ T_p). Invalid pair slots (``valid_BP`` 0) are
+    N_pairs); ``'token'`` → (Σ T_p ℓ_p, Σ T_p). Invalid pair slots (``valid_BPr`` 0) are
     selected out, so their values never reach the result."""
     if normalize not in DPO_NORMALIZE:
         raise ValueError(f"normalize={normalize!r} is invalid: use one of {DPO_NORMALIZE}")
-    on = valid_BP > 0
-    weight_BP = jnp.where(on, 1.0 if normalize == "pair" else tokens_BP.astype(jnp.float32), 0.0)
-    return jnp.sum(jnp.where(on, losses_BP, 0.0) * weight_BP), jnp.sum(weight_BP)
+    on = valid_BPr > 0
+    weight_BPr = jnp.where(on, 1.0 if normalize == "pair" else tokens_BPr.astype(jnp.float32), 0.0)
+    return jnp.sum(jnp.where(on, losses_BPr, 0.0) * weight_BPr), jnp.sum(weight_BPr)
 
 
 def finalize(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

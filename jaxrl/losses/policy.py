@@ -81,16 +81,16 @@ def entropy_threshold(
     Works on any shape (flattened): over a whole step the trainer feeds every valid token of the
     step (all micro-batches, all ranks) from a no-grad pre-pass. No valid token → +inf.
     """
-    h_N = jnp.reshape(entropy, (-1,)).astype(jnp.float32)
-    valid_N = jnp.reshape(mask, (-1,)) > 0
-    n = jnp.sum(valid_N.astype(jnp.int32))
-    sorted_N = jnp.sort(jnp.where(valid_N, h_N, jnp.inf))
+    h_flat = jnp.reshape(entropy, (-1,)).astype(jnp.float32)
+    valid_flat = jnp.reshape(mask, (-1,)) > 0
+    n = jnp.sum(valid_flat.astype(jnp.int32))
+    sorted_flat = jnp.sort(jnp.where(valid_flat, h_flat, jnp.inf))
     last = jnp.maximum(n - 1, 0)
     pos = jnp.float32(1.0 - top_entropy_quantile) * last.astype(jnp.float32)
     i0 = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
     i1 = jnp.minimum(i0 + 1, last)
     frac = pos - i0.astype(jnp.float32)
-    v0, v1 = sorted_N[i0], sorted_N[i1]
+    v0, v1 = sorted_flat[i0], sorted_flat[i1]
     tau = v0 + frac * (v1 - v0)
     return jax.lax.stop_gradient(jnp.where(n > 0, tau, jnp.inf))
 

@@ -1,7 +1,7 @@
 """Variable-length gradient accumulation: ``lax.while_loop`` over rounds inside ``shard_map``.
 
-A device batch holds, per data-parallel rank, K micro-batch slots (one packed row each):
-arrays ``[R, K, ...]`` with R = data × fsdp ranks, split over the batch axes
+A device batch holds, per data-parallel rank, M micro-batch slots (one packed row each):
+arrays ``[R, M, ...]`` with R = data × fsdp ranks, split over the batch axes
 (``jaxrl.runtime.mesh``). Round i is slot i on every rank.
 
 The ``shard_map`` is manual over the batch axes (``data``, ``fsdp``) only; ``tensor`` stays
@@ -100,7 +100,7 @@ def _zeros_like_terms(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]) ->
 def _rank_sums(
     loss_fn: LossFn,
     params: Any,
-    batch_KT: dict[str, jax.Array],
+    batch_MT: dict[str, jax.Array],
     bounds: jax.Array,
     *,
     docs_per_step: int,
@@ -108,19 +108,19 @@ def _rank_sums(
     comm: _Collectives,
 ) -> StepSums:
     """One rank's accumulation (inside shard_map); returns sums over every rank."""
-    docs_K = num_documents(batch_KT["segment_ids"]).astype(jnp.int32)
-    global_docs_K = comm.psum(docs_K)
-    real_KT = batch_KT["segment_ids"] > 0
-    tokens_K = jnp.sum(real_KT, axis=-1).astype(jnp.int32)
-    if "loss_mask" in batch_KT:
-        real_KT = real_KT & (batch_KT["loss_mask"] > 0)
-    loss_tokens_K = jnp.sum(real_KT, axis=-1).astype(jnp.int32)
-    num_slots = docs_K.shape[0]
+    docs_M = num_documents(batch_MT["segment_ids"]).astype(jnp.int32)
+    global_docs_M = comm.psum(docs_M)
+    real_MT = batch_MT["segment_ids"] > 0
+    tokens_M = jnp.sum(real_MT, axis=-1).astype(jnp.int32)
+    if "loss_mask" in batch_MT:
+        real_MT = real_MT & (batch_MT["loss_mask"] > 0)
+    loss_tokens_M = jnp.sum(real_MT, axis=-1).astype(jnp.int32)
+    num_slots = docs_M.shape[0]
     start, stop = bounds[0], jnp.minimum(bounds[1], num_slots)
 
     def micro_batch(i):
         return jax.tree.map(
-            lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=True), batch_KT
+            lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=True), batch_MT
         )
 
     grad_fn = jax.value_and_grad(lambda p, mb: _numerator(loss_fn, p, mb), has_aux=True)
@@ -135,10 +135,10 @@ def _rank_sums(
         g = comm.grads_over_fsdp(jax.tree.map(lambda b: w * b.astype(jnp.float32), g))
         grads = jax.tree.map(jnp.add, grads, g)
         terms = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), terms, t)
-        total = total + jnp.where(active, global_docs_K[i], 0)
-        mbs = mbs + jnp.where(active & (docs_K[i] > 0), 1, 0)
-        toks = toks + jnp.where(active, tokens_K[i], 0)
-        loss_toks = loss_toks + jnp.where(active, loss_tokens_K[i], 0)
+        total = total + jnp.where(active, global_docs_M[i], 0)
+        mbs = mbs + jnp.where(active & (docs_M[i] > 0), 1, 0)
+        toks = toks + jnp.where(active, tokens_M[i], 0)
+        loss_toks = loss_toks + jnp.where(active, loss_tokens_M[i], 0)
         return grads, terms, total, mbs, toks, loss_toks
 
     init = (zero_grads, zero_terms, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0))
@@ -182,7 +182,7 @@ def make_accumulate(
     loop: Literal["while", "scan"] = "while",
     grad_specs: Any | None = None,
 ) -> Callable[[Any, dict[str, jax.Array], jax.Array], StepSums]:
-    """``(params, batch[R,K,...], bounds[2]) -> StepSums``, manual over the batch axes.
+    """``(params, batch[R,M,...], bounds[2]) -> StepSums``, manual over the batch axes.
 
     ``bounds = [start, stop]`` selects the slots this step may consume (data, not static), so
     one compiled program serves every step of a bucket and a cursor can carry over between
@@ -194,7 +194,7 @@ def make_accumulate(
     comm = _Collectives(manual, grad_specs)
 
     def per_rank(params, batch, bounds):
-        local = jax.tree.map(lambda x: x[0], batch)  # [1, K, ...] → [K, ...]
+        local = jax.tree.map(lambda x: x[0], batch)  # [1, M, ...] → [M, ...]
         return _rank_sums(
             loss_fn, params, local, bounds, docs_per_step=docs_per_step, loop=loop, comm=comm
         )

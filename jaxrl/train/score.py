@@ -108,11 +108,11 @@ class Scorer:
         self._jitted = jax.jit(self._program)
 
     # -- the program --------------------------------------------------------------------------
-    def _program(self, params: Any, rows_CT: dict[str, jax.Array], temperature: jax.Array):
+    def _program(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
-        return self._rows(params, rows_CT, temperature)
+        return self._rows(params, rows_BT, temperature)
 
-    def _rows(self, params: Any, rows_CT: dict[str, jax.Array], temperature: jax.Array):
+    def _rows(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array):
         model = nnx.merge(self.graphdef, params)
 
         def per_rank(rows_MT: dict[str, jax.Array]):  # this rank's rows, one at a time
@@ -126,10 +126,10 @@ class Scorer:
             return jax.lax.map(one, rows_MT)
 
         if self.mesh is None:
-            return per_rank(rows_CT)
+            return per_rank(rows_BT)
         manual = manual_batch_axes(self.mesh)
         if not manual:  # one rank over several tensor devices: XLA partitions the program
-            return per_rank(rows_CT)
+            return per_rank(rows_BT)
         # the train step's structure (jaxrl.train.accumulate): manual over the batch axes,
         # parameters replicated over them, one [1, T] row per rank at a time; the same
         # program shape gives the same values as the train step's forward, also in bf16
@@ -140,14 +140,14 @@ class Scorer:
             out_specs=P(manual),
             axis_names=set(manual),
             check_vma=False,
-        )(rows_CT)
+        )(rows_BT)
 
     # -- rows -------------------------------------------------------------------------------
     def score(
         self, params: Any, rows: Mapping[str, np.ndarray], *, temperature: float | None = None
     ) -> RowScores:
         """Score host rows ``rows[f]`` of shape ``[..., T]`` for f in :data:`ROW_FIELDS`
-        (e.g. a packed batch's ``[R, K, T]``); results have the same shape."""
+        (e.g. a packed batch's ``[R, M, T]``); results have the same shape."""
         temp = self.temperature if temperature is None else float(temperature)
         shape = np.shape(rows["tokens"])
         t = shape[-1]
@@ -197,28 +197,28 @@ class Scorer:
         (the training aggregation: sum, or mean with the count clamped at 1) and exact match."""
         scores = self.score(params, _rows_of(packed), temperature=temperature)
         t, s = packed.shape[-1], packed.num_segments
-        segment_ids_NT = packed.segment_ids.reshape(-1, t)
-        loss_mask_NT = packed.loss_mask.reshape(-1, t)
-        index_NS = packed.doc_sample_index.reshape(-1, s)
-        values_NS = np.asarray(
-            _sequence_values(scores.logp.reshape(-1, t), loss_mask_NT, segment_ids_NT, s, mean)
+        segment_ids_BT = packed.segment_ids.reshape(-1, t)
+        loss_mask_BT = packed.loss_mask.reshape(-1, t)
+        index_BS = packed.doc_sample_index.reshape(-1, s)
+        values_BS = np.asarray(
+            _sequence_values(scores.logp.reshape(-1, t), loss_mask_BT, segment_ids_BT, s, mean)
         )
         # exact match: count loss tokens and wrong loss tokens per (row, segment)
-        on_NT = (loss_mask_NT > 0) & (segment_ids_NT > 0)
-        wrong_NT = on_NT & ~scores.correct.reshape(-1, t)
-        slot_NT = np.arange(index_NS.shape[0])[:, None] * s + segment_ids_NT
-        count_NS = np.bincount(slot_NT[on_NT], minlength=index_NS.size).reshape(index_NS.shape)
-        wrong_NS = np.bincount(slot_NT[wrong_NT], minlength=index_NS.size).reshape(index_NS.shape)
-        at_NS = index_NS >= 0
-        at_NS[:, 0] = False  # slot 0 is padding
-        ids = index_NS[at_NS]
+        on_BT = (loss_mask_BT > 0) & (segment_ids_BT > 0)
+        wrong_BT = on_BT & ~scores.correct.reshape(-1, t)
+        slot_BT = np.arange(index_BS.shape[0])[:, None] * s + segment_ids_BT
+        count_BS = np.bincount(slot_BT[on_BT], minlength=index_BS.size).reshape(index_BS.shape)
+        wrong_BS = np.bincount(slot_BT[wrong_BT], minlength=index_BS.size).reshape(index_BS.shape)
+        at_BS = index_BS >= 0
+        at_BS[:, 0] = False  # slot 0 is padding
+        ids = index_BS[at_BS]
         num_docs = int(ids.max()) + 1 if ids.size else 0
         logps = np.full(num_docs, np.nan, np.float32)
         scored = np.zeros(num_docs, bool)
         correct = np.zeros(num_docs, bool)
-        logps[ids] = values_NS[at_NS]
-        scored[ids] = count_NS[at_NS] > 0
-        correct[ids] = scored[ids] & (wrong_NS[at_NS] == 0)
+        logps[ids] = values_BS[at_BS]
+        scored[ids] = count_BS[at_BS] > 0
+        correct[ids] = scored[ids] & (wrong_BS[at_BS] == 0)
         return DocumentScores(logps=logps, correct=correct, scored=scored)
 
     def token_logprobs(
@@ -249,7 +249,7 @@ class Scorer:
         *,
         temperature: float | None = None,
     ) -> float:
-        """τ_H over every loss token of a step's packed ``[R, K, T]`` batch (all ranks): the
+        """τ_H over every loss token of a step's packed ``[R, M, T]`` batch (all ranks): the
         ``entropy_threshold`` quantile of the scored entropies."""
         entropy = self.score(params, arrays, temperature=temperature).entropy
         tau = _entropy_threshold(entropy, np.asarray(arrays["loss_mask"]), top_entropy_quantile)

@@ -70,7 +70,7 @@ class TrainStep:
         self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        """Put a host batch ``[R, K, ...]`` on the mesh, split over the batch axes (each process
+        """Put a host batch ``[R, M, ...]`` on the mesh, split over the batch axes (each process
         reads only its own ranks' rows)."""
         return put_batch(batch, self.mesh)
 
