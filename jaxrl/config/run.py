@@ -11,27 +11,9 @@ from jaxrl.config.base import ConfigError, config_error, require, require_choice
 from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.sft import SFTConfig
+from jaxrl.models.model_config import ATTENTION_IMPLS, ModelConfig
 
 MAX_MESH_DEVICES = 1 << 20  # no machine has more; a larger product is a typo
-# ``model.init`` keys: ModelConfig's architecture fields (tests check the list against it)
-MODEL_INIT_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rope_theta",
-    "rope_scaling",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "attention_bias",
-    "qk_norm",
-    "max_position_embeddings",
-)
-# ModelConfig's run settings, which the ``model`` section itself sets
 MODEL_SECTION_KEYS = (
     "param_dtype",
     "dtype",
@@ -40,6 +22,10 @@ MODEL_SECTION_KEYS = (
     "attention_block_size",
     "scan_layers",
     "remat",
+)
+# ``model.init`` keys: ModelConfig's architecture fields (the rest are model.<key> settings)
+MODEL_INIT_KEYS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name not in MODEL_SECTION_KEYS
 )
 
 
@@ -228,7 +214,7 @@ class OptimizerConfig:
         )
 
 
-AttentionImpl = Literal["xla", "flash", "splash", "pallas_gpu", "auto"]  # docs/attention.md
+AttentionImpl = Literal[ATTENTION_IMPLS]  # docs/attention.md
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

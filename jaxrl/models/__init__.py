@@ -1,15 +1,24 @@
-"""Llama / Qwen2 / Qwen3 language models: NNX transformer, LM head, HF checkpoints."""
+"""Llama / Qwen2 / Qwen3 language models: NNX transformer, LM head, HF checkpoints.
 
-from jaxrl.models.head import lm_head, token_logprobs
-from jaxrl.models.hf import from_pretrained, save_pretrained
-from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.transformer import Transformer
+The names below are imported on first use, so ``jaxrl.models.model_config`` (plain data, no jax)
+can be read by the config layer without loading jax.
+"""
 
-__all__ = [
-    "ModelConfig",
-    "Transformer",
-    "from_pretrained",
-    "lm_head",
-    "save_pretrained",
-    "token_logprobs",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "model_config",
+    "Transformer": "transformer",
+    "from_pretrained": "hf",
+    "lm_head": "head",
+    "save_pretrained": "hf",
+    "token_logprobs": "head",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(f"jaxrl.models.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'jaxrl.models' has no attribute {name!r}")

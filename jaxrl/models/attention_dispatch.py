@@ -15,8 +15,8 @@ import jax
 from jaxrl.models import pallas_attention
 from jaxrl.models.attention import attention
 from jaxrl.models.flash_attention import flash_attention
+from jaxrl.models.model_config import ATTENTION_IMPLS
 
-ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")
 _NEEDS_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu"}
 AttentionFn = Callable[..., jax.Array]
 

@@ -2,6 +2,7 @@
 
 Field names follow transformers' ``config.json`` (``models/hf.py`` maps one to the other);
 the run settings at the end (attention kernel, layer scan, remat) are never written to it.
+No jax at import: the config layer reads the field names (``model.init`` keys) before jax loads.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl.models.attention_dispatch import ATTENTION_IMPLS
-from jaxrl.models.layer_stack import check_remat
-
+ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # attention_dispatch.py
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -152,6 +151,8 @@ class ModelConfig:
             _fail("attention_block_size", self.attention_block_size, "must be a positive int")
         if not isinstance(self.scan_layers, bool):
             _fail("scan_layers", self.scan_layers, "use true or false")
+        from jaxrl.models.layer_stack import check_remat  # imports jax: only when building one
+
         check_remat(self.remat, "ModelConfig.remat")
 
     @classmethod
