@@ -30,6 +30,7 @@ from jaxrl.config.base import (
 from jaxrl.config.reward_entries import check_reward_specs
 from jaxrl.losses.advantages import AGGREGATIONS, ESTIMATORS, SCALE_REWARDS
 from jaxrl.losses.loss_types import (
+    CORRECTION_MODES,
     GRPO_LOSS_TYPES,
     IMPORTANCE_SAMPLING_LEVELS,
     TOKEN_SUMMING_LOSS_TYPES,
@@ -86,6 +87,10 @@ class GRPOConfig:
     beta: float = 0.0  # KL coefficient; 0 → no reference model
     loss_type: str = "dapo"  # grpo, bnpo, dr_grpo, dapo, seq_mean_token_sum, cispo
     importance_sampling_level: str = "token"  # token, or sequence (GSPO)
+    importance_sampling_correction: str | None = None  # weight the loss by π_old/π_sampler:
+    # token_truncate, token_mask, sequence_truncate, sequence_mask, sequence_geo_mask; None =
+    # off (TRL: vllm_importance_sampling_mode, on by default there); docs/algorithms/grpo.md §7
+    importance_sampling_cap: float = 3.0  # C: truncate the weight at C or mask outside [1/C, C]
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
     advantage_estimator: str = "grpo"  # grpo; rloo (leave-one-out); reinforce_pp (batch-
     # normalised REINFORCE++): docs/algorithms/grpo.md §6
@@ -189,6 +194,18 @@ class GRPOConfig:
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
         require_choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        if self.importance_sampling_correction is not None:
+            require_choice(
+                "importance_sampling_correction",
+                self.importance_sampling_correction,
+                CORRECTION_MODES,
+            )
+        require(
+            self.importance_sampling_cap > 1,
+            "importance_sampling_cap",
+            self.importance_sampling_cap,
+            "use a value > 1 (TRL's default is 3.0)",
+        )
         if self.advantage_estimator != "grpo":
             require(
                 self.scale_rewards == "group",

@@ -24,6 +24,14 @@ GRPO_LOSS_TYPES = tuple(GRPO_LOSS_MODES)
 # sampling weights each sequence by its length (TRL #3823, #6042): the config warns.
 TOKEN_SUMMING_LOSS_TYPES = ("bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# Off-policy correction of the sampler/trainer gap (``jaxrl.losses.sampler_correction``).
+CORRECTION_MODES = (
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+    "sequence_geo_mask",
+)
 
 # SFT (``SFTConfig.loss_normalization``): normalize modes a cross-entropy step may divide by.
 SFT_NORMALIZATIONS = ("token", "sequence", "document")

@@ -76,6 +76,11 @@ def num_documents(segment_ids_BT: jax.Array) -> jax.Array:
     return jnp.max(segment_ids_BT, axis=-1)
 
 
+def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """Broadcast per-document values back to tokens: ``out[b, t] = x[b, seg[b, t]]``."""
+    return jnp.take_along_axis(x_BS, segment_ids_BT, axis=1)
+
+
 def documents_present(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
     """``[B, S]`` bool: slot s ≥ 1 holds a document in this row (slot 0 is always False).
 

@@ -48,17 +48,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.losses.loss_types import GRPO_LOSS_MODES, GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
-from jaxrl.losses.normalize import LossTerms, documents_present, segment_sum, token_terms
+from jaxrl.losses.normalize import (
+    LossTerms,
+    documents_present,
+    gather_segments,
+    segment_sum,
+    token_terms,
+)
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
 
 PolicyLossTerms = LossTerms  # (numerator, denominator, metrics) of one micro-batch
-
-
-def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
-    """Broadcast per-document values back to tokens: ``out[b, t] = x[b, seg[b, t]]``."""
-    return jnp.take_along_axis(x_BS, segment_ids_BT, axis=1)
 
 
 def k3_kl(ref_logp: jax.Array, logp: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -175,6 +176,7 @@ def policy_loss_terms(
     beta: float = 0.0,
     max_completion_length: int = 512,
     entropy_threshold: jax.Array | None = None,
+    is_weight_BT: jax.Array | None = None,
 ) -> PolicyLossTerms:
     """Numerator, denominator and metric sums of one packed micro-batch (module docstring).
 
@@ -183,7 +185,8 @@ def policy_loss_terms(
     ``entropy_threshold(...)`` over the whole step) enables the entropy mask; ``entropy_BT``
     feeds it and the ``entropy`` metric. Metrics: ``clip_ratio/{low,high,region}_mean`` (over
     loss tokens at token level, over documents at sequence level), ``entropy`` and, when
-    β ≠ 0, ``kl`` (over loss tokens).
+    β ≠ 0, ``kl`` (over loss tokens). ``is_weight_BT`` (``sampler_correction.sampler_weights``)
+    multiplies each token's policy term, not its KL term (TRL's order).
     """
     if loss_type not in GRPO_LOSS_MODES:
         raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {GRPO_LOSS_TYPES}")
@@ -240,6 +243,8 @@ def policy_loss_terms(
     if entropy_threshold is not None:
         keep_BT = entropy_mask(entropy_BT, m_BT, entropy_threshold)
         loss_BT = loss_BT * keep_BT.astype(jnp.float32)
+    if is_weight_BT is not None:
+        loss_BT = loss_BT * jax.lax.stop_gradient(is_weight_BT)
     if beta != 0.0:
         kl_BT = k3_kl(jax.lax.stop_gradient(ref_logp_BT), logp_BT, m_BT)
         loss_BT = loss_BT + beta * kl_BT

@@ -22,6 +22,7 @@ from jaxrl.config import DPOConfig, GRPOConfig, SFTConfig
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.policy import policy_loss_terms
+from jaxrl.losses.sampler_correction import sampler_weights
 from jaxrl.losses.sft import sft_terms
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.accumulate import LossFn
@@ -99,13 +100,30 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
     step reports the mean absolute gap between the trainer's and the sampler's log-probs; with
     scored old log-probs also ``policy/abs_log_ratio`` = the mean |log ρ| = |logp − old_logp|,
     which is exactly 0 at a batch's first use (the scorer runs the train step's forward).
+
+    With ``importance_sampling_correction`` each token's policy term is weighted by
+    π_old / π_sampler (``jaxrl.losses.sampler_correction``; π_old is the scored old log-probs,
+    or the current ones on-policy), reporting ``sampler/is_ratio/mean`` and
+    ``sampler/is_clipped_frac``.
     """
     use_entropy_mask = config.top_entropy_quantile < 1.0
+    correction = config.importance_sampling_correction
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
         logp_BT, entropy_BT = micro_batch_logprobs(
             model, mb, chunk_size=chunk_size, temperature=config.temperature
         )
+        weight_BT, weight_metrics = None, {}
+        if correction is not None:
+            weight_BT, weight_metrics = sampler_weights(
+                mb.get("old_logp", logp_BT),
+                mb["sampler_logp"],
+                mb["loss_mask"],
+                mb["segment_ids"],
+                num_segments=mb["advantage"].shape[-1],
+                mode=correction,
+                cap=config.importance_sampling_cap,
+            )
         terms = policy_loss_terms(
             logp_BT,
             mb.get("old_logp"),
@@ -122,7 +140,9 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             beta=config.beta,
             max_completion_length=config.max_completion_length,
             entropy_threshold=mb["entropy_threshold"][0] if use_entropy_mask else None,
+            is_weight_BT=weight_BT,
         )
+        terms.metrics.update(weight_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
         gap_BT = jnp.abs(jax.lax.stop_gradient(logp_BT) - mb["sampler_logp"])
         terms.metrics[MISMATCH] = (
