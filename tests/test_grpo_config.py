@@ -154,7 +154,7 @@ def test_validation_order_follows_spec():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("loss_type", "cispo"),
+        ("loss_type", "sapo"),
         ("loss_type", "sapo"),
         ("importance_sampling_level", "seq"),
         ("scale_rewards", "std"),
@@ -255,15 +255,16 @@ def test_config_accepts_exactly_the_policy_loss_types():
     """The config validates against the list the loss code uses, so a type it accepts runs."""
     zeros_BT, seg_BT, adv_BS = jnp.zeros((1, 3)), jnp.ones((1, 3), jnp.int32), jnp.zeros((1, 2))
     for loss_type in GRPO_LOSS_TYPES:
-        assert GRPOConfig(loss_type=loss_type).loss_type == loss_type
+        kw = {"epsilon_high": 5.0} if loss_type == "cispo" else {}  # CISPO's weight cap
+        assert GRPOConfig(loss_type=loss_type, **kw).loss_type == loss_type
         policy.policy_loss_terms(
-            zeros_BT, None, None, adv_BS, zeros_BT, seg_BT, loss_type=loss_type
+            zeros_BT, None, None, adv_BS, zeros_BT, seg_BT, loss_type=loss_type, **kw
         )
     choices = ", ".join(map(repr, GRPO_LOSS_TYPES))
-    with pytest.raises(ConfigError, match=rf"loss_type='cispo' is invalid: use one of {choices}"):
-        GRPOConfig(loss_type="cispo")
-    with pytest.raises(ValueError, match="loss_type='cispo' is invalid"):
-        policy.policy_loss_terms(zeros_BT, None, None, adv_BS, zeros_BT, seg_BT, loss_type="cispo")
+    with pytest.raises(ConfigError, match=rf"loss_type='sapo' is invalid: use one of {choices}"):
+        GRPOConfig(loss_type="sapo")
+    with pytest.raises(ValueError, match="loss_type='sapo' is invalid"):
+        policy.policy_loss_terms(zeros_BT, None, None, adv_BS, zeros_BT, seg_BT, loss_type="sapo")
     for level in IMPORTANCE_SAMPLING_LEVELS:
         c = GRPOConfig(loss_type="grpo", importance_sampling_level=level)
         assert c.importance_sampling_level == level
