@@ -1,11 +1,13 @@
-"""GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → buffer → exact engine.
+"""GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → row queue → exact engine.
 
 Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order →
 ``RolloutGenerator`` (weights synced from the trainer, KV-cache sampling, rewards, advantages on
-the whole batch, old / reference log-probs when needed) → the generation buffer. Per optimizer
-step: the window's completions (g micro-steps of every rank, or ``docs_per_step`` documents) →
-``build_dp_schedule`` as one step → packed ``[R, K, T]`` batch → the train step with
-``grpo_loss``. Orchestration only: the numerics live in losses/, train/ and rollout/.
+the whole batch, each row's document, old / reference log-probs when needed) → the
+``RolloutQueue``, which holds every row until it is trained on (the generation buffer inside it
+serves them). Per optimizer step: the window's documents (g micro-steps of every rank, or
+``docs_per_step`` documents) → ``build_dp_schedule`` as one step → packed ``[R, K, T]`` batch →
+the train step with ``grpo_loss``. Orchestration only: the numerics live in losses/, train/ and
+rollout/.
 """
 
 from __future__ import annotations
