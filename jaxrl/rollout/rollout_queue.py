@@ -57,7 +57,7 @@ class RolloutBatch:
     loss_masks: list[np.ndarray]  # float32 per row, token-aligned
     token_fields: dict[str, list[np.ndarray]]  # float32 per row, token-aligned
     truncated: np.ndarray  # bool [B]: no EOS within max_completion_length
-    rewards: np.ndarray  # float64 [B, F]: one column per reward function, NaN = unscored
+    rewards: np.ndarray  # float64 [B, W]: one column per reward function, NaN = unscored
     advantages: np.ndarray  # float32 [B]
     mask_truncated: bool  # truncated rows carry no loss (mask_truncated_completions)
 
@@ -218,8 +218,8 @@ class RowDocuments:
     sequences: list[np.ndarray]  # int32 prompt + completion
     loss_masks: list[np.ndarray]  # float32, token-aligned
     token_fields: dict[str, list[np.ndarray]]  # float32, token-aligned
-    advantages: np.ndarray  # float32 [N]
-    truncated: np.ndarray  # bool [N]
+    advantages: np.ndarray  # float32, one per document
+    truncated: np.ndarray  # bool, one per document
 
     def __len__(self) -> int:
         return len(self.rows)
