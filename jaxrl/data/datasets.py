@@ -31,7 +31,7 @@ MAX_DEPTH = 32  # deepest nesting of lists/objects a row may have
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 FILE_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet")
 
-__all__ = ["DataError", "Dataset", "read_dataset", "read_jsonl", "read_rows", "rows_dataset"]
+__all__ = ["DataError", "Dataset", "read_dataset", "read_rows", "rows_dataset"]
 
 
 class DataError(ValueError):
@@ -92,16 +92,6 @@ def _read_jsonl(path: Path, data: bytes) -> tuple[list[Any], list[str]]:
         rows.append(_json_value(line, at))
         where.append(at)
     return rows, where
-
-
-def read_jsonl(path: str | Path) -> tuple[list[Any], list[str]]:
-    """``(rows, where)``: every non-blank line of a JSONL file (any suffix) parsed, with its
-    ``file:line``. Raises ``DataError`` for a missing file, bytes that are not UTF-8, bad JSON
-    and values nested too deeply to read."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    return _read_jsonl(path, path.read_bytes())
 
 
 def _read_json(path: Path, data: bytes) -> tuple[list[Any], list[str]]:
