@@ -122,12 +122,8 @@ class DPOTrainer:
         tokenizer and chat template of ``model.path``); pairs over ``dpo.max_prompt_length`` /
         ``dpo.max_length`` are truncated (or dropped) and counted (docs/data.md)."""
         cfg, data, dpo = self.cfg, self.cfg.data, self.dpo
-        if data.train is None:
-            task = build_task(cfg)
-            self.tokenizer = self._tokenizer(task)
-            described = {"source": TASK_SOURCE, **dataclasses.asdict(task)}
-        else:
-            self.tokenizer = load_tokenizer(cfg.model.path)
+        task = build_task(cfg) if data.train is None else None
+        self.tokenizer = load_tokenizer(cfg.model.path) if task is None else self._tokenizer(task)
         limits = f"dpo.max_length={dpo.max_length}" + (
             f"/max_prompt_length={dpo.max_prompt_length}" if dpo.max_prompt_length else ""
         )
@@ -144,8 +140,8 @@ class DPOTrainer:
                 self.train = docs
             else:
                 self.held_out = docs
-            if data.train is None:
-                source = described
+            if task is not None:  # the cache identity names the task's settings
+                source = {"source": TASK_SOURCE, **dataclasses.asdict(task)}
             else:
                 path = Path(rows.source)
                 source = {"source": str(path.resolve()) if path.exists() else rows.source}
