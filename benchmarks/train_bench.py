@@ -47,6 +47,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl.config import load_run_config  # noqa: E402
+from jaxrl.data.documents import sft_documents  # noqa: E402
 from jaxrl.data.feed import DocumentFeed  # noqa: E402
 from jaxrl.data.tokenizer import char_tokenizer  # noqa: E402
 from jaxrl.models.hf import save_pretrained  # noqa: E402
@@ -54,7 +55,6 @@ from jaxrl.train.build import build_task  # noqa: E402
 from jaxrl.train.objectives import sft_objective  # noqa: E402
 from jaxrl.train.optimizer import learning_rate_schedule  # noqa: E402
 from jaxrl.trainers.session import Session  # noqa: E402
-from jaxrl.trainers.sft import encode_examples  # noqa: E402
 
 SHAPES = {
     "tiny": [],  # the config's own model.init (sft_tiny: D=128, 2 layers, H=4, K=2, F=384)
@@ -74,10 +74,13 @@ def documents(cfg: Any, args: argparse.Namespace) -> tuple[list, list, int]:
     if args.shape == "tiny":
         task = build_task(cfg)
         tok = char_tokenizer(task.alphabet)
-        seqs, masks = encode_examples(
-            task.examples(cfg.task.train_size), tok, completion_only=cfg.sft.completion_only_loss
+        docs = sft_documents(
+            task.dataset("sft", cfg.task.train_size),
+            tok,
+            max_length=cfg.sft.max_length,
+            completion_only_loss=cfg.sft.completion_only_loss,
         )
-        return seqs, masks, tok.vocab_size
+        return docs.sequences, docs.masks, tok.vocab_size
     rng = np.random.default_rng(0)
     vocab = cfg.model.init["vocab_size"]
     lengths = rng.integers(args.min_len, args.max_len + 1, size=args.docs * (args.steps + 1))

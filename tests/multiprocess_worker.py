@@ -19,7 +19,7 @@ def run(cache_dir: str | Path) -> dict:
     import numpy as np
     from flax import nnx
 
-    from jaxrl.data.preference import arithmetic_pairs, encode_pairs
+    from jaxrl.data.documents import dpo_documents, prompt_completion_document
     from jaxrl.data.tasks import ArithmeticTask
     from jaxrl.data.tokenizer import char_tokenizer
     from jaxrl.models.model_config import ModelConfig
@@ -51,11 +51,13 @@ def run(cache_dir: str | Path) -> dict:
     sampler.load_params(params)
     prompts = [tok.encode(f"{a}+{a + 3}=", add_bos=True) for a in range(10)]  # 10 → 12 rows
     res = sampler.generate(prompts, jax.random.key(3), SamplingParams(temperature=1.0))
-    seqs, _, _ = res.documents(prompts)
+    seqs = [
+        prompt_completion_document(p, c)[0] for p, c in zip(prompts, res.completions(), strict=True)
+    ]
     scorer = Scorer(graphdef, mesh=mesh, row_len=32, rows_per_call=4)
     logp = scorer.token_logprobs(params, seqs, temperature=0.9)
 
-    docs = encode_pairs(arithmetic_pairs(task, 12), tok, max_length=16)
+    docs, _, _ = dpo_documents(task.dataset("dpo", 12), tok, max_length=16)
     identity = ref_cache.CacheIdentity(
         model="init",
         weights=ref_cache.weight_fingerprint(params),

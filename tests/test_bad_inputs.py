@@ -204,15 +204,13 @@ def test_reward_timeout_is_a_config_field_with_a_sane_default():
     ],
 )  # fmt: skip
 def test_preference_files_fail_with_the_file_and_line(tmp_path, data, message):
-    from jaxrl.data.datasets import DataError
-    from jaxrl.data.preference import PreferenceDataError, load_jsonl_pairs
+    from jaxrl.data.datasets import DataError, read_dataset
 
     path = tmp_path / "pairs.jsonl"
     path.write_bytes(data)
-    with pytest.raises(PreferenceDataError, match=message) as info:
-        load_jsonl_pairs(path)
-    assert isinstance(info.value, DataError)
-    with pytest.raises(PreferenceDataError, match="no such file"):
-        load_jsonl_pairs(tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match=message) as info:
+        read_dataset(path, "dpo")
+    with pytest.raises(DataError, match="no such file"):
+        read_dataset(tmp_path / "missing.jsonl", "dpo")
     json.dumps(str(info.value))  # one printable line
     assert "\n" not in str(info.value)

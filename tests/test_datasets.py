@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from jaxrl.data.datasets import DataError, read_dataset, read_rows
 from jaxrl.data.documents import dpo_documents, grpo_prompts, sft_documents
-from jaxrl.data.tokenizer import load_tokenizer
+from jaxrl.data.tasks import ArithmeticTask
+from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 
 ROWS = [
     {"prompt": "What is 2 + 2?", "answer": "4"},
@@ -355,3 +356,60 @@ def test_conversational_rows_need_a_chat_template(tmp_path, tok_dir):
         sft_documents(
             read_dataset(path, "sft"), load_tokenizer(d), max_length=99, completion_only_loss=True
         )
+
+
+# -- the built-in task through the same reader ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+def test_built_in_task_rows_read_and_encode_like_the_same_rows_in_a_file(tmp_path, kind):
+    task = ArithmeticTask(max_digits=2, seed=1)
+    tok = char_tokenizer(task.alphabet)
+    built_in = task.dataset(kind, 30, split="eval")
+    from_file = read_dataset(
+        _jsonl(tmp_path / "rows.jsonl", task.rows(kind, 30, split="eval")), kind
+    )
+    assert built_in.rows == from_file.rows
+    assert (built_in.format, built_in.conversational) == (from_file.format, False)
+    assert built_in.where[3] == "arithmetic[eval] row 3" and built_in.split == "eval"
+    if kind == "sft":
+        a, b = (
+            sft_documents(d, tok, max_length=16, completion_only_loss=True)
+            for d in (built_in, from_file)
+        )
+        pairs = [(a.sequences, b.sequences), (a.masks, b.masks)]
+        # [bos] prompt answer [eos], the loss on the answer and eos
+        for ex, ids, mask in zip(
+            task.examples(30, split="eval"), a.sequences, a.masks, strict=True
+        ):
+            prompt = [tok.bos_id, *tok.encode(ex.prompt)]
+            assert ids.tolist() == prompt + tok.encode(ex.answer) + [tok.eos_id]
+            assert mask.tolist() == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+    elif kind == "dpo":
+        (a, _, _), (b, _, _) = (dpo_documents(d, tok, max_length=16) for d in (built_in, from_file))
+        pairs = [(a.sequences, b.sequences), (a.masks, b.masks)]
+    else:
+        a, b = (grpo_prompts(d, tok, max_prompt_length=512) for d in (built_in, from_file))
+        pairs = [(a.ids, b.ids)]
+        assert built_in.rows[0]["answer"] == task.examples(1, split="eval")[0].answer
+    for xs, ys in pairs:
+        for x, y in zip(xs, ys, strict=True):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+
+
+def test_built_in_task_rows_over_the_limit_are_truncated_and_counted():
+    """One length policy for built-in and users' rows: an SFT document over ``max_length``
+    keeps its first tokens; one left with no loss token is dropped; both are counted."""
+    task = ArithmeticTask(min_digits=2, max_digits=2, seed=0)
+    tok = char_tokenizer(task.alphabet)
+    data = task.dataset("sft", 20)
+    full = sft_documents(data, tok, max_length=16, completion_only_loss=True)
+    docs = sft_documents(data, tok, max_length=8, completion_only_loss=True)  # bos + 6 + 1 answer
+    assert docs.report.over_length == 20 and docs.report.dropped == 0
+    for short, long in zip(docs.sequences, full.sequences, strict=True):
+        np.testing.assert_array_equal(short, long[:8])
+    with pytest.raises(DataError, match=r"arithmetic: every row was dropped by sft.max_length=7"):
+        sft_documents(data, tok, max_length=7, completion_only_loss=True)
+    with pytest.raises(DataError, match=r"arithmetic\[train\] row 0: the pair has"):
+        dpo_documents(task.dataset("dpo", 3), tok, max_length=16, max_tokens=10)

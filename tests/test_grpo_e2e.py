@@ -84,7 +84,7 @@ def test_on_policy_ratio_is_one_and_clip_ratios_are_zero(tmp_path):
     )
     assert on.config.steps_per_generation == 2 and not on.computes_old_logprobs
     rows = _steps(on, 3)
-    assert all(r.old_logp is None for r in on.rollouts.values())
+    assert all(r.old_logp is None for r in on.rollouts.batches.values())
     for row in rows:
         assert all(row[k] == 0.0 for k in CLIPS), row
         assert row["num_documents"] == 8 and row["grad_norm"] > 0
@@ -94,7 +94,7 @@ def test_on_policy_ratio_is_one_and_clip_ratios_are_zero(tmp_path):
     )
     assert off.computes_old_logprobs
     first = off.step()
-    r = off.rollouts[off.current_id]
+    r = off.rollouts.current
     gaps = [np.abs(o - s).max() for o, s in zip(r.old_logp, r.sampler_logp, strict=True)]
     assert max(gaps) <= 1e-5 and len(gaps) == 8
     second = off.step()
@@ -108,8 +108,8 @@ def test_fp32_sampler_and_trainer_logprobs_agree(tmp_path):
     rows = _steps(t, 2)
     assert all(0 <= r["sampler/logprob_mismatch"] <= 1e-5 for r in rows), rows
     # the metric is mean |logp − sampler_logp| over loss tokens: shift the sampler's by 0.01
-    t.generate()
-    r = t.rollouts[t.current_id]
+    r = t.generate()
+    assert r is t.rollouts.current
     shifted = [x - 0.01 for x in r.sampler_logp]
     row = t.train_on_rollouts(r.prompt_ids, r.completion_ids, shifted, r.rewards)
     assert row["sampler/logprob_mismatch"] == pytest.approx(0.01, rel=1e-3)
@@ -200,7 +200,7 @@ def test_docs_per_step_cuts_steps_by_document_count(tmp_path):
         assert r["documents_seen"] == seen
     assert t.computes_old_logprobs  # leftovers wait for the next step
     b_gen = t.config.generation_batch_size
-    assert seen + len(t.pending) == b_gen * t.prompt_sampler.generations  # nothing dropped
+    assert seen + len(t.rollouts) == b_gen * t.prompt_sampler.generations  # nothing dropped
 
 
 class _Crash(Exception):

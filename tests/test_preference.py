@@ -1,4 +1,5 @@
-"""Preference pairs: the arithmetic task, the JSONL loader, tokenisation and pair scheduling."""
+"""Preference pairs: the built-in task's rows, TRL preference files through the one reader,
+tokenisation and pair scheduling."""
 
 from __future__ import annotations
 
@@ -7,16 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from jaxrl.data.datasets import DataError, read_dataset, rows_dataset
+from jaxrl.data.documents import dpo_documents
 from jaxrl.data.packing import PackingError, pack_micro_batches
-from jaxrl.data.preference import (
-    PreferenceDataError,
-    PreferencePair,
-    arithmetic_pairs,
-    encode_pairs,
-    load_jsonl_pairs,
-    pair_micro_batches,
-    preference_accuracy,
-)
+from jaxrl.data.preference import pair_micro_batches, preference_accuracy
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.losses.dpo import pair_documents
@@ -28,32 +23,43 @@ TASK = ArithmeticTask(max_digits=2, reverse_answer=True, pad_operands=True, seed
 
 
 def test_arithmetic_pairs_chosen_correct_rejected_one_digit_off():
-    pairs = arithmetic_pairs(TASK, 300)
+    pairs = TASK.rows("dpo", 300)
     for pair, ex in zip(pairs, TASK.examples(300), strict=True):
-        assert (pair.prompt, pair.chosen) == (ex.prompt, ex.answer)
-        assert len(pair.rejected) == len(pair.chosen) and pair.rejected != pair.chosen
-        diff = [
-            i for i, (a, b) in enumerate(zip(pair.chosen, pair.rejected, strict=True)) if a != b
-        ]
-        assert len(diff) == 1 and pair.rejected[diff[0]].isdigit()
-        if len(pair.rejected) > 1:  # reversed answers: the most significant digit is last
-            assert pair.rejected[-1] != "0"
+        assert (pair["prompt"], pair["chosen"]) == (ex.prompt, ex.answer)
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        assert len(rejected) == len(chosen) and rejected != chosen
+        diff = [i for i, (a, b) in enumerate(zip(chosen, rejected, strict=True)) if a != b]
+        assert len(diff) == 1 and rejected[diff[0]].isdigit()
+        if len(rejected) > 1:  # reversed answers: the most significant digit is last
+            assert rejected[-1] != "0"
 
 
 def test_arithmetic_pairs_deterministic_and_seeded():
-    assert arithmetic_pairs(TASK, 50) == arithmetic_pairs(TASK, 50)
+    assert TASK.rows("dpo", 50) == TASK.rows("dpo", 50)
     other = ArithmeticTask(max_digits=2, reverse_answer=True, pad_operands=True, seed=4)
-    assert arithmetic_pairs(other, 50) != arithmetic_pairs(TASK, 50)
+    assert other.rows("dpo", 50) != TASK.rows("dpo", 50)
 
 
 def test_train_and_held_out_pairs_are_disjoint():
-    train = {p.prompt for p in arithmetic_pairs(TASK, 3000)}
-    held = {p.prompt for p in arithmetic_pairs(TASK, 300, split="eval")}
+    train = {p["prompt"] for p in TASK.rows("dpo", 3000)}
+    held = {p["prompt"] for p in TASK.rows("dpo", 300, split="eval")}
     assert len(train) == 3000 and len(held) == 300
     assert not train & held
 
 
-# ------------------------------------------------------------------ JSONL loader
+def test_built_in_pairs_and_the_same_rows_from_a_file_give_the_same_documents(tmp_path):
+    """The task's rows take the reader and tokeniser of users' data: written to JSONL and read
+    back, they give the same tokens, masks and fingerprint."""
+    tok = char_tokenizer(TASK.alphabet)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TASK.rows("dpo", 40)))
+    built_in, _, _ = dpo_documents(TASK.dataset("dpo", 40), tok, max_length=16)
+    from_file, _, _ = dpo_documents(read_dataset(path, "dpo"), tok, max_length=16)
+    assert built_in.fingerprint() == from_file.fingerprint()
+    np.testing.assert_array_equal(built_in.pair_lengths, from_file.pair_lengths)
+
+
+# ------------------------------------------------------------------ preference files
 
 
 def _write(tmp_path, lines):
@@ -62,68 +68,80 @@ def _write(tmp_path, lines):
     return path
 
 
-def test_jsonl_loader_reads_pairs_and_skips_blank_lines(tmp_path):
+def test_reader_reads_pairs_and_skips_blank_lines(tmp_path):
     rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "extra": 1}, {}]
     rows[1] = {"prompt": "p", "chosen": "c", "rejected": "r"}
     path = _write(tmp_path, [json.dumps(rows[0]), "", json.dumps(rows[1])])
-    assert load_jsonl_pairs(path) == [
-        PreferencePair("1+1=", "2", "3"),
-        PreferencePair("p", "c", "r"),
-    ]
+    data = read_dataset(path, "dpo")
+    assert data.rows == rows and data.format == "preference" and not data.conversational
+    assert data.where == [f"{path}:1", f"{path}:3"]
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ('{"prompt": "p", "chosen": "c"}', r"pairs.jsonl:3: missing key 'rejected'"),
-        ('{"prompt": "p", "chosen": "", "rejected": "r"}', r"pairs.jsonl:3: 'chosen' is an empty"),
-        ('{"prompt": "", "chosen": "c", "rejected": "r"}', r"pairs.jsonl:3: 'prompt' is an empty"),
+        ('{"prompt": "p", "chosen": "c"}', r"pairs.jsonl:3: missing 'rejected'"),
         ('{"prompt": "p", "chosen": 1, "rejected": "r"}', r"pairs.jsonl:3: 'chosen' must be a str"),
         ('{"prompt": "p", "chosen": "c", ', r"pairs.jsonl:3: bad JSON"),
-        ('["p", "c", "r"]', r"pairs.jsonl:3: expected an object"),
+        ('["p", "c", "r"]', r"pairs.jsonl:3: a row must be a JSON object"),
     ],
 )
-def test_jsonl_loader_errors_name_the_line(tmp_path, bad, message):
+def test_reader_errors_name_the_line(tmp_path, bad, message):
     good = json.dumps({"prompt": "p", "chosen": "c", "rejected": "r"})
     path = _write(tmp_path, [good, good, bad, good])
-    with pytest.raises(PreferenceDataError, match=message):
-        load_jsonl_pairs(path)
+    with pytest.raises(DataError, match=message):
+        read_dataset(path, "dpo")
 
 
-def test_jsonl_loader_rejects_a_file_without_pairs(tmp_path):
-    with pytest.raises(PreferenceDataError, match="no preference pairs"):
-        load_jsonl_pairs(_write(tmp_path, ["", "  "]))
+def test_reader_rejects_a_file_without_pairs(tmp_path):
+    with pytest.raises(DataError, match="no rows"):
+        read_dataset(_write(tmp_path, ["", "  "]), "dpo")
 
 
 # ------------------------------------------------------------------ tokenisation
 
 
-def test_encode_pairs_documents_and_masks():
+def _pairs(rows):
+    return rows_dataset(rows, "dpo", source="pairs")
+
+
+def test_pair_documents_and_masks():
     tok = char_tokenizer(TASK.alphabet)
-    pairs = [PreferencePair("12+30=", "24", "25"), PreferencePair("1+1=", "2", "13")]
-    docs = encode_pairs(pairs, tok, max_length=16)
+    rows = [
+        {"prompt": "12+30=", "chosen": "24", "rejected": "25"},
+        {"prompt": "1+1=", "chosen": "2", "rejected": "13"},
+    ]
+    docs, _, _ = dpo_documents(_pairs(rows), tok, max_length=16)
     assert len(docs.sequences) == 4
-    for p, pair in enumerate(pairs):
-        prompt = [tok.bos_id, *tok.encode(pair.prompt)]
-        for d, response in ((2 * p, pair.chosen), (2 * p + 1, pair.rejected)):
+    for p, pair in enumerate(rows):
+        prompt = [tok.bos_id, *tok.encode(pair["prompt"])]
+        for d, response in ((2 * p, pair["chosen"]), (2 * p + 1, pair["rejected"])):
             expected = prompt + tok.encode(response) + [tok.eos_id]
             assert docs.sequences[d].tolist() == expected
             mask = np.r_[np.zeros(len(prompt)), np.ones(len(response) + 1)]
             np.testing.assert_array_equal(docs.masks[d], mask)
         assert docs.pair_lengths[p] == len(docs.sequences[2 * p]) + len(docs.sequences[2 * p + 1])
-    other = encode_pairs(pairs[::-1], tok, max_length=16)
+    other, _, _ = dpo_documents(_pairs(rows[::-1]), tok, max_length=16)
     assert other.fingerprint() != docs.fingerprint()
-    assert encode_pairs(pairs, tok, max_length=16).fingerprint() == docs.fingerprint()
+    again, _, _ = dpo_documents(_pairs(rows), tok, max_length=16)
+    assert again.fingerprint() == docs.fingerprint()
 
 
-def test_encode_pairs_too_long_errors_name_the_row():
+def test_too_long_pairs_are_truncated_and_counted_and_a_pair_over_a_row_names_it():
+    """One length policy for built-in and users' pairs (docs/data.md): a response over
+    ``max_length`` keeps its first tokens and is counted; a pair that cannot fit one row of
+    ``max_tokens`` is an error naming the row."""
     tok = char_tokenizer(TASK.alphabet)
-    pairs = [PreferencePair("1+1=", "2", "3"), PreferencePair("11+11=", "22", "2222")]
-    with pytest.raises(PreferenceDataError, match=r"row 1: the rejected document has 12 tokens"):
-        encode_pairs(pairs, tok, max_length=11)
-    with pytest.raises(PreferenceDataError, match=r"row 1: the pair has 10 \+ 12 = 22 tokens > "):
-        encode_pairs(pairs, tok, max_length=16, max_tokens=21)
-    encode_pairs(pairs, tok, max_length=16, max_tokens=22)  # fits exactly
+    rows = [
+        {"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+        {"prompt": "11+11=", "chosen": "22", "rejected": "2222"},
+    ]
+    docs, report, kept = dpo_documents(_pairs(rows), tok, max_length=11)
+    assert kept == [0, 1] and report.over_length == 1 and report.dropped == 0
+    assert len(docs.sequences[3]) == 11  # the 12-token rejected document keeps its first 11
+    with pytest.raises(DataError, match=r"row 1: the pair has 10 \+ 12 = 22 tokens > "):
+        dpo_documents(_pairs(rows), tok, max_length=16, max_tokens=21)
+    dpo_documents(_pairs(rows), tok, max_length=16, max_tokens=22)  # fits exactly
 
 
 # ------------------------------------------------------------------ scheduling pairs
@@ -148,7 +166,7 @@ def test_pair_micro_batches_keep_pairs_adjacent_and_whole():
 
 def test_packed_pairs_sit_in_segments_2p_minus_1_and_2p():
     tok = char_tokenizer(TASK.alphabet)
-    docs = encode_pairs(arithmetic_pairs(TASK, 12), tok, max_length=16)
+    docs, _, _ = dpo_documents(TASK.dataset("dpo", 12), tok, max_length=16)
     layout = pair_micro_batches(range(12), docs.pair_lengths, dp_size=2, max_tokens=48)
     packed = pack_micro_batches(layout, docs.sequences, loss_masks=docs.masks, row_len=48)
     chosen_BPr, rejected_BPr = pair_documents(

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jaxrl.config import DPOConfig, load_run_config
+from jaxrl.data.documents import dpo_documents
 from jaxrl.data.packing import pack_micro_batches
-from jaxrl.data.preference import arithmetic_pairs, encode_pairs, pair_micro_batches
+from jaxrl.data.preference import pair_micro_batches
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.models.model_config import ModelConfig
@@ -200,7 +201,7 @@ def _tiny_model(vocab: int) -> tuple[nnx.GraphDef, nnx.State]:
 def test_step_zero_policy_equals_reference():
     task = ArithmeticTask(max_digits=2, reverse_answer=True, pad_operands=True)
     tok = char_tokenizer(task.alphabet)
-    docs = encode_pairs(arithmetic_pairs(task, 40), tok, max_length=16)
+    docs, _, _ = dpo_documents(task.dataset("dpo", 40), tok, max_length=16)
     graphdef, params = _tiny_model(tok.vocab_size)
     scorer = Scorer(graphdef, mesh=mesh_lib.make_mesh(2, 2, 2))  # rows over 4 batch ranks
     cache = ReferenceCache.empty(40, IDENTITY)

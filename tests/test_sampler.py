@@ -14,6 +14,7 @@ from hf_fixtures import write_case
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.data.documents import completion_field, prompt_completion_document
 from jaxrl.data.packing import pack_sequences
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.sharding import state_shardings
@@ -151,7 +152,13 @@ def test_sampler_logprobs_equal_trainer_logprobs_on_packed_rows(hf, param_dtype)
     temperature = 0.7
     sampling = SamplingParams(temperature=temperature, top_k=50, top_p=0.95)
     res = sampler.generate(PROMPTS, jax.random.key(4), sampling)
-    seqs, masks, logps = res.documents(PROMPTS)
+    docs = [
+        prompt_completion_document(p, c) for p, c in zip(PROMPTS, res.completions(), strict=True)
+    ]
+    seqs, masks = [ids for ids, _ in docs], [mask for _, mask in docs]
+    logps = [
+        completion_field(len(p), res.logprobs[b, : res.lengths[b]]) for b, p in enumerate(PROMPTS)
+    ]
     batch = pack_sequences(seqs, row_len=32, loss_masks=masks, token_fields={"old_logp": logps})
     mb = {k: jnp.asarray(getattr(batch, k)[0]) for k in ("tokens", "segment_ids", "targets")}
     graphdef, params = nnx.split(model)

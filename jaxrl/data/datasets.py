@@ -31,7 +31,7 @@ MAX_DEPTH = 32  # deepest nesting of lists/objects a row may have
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 FILE_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet")
 
-__all__ = ["DataError", "Dataset", "read_dataset", "read_jsonl", "read_rows"]
+__all__ = ["DataError", "Dataset", "read_dataset", "read_rows", "rows_dataset"]
 
 
 class DataError(ValueError):
@@ -92,16 +92,6 @@ def _read_jsonl(path: Path, data: bytes) -> tuple[list[Any], list[str]]:
         rows.append(_json_value(line, at))
         where.append(at)
     return rows, where
-
-
-def read_jsonl(path: str | Path) -> tuple[list[Any], list[str]]:
-    """``(rows, where)``: every non-blank line of a JSONL file (any suffix) parsed, with its
-    ``file:line``. Raises ``DataError`` for a missing file, bytes that are not UTF-8, bad JSON
-    and values nested too deeply to read."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    return _read_jsonl(path, path.read_bytes())
 
 
 def _read_json(path: Path, data: bytes) -> tuple[list[Any], list[str]]:
@@ -356,9 +346,29 @@ def read_dataset(source: str | Path, kind: Kind, *, split: str = "train") -> Dat
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: use one of {KINDS}")
     raw, where, split = read_rows(source, split=split)
-    rows: list[dict[str, Any]] = []
+    return rows_dataset(raw, kind, source=str(source), split=split, where=where)
+
+
+def rows_dataset(
+    rows: list[Any],
+    kind: Kind,
+    *,
+    source: str,
+    split: str = "",
+    where: list[str] | None = None,
+) -> Dataset:
+    """Validate rows already in memory (e.g. a built-in task's, ``jaxrl.data.tasks``) as
+    :func:`read_dataset` validates a file's; ``where`` names each row for errors (default
+    ``source[split] row i``)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: use one of {KINDS}")
+    if where is None:
+        where = [f"{source}[{split}] row {i}" for i in range(len(rows))]
+    if not rows:
+        raise DataError(f"{source}: no rows (the data is empty)")
+    checked_rows: list[dict[str, Any]] = []
     fmt, conv = None, None
-    for row, at in zip(raw, where, strict=True):
+    for row, at in zip(rows, where, strict=True):
         f, c, checked = _validate(kind, row, at)
         if fmt is None:
             fmt, conv = f, c
@@ -368,13 +378,13 @@ def read_dataset(source: str | Path, kind: Kind, *, split: str = "train") -> Dat
                 f"{where[0]}); "
                 "use one format per dataset"
             )
-        rows.append(checked)
+        checked_rows.append(checked)
     return Dataset(
-        source=str(source),
+        source=source,
         split=split,
         kind=kind,
         format=fmt or "",
         conversational=bool(conv),
-        rows=rows,
+        rows=checked_rows,
         where=where,
     )

@@ -1,5 +1,9 @@
 """Validated dataset rows → token documents for the trainers (docs/data.md).
 
+A prompt and its completion (an SFT prompt/completion row, a DPO prompt and one response, a GRPO
+prompt and a sampled completion) make one document through :func:`prompt_completion_document`:
+``prompt + completion`` ids and a token-aligned loss mask (value i belongs to token i).
+
 Text rows: ``[bos]`` (when the tokenizer adds one to plain text, ``add_bos_token``) + the
 prompt, then the completion + ``eos``. Conversational rows go through the chat template: a
 prompt is rendered with the generation prompt, and a completion is the continuation of
@@ -14,6 +18,8 @@ trainers can report them (``data/train_over_length``, ``data/train_dropped``):
   that does not fit ``dpo.max_length`` with its prompt keeps its first tokens. A pair whose
   prompt leaves no room for a response token is dropped.
 - GRPO: a prompt longer than ``max_prompt_length`` keeps its last tokens.
+
+The built-in tasks' rows (``jaxrl.data.tasks``) take the same path and the same limits.
 """
 
 from __future__ import annotations
@@ -33,10 +39,38 @@ __all__ = [
     "LengthReport",
     "PromptDocuments",
     "SFTDocuments",
+    "completion_field",
     "dpo_documents",
     "grpo_prompts",
+    "prompt_completion_document",
+    "prompt_ids",
     "sft_documents",
 ]
+
+
+def prompt_completion_document(
+    prompt: Sequence[int] | np.ndarray,
+    completion: Sequence[int] | np.ndarray,
+    *,
+    prompt_loss: float = 0.0,
+    completion_loss: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, loss_mask)`` of one prompt + completion document: int32 ids, and a float32
+    token-aligned mask that is ``prompt_loss`` on the prompt's tokens and ``completion_loss`` on
+    the completion's (``jaxrl.data.packing`` shifts it into target alignment)."""
+    p, c = np.asarray(prompt, np.int32), np.asarray(completion, np.int32)
+    ids = np.concatenate([p.reshape(-1), c.reshape(-1)])
+    mask = np.concatenate(
+        [np.full(p.size, prompt_loss, np.float32), np.full(c.size, completion_loss, np.float32)]
+    )
+    return ids, mask
+
+
+def completion_field(num_prompt_tokens: int, values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Per-completion-token ``values`` (e.g. log-probs) aligned to the tokens of the prompt +
+    completion document: float32, 0 on the prompt."""
+    zeros = np.zeros(num_prompt_tokens, np.float32)
+    return np.concatenate([zeros, np.asarray(values, np.float32).reshape(-1)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +124,9 @@ def _in_row(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise DataError(f"{where}: {e}") from None
 
 
-def _prompt_ids(tok: TextTokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+def prompt_ids(tok: TextTokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+    """A prompt's tokens: ``[bos]`` (when the tokenizer adds one to plain text) + the text, or a
+    conversation rendered with the chat template and its generation prompt."""
     if isinstance(prompt, str):
         return tok.encode(prompt, add_bos=tok.add_bos_token)
     return tok.apply_chat_template(prompt, add_generation_prompt=True)
@@ -99,7 +135,7 @@ def _prompt_ids(tok: TextTokenizer, prompt: str | Sequence[Mapping[str, Any]]) -
 def _completion_ids(
     tok: TextTokenizer,
     prompt: str | Sequence[Mapping[str, Any]],
-    prompt_ids: list[int],
+    prompt_tokens: list[int],
     completion: str | Sequence[Mapping[str, Any]],
     key: str,
 ) -> list[int]:
@@ -107,13 +143,13 @@ def _completion_ids(
     if isinstance(completion, str):
         return tok.encode(completion) + [tok.eos_id]
     full = tok.apply_chat_template(list(prompt) + list(completion), add_generation_prompt=False)
-    if full[: len(prompt_ids)] != prompt_ids:
+    if full[: len(prompt_tokens)] != prompt_tokens:
         raise ChatTemplateError(
             f"the chat template of {tok.chat_template().origin} renders prompt + {key!r} so "
             "that it does not start with the prompt rendered with a generation prompt; the "
             f"{key!r} tokens cannot be located"
         )
-    return full[len(prompt_ids) :]
+    return full[len(prompt_tokens) :]
 
 
 def sft_documents(
@@ -140,12 +176,13 @@ def sft_documents(
                 ids = _in_row(at, tok.apply_chat_template, row["messages"], False)
                 mask = [1] * len(ids)
         elif data.format == "prompt_completion":
-            prompt = _in_row(at, _prompt_ids, tok, row["prompt"])
+            prompt = _in_row(at, prompt_ids, tok, row["prompt"])
             completion = _in_row(
                 at, _completion_ids, tok, row["prompt"], prompt, row["completion"], "completion"
             )
-            ids = prompt + completion
-            mask = [0 if completion_only_loss else 1] * len(prompt) + [1] * len(completion)
+            ids, mask = prompt_completion_document(
+                prompt, completion, prompt_loss=0.0 if completion_only_loss else 1.0
+            )
         else:  # text
             ids = tok.encode(row["text"], add_bos=tok.add_bos_token) + [tok.eos_id]
             mask = [1] * len(ids)
@@ -187,7 +224,7 @@ def dpo_documents(
     kept: list[int] = []
     over = dropped = 0
     for i, (row, at) in enumerate(zip(data.rows, data.where, strict=True)):
-        prompt = _in_row(at, _prompt_ids, tok, row["prompt"])
+        prompt = _in_row(at, prompt_ids, tok, row["prompt"])
         responses = [
             _in_row(at, _completion_ids, tok, row["prompt"], prompt, row[key], key)
             for key in ("chosen", "rejected")
@@ -208,10 +245,8 @@ def dpo_documents(
             continue
         pair = 0
         for response in responses:
-            ids = prompt + response
-            mask = np.zeros(len(ids), np.float32)
-            mask[len(prompt) :] = 1.0
-            sequences.append(np.asarray(ids, np.int32))
+            ids, mask = prompt_completion_document(prompt, response)
+            sequences.append(ids)
             masks.append(mask)
             pair += len(ids)
         if max_tokens is not None and pair > max_tokens:
@@ -238,7 +273,7 @@ def grpo_prompts(data: Dataset, tok: TextTokenizer, *, max_prompt_length: int) -
         raise ValueError(f"grpo_prompts needs a GRPO dataset, got kind={data.kind!r}")
     ids, over = [], 0
     for row, at in zip(data.rows, data.where, strict=True):
-        prompt = _in_row(at, _prompt_ids, tok, row["prompt"])
+        prompt = _in_row(at, prompt_ids, tok, row["prompt"])
         if len(prompt) > max_prompt_length:
             over += 1
             prompt = prompt[-max_prompt_length:]

@@ -1,7 +1,9 @@
 """Document feeds: seeded epochs of a dataset, a give-back queue, and docs_per_step planning.
 
-The feed is host state; its ``state_dict`` goes into every checkpoint (the data cursor), so a
-resumed run sees exactly the documents an uninterrupted run would have seen.
+The epoch order (:func:`epoch_permutation`) is the one every trainer uses: SFT and DPO documents
+here, GRPO prompts in ``jaxrl.rollout.buffer``. The feed is host state; its ``state_dict`` goes
+into every checkpoint (the data cursor), so a resumed run sees exactly the documents an
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -10,6 +12,14 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+
+
+def epoch_permutation(num_items: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The order of epoch ``epoch``: a permutation seeded by ``(seed, epoch)``, or the identity
+    without shuffling (int64 ``[num_items]``)."""
+    if not shuffle:
+        return np.arange(num_items)
+    return np.random.default_rng([seed, epoch]).permutation(num_items)
 
 
 class OutOfDataError(RuntimeError):
@@ -35,9 +45,7 @@ class DocumentFeed:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_docs)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
+        return epoch_permutation(self.num_docs, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
 
     def available(self) -> int | None:
         """Documents left (``None`` when epochs are unlimited)."""

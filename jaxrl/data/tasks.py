@@ -3,6 +3,10 @@
 A task yields ``Example(prompt, answer)`` pairs deterministically from a seed. Train and
 held-out splits never share a problem. Everything is character level, so the tasks run with
 ``char_tokenizer(task.alphabet)`` and need no download.
+
+The trainers read a task as data in TRL's formats (:meth:`ArithmeticTask.dataset`): the rows go
+through the reader's validation and ``jaxrl.data.documents`` like a user's file, with the same
+length limits, so a built-in run and a run on the same rows written to JSONL see the same tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ import re
 import zlib
 
 import numpy as np
+
+from jaxrl.data.datasets import Dataset, Kind, rows_dataset
+
+TASK_SOURCE = "arithmetic"  # the built-in task's name in row locations and cache identities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,34 @@ class ArithmeticTask:
             )
         return out
 
+    def rows(self, kind: Kind, n: int, *, split: str = "train") -> list[dict[str, str]]:
+        """``n`` problems of a split as rows in TRL's format for a trainer: ``sft`` →
+        ``prompt``/``completion``; ``dpo`` → ``prompt``/``chosen``/``rejected`` (rejected: the
+        answer with one digit changed, a deterministic function of the seed and the prompt);
+        ``grpo`` → ``prompt`` and the ``answer`` column the reward functions read."""
+        examples = self.examples(n, split=split)
+        if kind == "sft":
+            return [{"prompt": e.prompt, "completion": e.answer} for e in examples]
+        if kind == "dpo":
+            return [
+                {
+                    "prompt": e.prompt,
+                    "chosen": e.answer,
+                    "rejected": _corrupt_one_digit(
+                        e.answer, e.prompt, self.seed, self.reverse_answer
+                    ),
+                }
+                for e in examples
+            ]
+        if kind == "grpo":
+            return [{"prompt": e.prompt, "answer": e.answer} for e in examples]
+        raise ValueError(f"kind={kind!r}: use 'sft', 'dpo' or 'grpo'")
+
+    def dataset(self, kind: Kind, n: int, *, split: str = "train") -> Dataset:
+        """:meth:`rows` validated as the reader validates a file (rows named
+        ``arithmetic[split] row i``)."""
+        return rows_dataset(self.rows(kind, n, split=split), kind, source=TASK_SOURCE, split=split)
+
     @staticmethod
     def correctness_reward(example: Example, completion: str) -> float:
         """1.0 when the completion is exactly the answer (surrounding spaces ignored), else 0."""
@@ -102,3 +138,19 @@ class ArithmeticTask:
     def format_reward(example: Example, completion: str) -> float:
         """1.0 when the completion is a bare integer, else 0 (shape, not value)."""
         return float(bool(_ANSWER_RE.match(completion.strip())))
+
+
+def _corrupt_one_digit(answer: str, key: str, seed: int, msd_last: bool) -> str:
+    """``answer`` with one digit replaced by a different digit, chosen from a hash of ``key``.
+
+    The most significant digit of a multi-digit answer never becomes 0 (the wrong answer keeps
+    the shape of a number); ``msd_last`` says it is the last character (reversed answers).
+    """
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    digits = [i for i, ch in enumerate(answer) if ch.isdigit()]
+    pos = digits[int(rng.integers(len(digits)))]
+    msd = digits[-1] if msd_last else digits[0]
+    lowest = 1 if (pos == msd and len(digits) > 1) else 0
+    choices = [d for d in range(lowest, 10) if str(d) != answer[pos]]
+    new = str(choices[int(rng.integers(len(choices)))])
+    return answer[:pos] + new + answer[pos + 1 :]

@@ -1,4 +1,5 @@
-"""Rollouts: the KV-cache sampler, reward functions and the GRPO generation buffer."""
+"""Rollouts: the KV-cache sampler, reward functions, the GRPO generation buffer and the
+rollout queue (every GRPO row from generation to the optimizer step)."""
 
 from jaxrl.rollout.sampler import Sampler, SampleResult, SamplingParams
 

@@ -6,12 +6,13 @@ per generation buffer, μ passes over each buffer, g micro-steps per optimizer s
 docs/algorithms/grpo.md.
 
 Prompt order (TRL's ``RepeatSampler``, §3). Every epoch takes a seeded permutation of the prompt
-indices (the identity without shuffling), cuts it into chunks of ``B_gen/G`` prompts and drops an
-incomplete last chunk. TRL emits each chunk ``μ·S`` times with every index repeated G times, and
-only the first copy is generated from; :class:`PromptSampler` yields that first copy, one chunk
-per generation, without materialising the repeats. Rank p generates rows
-``[p·b·S, (p+1)·b·S)`` of the chunk's G-repeated rows (:func:`rank_rows`).
-:func:`repeat_sampler_indices` materialises TRL's full index stream, as a reference.
+indices (``jaxrl.data.feed.epoch_permutation``, the identity without shuffling), cuts it into
+chunks of ``B_gen/G`` prompts and drops an incomplete last chunk. TRL emits each chunk ``μ·S``
+times with every index repeated G times, and only the first copy is generated from;
+:class:`PromptSampler` yields that first copy, one chunk per generation, without materialising
+the repeats. Rank p generates rows ``[p·b·S, (p+1)·b·S)`` of the chunk's G-repeated rows
+(:func:`rank_rows`). :func:`repeat_sampler_indices` materialises TRL's full index stream, as a
+reference.
 
 Generation buffer (§4). A micro-step counter k runs across epochs. When ``k % (S·μ) == 0`` or the
 buffer is empty (:attr:`GenerationBuffer.needs_generation`), the trainer generates ``B_gen`` rows
@@ -37,25 +38,18 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config.grpo import GRPOConfig
+from jaxrl.data.feed import epoch_permutation
 
 Batch = dict[str, Any]  # field → per-row array [N, ...], 0-d array / scalar, or None
 
 __all__ = [
     "GenerationBuffer",
     "PromptSampler",
-    "epoch_permutation",
     "rank_rows",
     "repeat_sampler_indices",
     "shuffle_batch",
     "split_batch",
 ]
-
-
-def epoch_permutation(num_prompts: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The prompt order of one epoch: a seeded permutation, or the identity (int64 [N])."""
-    if not shuffle:
-        return np.arange(num_prompts)
-    return np.random.default_rng([seed, epoch]).permutation(num_prompts)
 
 
 def repeat_sampler_indices(

@@ -28,7 +28,7 @@ from jaxrl.rollout.rewards import (
     reward_names,
     score_completions,
 )
-from jaxrl.rollout.rollouts import Rollouts, documents_of
+from jaxrl.rollout.rollout_queue import RolloutBatch
 from jaxrl.rollout.sampler import Sampler, SamplingParams
 from jaxrl.train.score import Scorer
 
@@ -108,8 +108,9 @@ class RolloutGenerator:
         sampler_logp: Sequence[np.ndarray],
         truncated: np.ndarray,
         rewards_BF: np.ndarray,
-    ) -> Rollouts:
-        """A generation batch with advantages, and old / reference log-probs when needed.
+    ) -> RolloutBatch:
+        """A generation batch with its documents and advantages, and old / reference log-probs
+        when needed (scored on the batch's documents).
 
         ``params`` are the parameters that generated the batch (for old log-probs).
         """
@@ -122,25 +123,22 @@ class RolloutGenerator:
             mode=c.multi_objective_aggregation,
             estimator=c.advantage_estimator,
         )
-        r = Rollouts(
-            prompt_ids=[np.asarray(p, np.int32) for p in prompt_ids],
-            completion_ids=[np.asarray(x, np.int32) for x in completion_ids],
-            sampler_logp=[np.asarray(x, np.float32) for x in sampler_logp],
-            truncated=np.asarray(truncated, bool),
-            rewards=rewards_BF,
-            advantages=advantages_B,
+        batch = RolloutBatch.build(
+            prompt_ids,
+            completion_ids,
+            sampler_logp,
+            truncated,
+            rewards_BF,
+            advantages_B,
+            mask_truncated=c.mask_truncated_completions,
         )
-        if self.old_logprobs or self.ref_params is not None:
-            docs = documents_of([(r, i) for i in range(len(r))], mask_truncated=False).sequences
-
-            def completion_part(doc_logps: list[np.ndarray]) -> list[np.ndarray]:
-                return [lp[len(p) :] for lp, p in zip(doc_logps, r.prompt_ids, strict=True)]
-
-            if self.old_logprobs:
-                r.old_logp = completion_part(self.scorer.token_logprobs(params, docs))
-            if self.ref_params is not None:
-                r.ref_logp = completion_part(self.scorer.token_logprobs(self.ref_params, docs))
-        return r
+        if self.old_logprobs:
+            old = self.scorer.token_logprobs(params, batch.sequences)
+            batch.set_completion_field("old_logp", _completion_parts(old, batch.prompt_lengths))
+        if self.ref_params is not None:
+            ref = self.scorer.token_logprobs(self.ref_params, batch.sequences)
+            batch.set_completion_field("ref_logp", _completion_parts(ref, batch.prompt_lengths))
+        return batch
 
     def generate(
         self,
@@ -151,7 +149,7 @@ class RolloutGenerator:
         key: jax.Array,
         *,
         trainer_state: TrainingProgress | None = None,
-    ) -> Rollouts:
+    ) -> RolloutBatch:
         """Sample one completion per prompt row with ``params``, score and build the batch.
 
         ``prompts`` (text, or lists of messages) and ``columns`` (the dataset's other fields,
@@ -176,7 +174,7 @@ class RolloutGenerator:
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
         return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BF)
 
-    def metrics(self, batches: Sequence[Rollouts]) -> dict[str, float]:
+    def metrics(self, batches: Sequence[RolloutBatch]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""
         c = self.config
         weights, names = self.reward_columns(batches[0].rewards.shape[1])
@@ -194,3 +192,8 @@ class RolloutGenerator:
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(truncated.mean())
         return out
+
+
+def _completion_parts(doc_logps: list[np.ndarray], prompt_lengths: np.ndarray) -> list[np.ndarray]:
+    """The completion tokens' part of token-aligned per-document values."""
+    return [lp[int(p) :] for lp, p in zip(doc_logps, prompt_lengths, strict=True)]

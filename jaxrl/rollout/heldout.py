@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl.data.documents import prompt_ids as prompt_ids_of
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.builtin_rewards import exact_answer_reward
@@ -56,9 +57,9 @@ class HeldoutEvaluator:
     temperature / top-k / top-p); k = 0 measures greedy only. ``reward`` is a TRL-style reward
     function called with the held-out ``answer`` column (completions as messages when the
     prompts are); a completion counts as correct when it returns 1.0. ``prompt_ids``: the
-    prompts' token ids when they are not plain text (chat-templated messages). ``mesh``: split
-    the prompts over its batch axes (``Sampler``); the random bits,
-    hence the result, do not depend on it. ``sampler``: an existing sampler to share (GRPO's,
+    prompts' token ids (default: ``jaxrl.data.documents.prompt_ids`` of each prompt).
+    ``mesh``: split the prompts over its batch axes (``Sampler``); the random bits, hence the
+    result, do not depend on it. ``sampler``: an existing sampler to share (GRPO's,
     so the run holds one compute-dtype copy of the weights, not two).
     """
 
@@ -86,8 +87,8 @@ class HeldoutEvaluator:
         if samples_per_prompt < 0:
             raise ValueError(f"samples_per_prompt={samples_per_prompt}: use >= 0 (0 = greedy)")
         self.prompts, self.answers = list(prompts), list(answers)
-        if prompt_ids is None:  # text prompts of the built-in task
-            prompt_ids = [np.asarray(tokenizer.encode(p, add_bos=True), np.int32) for p in prompts]
+        if prompt_ids is None:  # text prompts, tokenised as every trainer tokenises a prompt
+            prompt_ids = [np.asarray(prompt_ids_of(tokenizer, p), np.int32) for p in prompts]
         self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer
         self.k = samples_per_prompt

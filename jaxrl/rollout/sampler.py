@@ -111,21 +111,6 @@ class SampleResult:
         """Row b's generated ids, ``tokens[b, :lengths[b]]``."""
         return [self.tokens[b, :n] for b, n in enumerate(self.lengths)]
 
-    def documents(
-        self, prompts: Sequence[Sequence[int]]
-    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-        """Token-aligned ``(sequences, completion_masks, sampler_logprobs)`` per row, for
-        ``jaxrl.data.packing`` (``loss_masks=``, ``token_fields={"old_logp": ...}``):
-        prompt + completion ids, 1 on completion tokens, the sampler's log-prob of each
-        completion token (0 on the prompt)."""
-        seqs, masks, logps = [], [], []
-        for b, prompt in enumerate(prompts):
-            p, n = len(prompt), int(self.lengths[b])
-            seqs.append(np.concatenate([np.asarray(prompt, np.int32), self.tokens[b, :n]]))
-            masks.append(np.concatenate([np.zeros(p, np.float32), np.ones(n, np.float32)]))
-            logps.append(np.concatenate([np.zeros(p, np.float32), self.logprobs[b, :n]]))
-        return seqs, masks, logps
-
 
 def left_pad(
     prompts: Sequence[Sequence[int]], *, pad_id: int, length: int

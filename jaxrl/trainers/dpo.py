@@ -20,18 +20,11 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
-from jaxrl.data.datasets import read_dataset
 from jaxrl.data.documents import dpo_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.preference import (
-    PairDocuments,
-    PreferencePair,
-    arithmetic_pairs,
-    encode_pairs,
-    preference_accuracy,
-)
+from jaxrl.data.preference import PairDocuments, preference_accuracy
 from jaxrl.data.step_plan import StepBatch
-from jaxrl.data.tasks import ArithmeticTask
+from jaxrl.data.tasks import TASK_SOURCE, ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import REF_FIELD, dpo_objective
@@ -45,6 +38,7 @@ from jaxrl.train.ref_cache import (
     weight_fingerprint,
 )
 from jaxrl.train.score import Scorer
+from jaxrl.trainers.run_data import run_datasets
 from jaxrl.trainers.session import Session, with_device_ranks
 
 
@@ -53,17 +47,11 @@ class DPOTrainer:
 
     Pairs come from ``data.train``/``data.eval`` (TRL's preference format, strings or
     conversations, with the tokenizer and chat template of ``model.path``), or default to the
-    built-in arithmetic preference task (``task`` section); ``train_pairs``/``eval_pairs``
-    (e.g. from ``load_jsonl_pairs``) train on given string pairs with the task's tokenizer.
+    built-in arithmetic preference task (``task`` section: the same format, chosen = the
+    answer, rejected = one digit changed), read and tokenised the same way.
     """
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        *,
-        train_pairs: list[PreferencePair] | None = None,
-        eval_pairs: list[PreferencePair] | None = None,
-    ):
+    def __init__(self, cfg: RunConfig):
         cfg = with_device_ranks(cfg)
         dpo = cfg.dpo
         if dpo.learning_rate is not None:  # the DPO stage's own peak LR (SFT keeps optimizer's)
@@ -81,14 +69,9 @@ class DPOTrainer:
                 "dpo.precompute_ref_log_probs=false (a frozen reference forward every step) is "
                 "not implemented; set it to true (the reference log-prob cache)"
             )
-        self.data_report: dict[str, int] = {}  # rows the length limits touched (real data)
+        self.data_report: dict[str, int] = {}  # rows the length limits touched
         self.warnings: list[str] = []
-        if cfg.data.train is not None:
-            if train_pairs is not None or eval_pairs is not None:
-                raise ValueError("give train_pairs/eval_pairs or data.train, not both")
-            self._data_documents()
-        else:
-            self._pair_documents(train_pairs, eval_pairs)
+        self._documents()
         if self.dpo.pairs_per_step > self.train.num_pairs:
             raise ConfigError(
                 f"dpo.per_device_train_batch_size={self.dpo.per_device_train_batch_size} is "
@@ -107,42 +90,18 @@ class DPOTrainer:
         # reference values and held-out evaluation: the no-grad scorer on every device
         self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
 
-    def _pair_documents(
-        self, train_pairs: list[PreferencePair] | None, eval_pairs: list[PreferencePair] | None
-    ) -> None:
-        """Documents of given pairs, or of the built-in arithmetic preference task."""
-        cfg, dpo = self.cfg, self.dpo
-        t = cfg.task
-        task = build_task(cfg)
-        self.tokenizer = self._tokenizer(task)
-        builtin = train_pairs is None
-        if builtin:
-            train_pairs = arithmetic_pairs(task, t.train_size, split="train")
-            eval_pairs = arithmetic_pairs(task, t.eval_size, split="eval")
-        source = {"source": "arithmetic", **dataclasses.asdict(task)} if builtin else {}
-        self.datasets = {
-            "train": {**source, "split": "train", "rows": len(train_pairs)},
-            "eval": {**source, "split": "eval", "rows": len(eval_pairs or [])},
-        }
-        encode = dict(max_length=dpo.max_length, max_tokens=cfg.schedule.max_tokens)
-        self.train = encode_pairs(train_pairs, self.tokenizer, **encode)
-        self.held_out = encode_pairs(eval_pairs, self.tokenizer, **encode) if eval_pairs else None
-
-    def _data_documents(self) -> None:
-        """Pairs of ``data.train`` (and ``data.eval``) with the tokenizer and chat template of
-        ``model.path``; pairs over ``dpo.max_prompt_length`` / ``dpo.max_length`` are truncated
-        (or dropped) and counted."""
+    def _documents(self) -> None:
+        """Pairs of the built-in task or of ``data.train`` (and ``data.eval``, with the
+        tokenizer and chat template of ``model.path``); pairs over ``dpo.max_prompt_length`` /
+        ``dpo.max_length`` are truncated (or dropped) and counted (docs/data.md)."""
         cfg, data, dpo = self.cfg, self.cfg.data, self.dpo
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        task = build_task(cfg) if data.train is None else None
+        self.tokenizer = load_tokenizer(cfg.model.path) if task is None else self._tokenizer(task)
         limits = f"dpo.max_length={dpo.max_length}" + (
             f"/max_prompt_length={dpo.max_prompt_length}" if dpo.max_prompt_length else ""
         )
         self.datasets, self.held_out = {}, None
-        splits = (("train", data.train, data.split), ("eval", data.eval, data.eval_split))
-        for split, source, name in splits:
-            if source is None:
-                continue
-            rows = read_dataset(source, "dpo", split=name)
+        for split, rows in run_datasets(cfg, "dpo").items():
             docs, report, _ = dpo_documents(
                 rows,
                 self.tokenizer,
@@ -154,11 +113,12 @@ class DPOTrainer:
                 self.train = docs
             else:
                 self.held_out = docs
-            self.datasets[split] = {
-                "source": str(Path(source).resolve()) if Path(source).exists() else source,
-                "split": rows.split,
-                "rows": docs.num_pairs,
-            }
+            if task is not None:  # the cache identity names the task's settings
+                source = {"source": TASK_SOURCE, **dataclasses.asdict(task)}
+            else:
+                path = Path(rows.source)
+                source = {"source": str(path.resolve()) if path.exists() else rows.source}
+            self.datasets[split] = {**source, "split": rows.split, "rows": docs.num_pairs}
             self.data_report.update(report.metrics(split))
             if (line := report.warning(split, limits)) is not None:
                 self.warnings.append(line)

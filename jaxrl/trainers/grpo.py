@@ -1,18 +1,19 @@
-"""GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → buffer → exact engine.
+"""GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → row queue → exact engine.
 
 Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order →
 ``RolloutGenerator`` (weights synced from the trainer, KV-cache sampling, rewards, advantages on
-the whole batch, old / reference log-probs when needed) → the generation buffer. Per optimizer
-step: the window's completions (g micro-steps of every rank, or ``docs_per_step`` documents) →
-``build_dp_schedule`` as one step → packed ``[R, K, T]`` batch → the train step with
-``grpo_objective``. Orchestration only: the numerics live in losses/, train/ and rollout/.
+the whole batch, each row's document, old / reference log-probs when needed) → the
+``RolloutQueue``, which holds every row until it is trained on (the generation buffer inside it
+serves them). Per optimizer step: the window's documents (g micro-steps of every rank, or
+``docs_per_step`` documents) → ``build_dp_schedule`` as one step → packed ``[R, M, T]`` batch →
+the train step with ``grpo_objective``. Orchestration only: the numerics live in losses/, train/ and
+rollout/.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,21 +21,23 @@ import jax
 import numpy as np
 
 from jaxrl.config import ConfigError, GRPOConfig, RunConfig
-from jaxrl.data.datasets import read_dataset
+from jaxrl.data.datasets import Dataset
 from jaxrl.data.documents import grpo_prompts
+from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
-from jaxrl.rollout.buffer import GenerationBuffer, PromptSampler
+from jaxrl.rollout.buffer import PromptSampler
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
-from jaxrl.rollout.rollouts import Rollouts, documents_of
+from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
 from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.objectives import grpo_objective
 from jaxrl.train.plots import plot_reward_and_accuracy
 from jaxrl.train.precision import compute_copy
+from jaxrl.trainers.run_data import run_datasets
 from jaxrl.trainers.session import Session, with_device_ranks
 
 DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
@@ -59,34 +62,28 @@ class GRPOTrainer:
         funcs = load_reward_funcs(config, reward_funcs)
         cfg = _resolve_run_config(cfg, config)
         self.cfg, self.config = cfg, config
-        self.data_report: dict[str, int] = {}  # prompts the length limit cut (real data)
+        self.data_report: dict[str, int] = {}  # prompts the length limit cut
         self.warnings: list[str] = []  # printed once the session (process 0's console) exists
-        if cfg.data.train is None:  # the built-in task: rows of prompt and answer
-            task = build_task(cfg)
-            self.tokenizer = tok = char_tokenizer(task.alphabet)
-            self.train_examples = task.examples(cfg.task.train_size)
-            self.eval_examples = task.examples(cfg.task.eval_size, split="eval")
-            as_row = lambda e: {"prompt": e.prompt, "answer": e.answer}
-            self.train_rows = [as_row(e) for e in self.train_examples]
-            self.eval_rows = [as_row(e) for e in self.eval_examples]
-            encode = lambda rows: [
-                np.asarray(tok.encode(r["prompt"], add_bos=True), np.int32) for r in rows
-            ]
-            self.train_prompts, self.eval_prompts = encode(self.train_rows), encode(self.eval_rows)
+        builtin = cfg.data.train is None
+        if builtin:  # the built-in task: rows of prompt and answer
+            self.tokenizer = tok = char_tokenizer(build_task(cfg).alphabet)
         else:
             self.tokenizer = tok = load_tokenizer(cfg.model.path)
-            self.train_examples = self.eval_examples = None
-            data = cfg.data
-            self.train_rows, self.train_prompts = self._read("train", data.train, data.split)
-            self.eval_rows, self.eval_prompts = [], []
-            if data.eval is not None:
-                self.eval_rows, self.eval_prompts = self._read("eval", data.eval, data.eval_split)
-                if any("answer" not in r for r in self.eval_rows):
-                    raise ConfigError(
-                        f"data.eval={data.eval!r} is invalid for GRPO: held-out accuracy scores "
-                        "completions against an 'answer' column, which its rows lack; add one "
-                        "(or leave data.eval out)"
-                    )
+        data = run_datasets(cfg, "grpo")
+        self.train_rows, self.train_prompts = self._prompts("train", data["train"])
+        self.eval_rows, self.eval_prompts = [], []
+        if "eval" in data:
+            self.eval_rows, self.eval_prompts = self._prompts("eval", data["eval"])
+            if any("answer" not in r for r in self.eval_rows):
+                raise ConfigError(
+                    f"data.eval={cfg.data.eval!r} is invalid for GRPO: held-out accuracy scores "
+                    "completions against an 'answer' column, which its rows lack; add one "
+                    "(or leave data.eval out)"
+                )
+        # the built-in task's problems (notebooks and benchmarks read them); None on real data
+        as_example = lambda r: Example(r["prompt"], r["answer"])
+        self.train_examples = [as_example(r) for r in self.train_rows] if builtin else None
+        self.eval_examples = [as_example(r) for r in self.eval_rows] if builtin else None
         self.columns = list(dict.fromkeys(k for r in self.train_rows for k in r if k != "prompt"))
         longest = max(len(p) for p in self.train_prompts + self.eval_prompts)
         if longest + config.max_completion_length > cfg.schedule.max_tokens:
@@ -151,20 +148,15 @@ class GRPOTrainer:
             shuffle=config.shuffle_dataset,
             seed=cfg.seed,
         )
-        self.buffer = GenerationBuffer(config, seed=cfg.seed)
-        self.rollouts: dict[int, Rollouts] = {}  # generation id → batch, while rows are pending
-        self.pending: deque[tuple[int, int]] = deque()  # (generation, row) not yet trained on
-        self.next_id = 0  # generation ids (internal and external batches)
-        self.current_id: int | None = None  # the generation in the buffer
+        self.rollouts = RolloutQueue(config, seed=cfg.seed)  # every row, generation to update
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self.zero_advantage_steps = 0  # steps whose advantages were all 0 (no policy gradient)
         self.warned_zero_advantage = False
         self._started = False
 
-    def _read(self, split: str, source: str, name: str) -> tuple[list[dict], list[np.ndarray]]:
+    def _prompts(self, split: str, data: Dataset) -> tuple[list[dict], list[np.ndarray]]:
         """Rows and prompt ids of a GRPO dataset (chat template for conversational prompts);
         prompts over ``grpo.max_prompt_length`` keep their last tokens, counted and reported."""
-        data = read_dataset(source, "grpo", split=name)
         limit = self.config.max_prompt_length or 2**31 - 1
         prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit)
         self.data_report.update(prompts.report.metrics(split))
@@ -180,12 +172,12 @@ class GRPOTrainer:
         the next step)."""
         return self.config.needs_old_logprobs or self.cfg.schedule.docs_per_step > 0
 
-    def generate(self) -> dict[str, Any]:
-        """Generate, score and keep the next generation batch; returns the buffer's fields."""
+    def generate(self) -> RolloutBatch:
+        """Generate and score the next generation batch and load it into the buffer."""
         n = self.prompt_sampler.generations
         idx = self.prompt_sampler.next_generation()
         rows = [self.train_rows[i] for i in idx]
-        rollouts = self.generator.generate(
+        batch = self.generator.generate(
             self.session.state.params,
             [self.train_prompts[i] for i in idx],
             [r["prompt"] for r in rows],
@@ -195,20 +187,13 @@ class GRPOTrainer:
                 global_step=self.session.step, max_steps=self.cfg.max_steps
             ),
         )
-        self.current_id = self._keep(rollouts)
-        return {"row": np.arange(len(idx)), "generation": np.asarray(self.current_id)}
-
-    def _keep(self, rollouts: Rollouts) -> int:
-        gen, self.next_id = self.next_id, self.next_id + 1
-        self.rollouts[gen] = rollouts
-        return gen
+        self.rollouts.load(batch)
+        return batch
 
     def _micro_step(self) -> None:
-        if self.buffer.needs_generation:
-            self.buffer.load(self.generate())
-        for chunk in self.buffer.serve():  # every rank's chunk k % S
-            gen = int(chunk["generation"])
-            self.pending.extend((gen, int(r)) for r in chunk["row"])
+        if self.rollouts.needs_generation:
+            self.generate()
+        self.rollouts.serve()  # every rank's chunk k % S
 
     # -- training -----------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -218,7 +203,7 @@ class GRPOTrainer:
         if target == 0:
             for _ in range(self.config.gradient_accumulation_steps):
                 self._micro_step()
-        while len(self.pending) < target:
+        while len(self.rollouts) < target:
             self._micro_step()
         return self._train_pending()
 
@@ -258,7 +243,7 @@ class GRPOTrainer:
         if truncated is None:
             eos = self.tokenizer.eos_id
             truncated = [len(c) == 0 or int(c[-1]) != eos for c in completion_tokens]
-        rollouts = self.generator.build(
+        batch = self.generator.build(
             self.session.state.params,
             [np.asarray(p) for p in prompt_tokens],
             [np.asarray(c) for c in completion_tokens],
@@ -266,12 +251,11 @@ class GRPOTrainer:
             np.asarray(truncated, bool),
             r_BF,
         )
-        gen = self._keep(rollouts)
-        self.pending.extend((gen, i) for i in range(len(rollouts)))
+        self.rollouts.submit(batch)
         target = self.cfg.schedule.docs_per_step
-        if len(self.pending) < target:
+        if len(self.rollouts) < target:
             raise ValueError(
-                f"schedule.docs_per_step={target} but only {len(self.pending)} rollouts are "
+                f"schedule.docs_per_step={target} but only {len(self.rollouts)} rollouts are "
                 "available: submit at least that many (they are kept for the next call)"
             )
         row = self._train_pending()
@@ -281,13 +265,10 @@ class GRPOTrainer:
     def _train_pending(self) -> dict[str, Any]:
         """Schedule, pack and train on the pending rows (the docs_per_step cut keeps the rest)."""
         c = self.config
-        rows = list(self.pending)
-        docs = documents_of(
-            [(self.rollouts[g], r) for g, r in rows], mask_truncated=c.mask_truncated_completions
-        )
+        docs = self.rollouts.window()
         entropy_prepass = c.top_entropy_quantile < 1.0  # reads every rank's rows
         batch = self.session.plan(
-            range(len(rows)),
+            range(len(docs)),
             lengths=[len(x) for x in docs.sequences],
             sequences=docs.sequences,
             loss_masks=docs.loss_masks,
@@ -296,27 +277,24 @@ class GRPOTrainer:
             all_ranks=entropy_prepass,
         )
         used, arrays, packed = batch.used, batch.arrays, batch.packed
-        self.pending = deque(rows[i] for i in batch.returned)
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.generator.scorer.step_entropy_threshold(
                 self.session.state.params, arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
-        row = self.session.train_on(batch, empty_cause=self._empty_cause([rows[i] for i in used]))
-        gens = sorted({rows[i][0] for i in used})  # the batches this step's rows came from
-        row.update(self.generator.metrics([self.rollouts[g] for g in gens]))
-        self._count_zero_advantages(row, docs.advantages[np.asarray(used, np.int64)])
-        keep = {g for g, _ in self.pending} | {self.current_id}
-        self.rollouts = {g: r for g, r in self.rollouts.items() if g in keep}
+        used_ids = np.asarray(used, np.int64)
+        row = self.session.train_on(batch, empty_cause=self._empty_cause(docs.truncated[used_ids]))
+        row.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
+        self._count_zero_advantages(row, docs.advantages[used_ids])
+        self.rollouts.done(docs, batch.returned)
         return row
 
-    def _empty_cause(self, rows: list[tuple[int, int]]) -> str:
+    def _empty_cause(self, truncated: np.ndarray) -> str:
         """Why a step's completions may carry no loss token, and the fix."""
         c = self.config
-        truncated = sum(bool(self.rollouts[g].truncated[r]) for g, r in rows)
-        if c.mask_truncated_completions and truncated == len(rows):
+        if c.mask_truncated_completions and int(truncated.sum()) == len(truncated):
             return (
-                f"All {len(rows)} completions were truncated at grpo.max_completion_length="
+                f"All {len(truncated)} completions were truncated at grpo.max_completion_length="
                 f"{c.max_completion_length}, and grpo.mask_truncated_completions=true leaves "
                 "truncated completions out of the loss: raise grpo.max_completion_length, or set "
                 "grpo.mask_truncated_completions=false"
@@ -356,11 +334,7 @@ class GRPOTrainer:
         """Everything outside the TrainState that a resumed run needs, as JSON."""
         return {
             "prompt_sampler": self.prompt_sampler.state_dict(),
-            "buffer": self.buffer.state_dict(),
-            "rollouts": {str(g): r.to_json() for g, r in self.rollouts.items()},
-            "pending": [list(x) for x in self.pending],
-            "next_id": self.next_id,
-            "current_id": self.current_id,
+            "rollouts": self.rollouts.state_dict(),
             "start_eval": self.start_eval,
         }
 
@@ -374,10 +348,7 @@ class GRPOTrainer:
             self.start_eval = self.evaluate()
             return
         self.prompt_sampler.load_state_dict(host["prompt_sampler"])
-        self.buffer.load_state_dict(host["buffer"])
-        self.rollouts = {int(g): Rollouts.from_json(r) for g, r in host["rollouts"].items()}
-        self.pending = deque((int(g), int(r)) for g, r in host["pending"])
-        self.next_id, self.current_id = int(host["next_id"]), host["current_id"]
+        self.rollouts.load_state_dict(host["rollouts"])
         legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
         self.start_eval = host.get("start_eval", legacy)
 

@@ -357,10 +357,10 @@ class Session:
         ``max_steps`` or ``stop(row)``; returns the last row ({} when nothing was left).
         ``epoch``: passes over the training data so far, logged as ``epoch`` in every row (the
         data wraps into a new, reshuffled epoch when a step needs more than is left).
-        ``first_row``: fields added to the first row this loop writes (e.g. the data's
-        length report)."""
+        ``first_row``: fields added to the run's first row, step 1 (e.g. the data's length
+        report); a resumed run has written it already."""
         last: dict[str, Any] = {}
-        extra = dict(first_row or {})
+        extra = dict(first_row or {}) if self.step == 0 else {}
         with self.progress(description) as advance:
             while self.step < self.cfg.max_steps:
                 row = step()

@@ -9,34 +9,16 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
-from jaxrl.data.datasets import read_dataset
 from jaxrl.data.documents import sft_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.data.packing import pack_sequences
 from jaxrl.data.step_plan import StepBatch
-from jaxrl.data.tasks import Example
-from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
+from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import sft_objective
 from jaxrl.train.score import Scorer
+from jaxrl.trainers.run_data import run_datasets
 from jaxrl.trainers.session import Session
-
-
-def encode_examples(
-    examples: list[Example], tok: TextTokenizer, *, completion_only: bool
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """``[bos] prompt answer [eos]`` token ids and token-aligned loss masks."""
-    sequences, masks = [], []
-    for ex in examples:
-        prompt = tok.encode(ex.prompt, add_bos=True)
-        answer = tok.encode(ex.answer) + [tok.eos_id]
-        sequences.append(np.asarray(prompt + answer, np.int32))
-        mask = np.ones(len(prompt) + len(answer), np.float32)
-        mask[0] = 0.0
-        if completion_only:
-            mask[: len(prompt)] = 0.0
-        masks.append(mask)
-    return sequences, masks
 
 
 class SFTTrainer:
@@ -51,12 +33,9 @@ class SFTTrainer:
     def __init__(self, cfg: RunConfig, *, stop_at_accuracy: float | None = None):
         self.cfg = cfg
         self.stop_at_accuracy = stop_at_accuracy
-        self.data_report: dict[str, int] = {}  # rows the length limits touched (real data)
+        self.data_report: dict[str, int] = {}  # rows the length limits touched
         self.warnings: list[str] = []
-        if cfg.data.train is None:
-            self._task_documents()
-        else:
-            self._data_documents()
+        self._documents()
         self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
         need = cfg.schedule.docs_per_step or cfg.sft.batch_size
         if need > len(self.train_seqs):
@@ -81,42 +60,27 @@ class SFTTrainer:
         self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
 
     # -- documents --------------------------------------------------------------------------
-    def _task_documents(self) -> None:
-        """``[bos] prompt answer [eos]`` documents of the built-in task (held out: answers)."""
-        cfg, t = self.cfg, self.cfg.task
-        self.task = build_task(cfg)
-        self.tokenizer = char_tokenizer(self.task.alphabet)
-        only = cfg.sft.completion_only_loss
-        self.train_seqs, self.train_masks = encode_examples(
-            self.task.examples(t.train_size), self.tokenizer, completion_only=only
-        )
-        self.eval_seqs, self.eval_masks = encode_examples(
-            self.task.examples(t.eval_size, split="eval"), self.tokenizer, completion_only=True
-        )
-        longest = max(len(s) for s in self.train_seqs + self.eval_seqs)
-        if longest > cfg.sft.max_length:
-            raise ValueError(
-                f"a task document has {longest} tokens but sft.max_length={cfg.sft.max_length}; "
-                "raise sft.max_length (and schedule.max_tokens) or lower task.max_digits"
-            )
-
-    def _data_documents(self) -> None:
-        """Documents of ``data.train`` (and ``data.eval``) with the tokenizer and chat template
-        of ``model.path``; rows over ``sft.max_length`` are truncated and counted."""
-        cfg, data = self.cfg, self.cfg.data
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        kwargs = dict(
-            max_length=cfg.sft.max_length, completion_only_loss=cfg.sft.completion_only_loss
-        )
+    def _documents(self) -> None:
+        """Documents of the built-in task (character tokenizer) or of ``data.train`` (and
+        ``data.eval``, with the tokenizer and chat template of ``model.path``); rows over
+        ``sft.max_length`` are truncated and counted (docs/data.md). The built-in task's
+        held-out documents train nothing: their mask selects the answers that exact match
+        scores."""
+        cfg = self.cfg
+        builtin = cfg.data.train is None
+        if builtin:
+            self.tokenizer = char_tokenizer(build_task(cfg).alphabet)
+        else:
+            self.tokenizer = load_tokenizer(cfg.model.path)
         limit = f"sft.max_length={cfg.sft.max_length}"
         self.eval_seqs, self.eval_masks = [], []
-        for split, source, name in (
-            ("train", data.train, data.split),
-            ("eval", data.eval, data.eval_split),
-        ):
-            if source is None:
-                continue
-            docs = sft_documents(read_dataset(source, "sft", split=name), self.tokenizer, **kwargs)
+        for split, data in run_datasets(cfg, "sft").items():
+            docs = sft_documents(
+                data,
+                self.tokenizer,
+                max_length=cfg.sft.max_length,
+                completion_only_loss=cfg.sft.completion_only_loss or (builtin and split == "eval"),
+            )
             if split == "train":
                 self.train_seqs, self.train_masks = docs.sequences, docs.masks
             else:
