@@ -89,8 +89,9 @@ def apply_rope(x_BTHDh: jax.Array, pos_BT: jax.Array, inv_freq: np.ndarray) -> j
     ``x * cos(p w) + rotate_half(x) * sin(p w)`` with ``rotate_half([x1, x2]) = [-x2, x1]`` and
     the frequencies ``w`` repeated over both halves of the head dim.
     """
-    angle_BTF = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
-    angle_BTDh = jnp.concatenate([angle_BTF, angle_BTF], axis=-1)
+    # [B, T, Dh/2]: one angle per rotated pair
+    half_angle = pos_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
+    angle_BTDh = jnp.concatenate([half_angle, half_angle], axis=-1)
     cos_BT1Dh = jnp.cos(angle_BTDh)[:, :, None, :]
     sin_BT1Dh = jnp.sin(angle_BTDh)[:, :, None, :]
     x32 = x_BTHDh.astype(jnp.float32)

@@ -107,7 +107,7 @@ class RolloutGenerator:
         completion_ids: Sequence[np.ndarray],
         sampler_logp: Sequence[np.ndarray],
         truncated: np.ndarray,
-        rewards_BF: np.ndarray,
+        rewards_BW: np.ndarray,
     ) -> RolloutBatch:
         """A generation batch with its documents and advantages, and old / reference log-probs
         when needed (scored on the batch's documents).
@@ -116,9 +116,9 @@ class RolloutGenerator:
         """
         c = self.config
         advantages_B = compute_advantages(
-            rewards_BF,
+            rewards_BW,
             c.num_generations,
-            weights=self.reward_columns(rewards_BF.shape[1])[0],
+            weights=self.reward_columns(rewards_BW.shape[1])[0],
             scale_rewards=c.scale_rewards,
             mode=c.multi_objective_aggregation,
             estimator=c.advantage_estimator,
@@ -128,7 +128,7 @@ class RolloutGenerator:
             completion_ids,
             sampler_logp,
             truncated,
-            rewards_BF,
+            rewards_BW,
             advantages_B,
             mask_truncated=c.mask_truncated_completions,
         )
@@ -162,7 +162,7 @@ class RolloutGenerator:
         reward_prompts, texts = reward_inputs(
             prompts, [self.tokenizer.decode(x) for x in completions]
         )
-        rewards_BF = score_completions(
+        rewards_BW = score_completions(
             self.reward_funcs,
             reward_prompts,
             texts,
@@ -172,7 +172,7 @@ class RolloutGenerator:
             timeout=self.config.reward_timeout,
         )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
-        return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BF)
+        return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BW)
 
     def metrics(self, batches: Sequence[RolloutBatch]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""

@@ -234,11 +234,11 @@ class GRPOTrainer:
             truncated,
             vocab_size=self.session.model_config.vocab_size,
         )
-        r_BF = np.asarray(
+        r_BW = np.asarray(
             [[np.nan if v is None else v for v in np.atleast_1d(row)] for row in rewards],
             np.float64,
         )
-        for (row, col), value in np.ndenumerate(r_BF):
+        for (row, col), value in np.ndenumerate(r_BW):
             check_reward(value, f"train_on_rollouts: rewards[{row}][{col}] = {value:g}")
         if truncated is None:
             eos = self.tokenizer.eos_id
@@ -249,7 +249,7 @@ class GRPOTrainer:
             [np.asarray(c) for c in completion_tokens],
             [np.asarray(x) for x in sampler_logprobs],
             np.asarray(truncated, bool),
-            r_BF,
+            r_BW,
         )
         self.rollouts.submit(batch)
         target = self.cfg.schedule.docs_per_step
