@@ -168,6 +168,37 @@ def test_dp1_b8_equals_dp8_b1_through_sampler_and_external_rollouts(tmp_path):
     assert a["completions/clipped_ratio"] == pytest.approx(3 / 8)  # rows 0, 3, 6 lack eos
 
 
+NEW_OPTIONS = (
+    "grpo.advantage_estimator=rloo",
+    "grpo.loss_type=cispo",
+    "grpo.epsilon_high=1.3",
+    "grpo.importance_sampling_correction=sequence_truncate",
+    "grpo.importance_sampling_cap=1.2",
+)
+
+
+def test_dp1_equals_dp8_with_rloo_cispo_and_the_sampler_correction(tmp_path):
+    """The newer GRPO options together (RLOO advantages, the CISPO loss, the sampler
+    correction) keep the step layout-invariant: dp=1 and dp=8 give the same loss, gradient
+    norm and correction metrics; the correction reports its ratio over documents."""
+    one = _trainer(tmp_path, "mesh.data=1", "schedule.max_tokens=64", *NEW_OPTIONS, name="o1")
+    eight = _trainer(
+        tmp_path,
+        "mesh.data=8",
+        "grpo.per_device_train_batch_size=1",
+        "schedule.max_tokens=16",
+        *NEW_OPTIONS,
+        name="o8",
+    )
+    a, b = one.step(), eight.step()
+    assert a["num_micro_batches"] < b["num_micro_batches"]
+    for key in ("loss", "grad_norm", "reward", "sampler/is_ratio/mean", "sampler/is_clipped_frac"):
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-7)
+    # fp32 sampler and trainer agree to ~1e-5 per token: ratios near 1, nothing clipped
+    assert a["sampler/is_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert a["sampler/is_clipped_frac"] == 0.0 and a["grad_norm"] > 0
+
+
 def test_train_on_rollouts_moves_toward_rewarded_completions_and_masks_truncated(tmp_path):
     t = _trainer(tmp_path, name="up")
     prompts, completions, logps, _ = _external_rollouts(1)
