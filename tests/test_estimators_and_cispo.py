@@ -1,6 +1,6 @@
 """Advantage estimators of ``grpo_advantages(..., estimator=)`` (RLOO, REINFORCE++) against
-loop references in float64 (docs/algorithms/grpo.md §6), and the config rules of the estimators
-and of CISPO (its numerics: tests/test_policy_loss.py)."""
+loop references in float64 (docs/algorithms/grpo.md §6), the dynamic-sampling filter, and the
+config rules of the estimators and of CISPO (its numerics: tests/test_policy_loss.py)."""
 
 import numpy as np
 import pytest
@@ -100,3 +100,15 @@ def test_cispo_config_needs_the_weight_cap():
         GRPOConfig(loss_type="cispo")
     with pytest.raises(ConfigError, match="delta=2.0.*remove delta"):
         GRPOConfig(loss_type="cispo", epsilon_high=5.0, delta=2.0)
+
+
+def test_informative_groups_drop_groups_without_a_signal():
+    from jaxrl.losses.advantages import informative_groups
+
+    x = np.array([[1.0], [1.0], [0.0], [1.0], [np.nan], [2.0], [3.0], [3.0]])
+    # groups of 2: equal; differing; one scored row (σ NaN); equal
+    np.testing.assert_array_equal(informative_groups(x, 2), [False, True, False, False])
+    # weights count: the second function breaks the tie of group 0
+    x2 = np.array([[1.0, 0.0], [1.0, 1.0]])
+    assert informative_groups(x2, 2, weights=[1.0, 0.5]).tolist() == [True]
+    assert informative_groups(x2, 2, weights=[1.0, 0.0]).tolist() == [False]

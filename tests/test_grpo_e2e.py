@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl.cli import main
-from jaxrl.config import load_run_config
+from jaxrl.config import ConfigError, load_run_config
 from jaxrl.train.metrics import read_metrics
 from jaxrl.trainers.grpo import PLOT_NAME, GRPOTrainer
 from jaxrl.trainers.session import Session
@@ -276,3 +276,43 @@ def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
     assert strip(resumed) == strip(straight)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in resumed if "eval/accuracy" in r] == [2, 4, 5]
+
+
+def _half_decided(prompts, completions, completion_ids, **kwargs):
+    """Prompts with an even character sum are 'decided' (reward 1 whatever the completion: no
+    signal); the others reward completions whose token sum is odd."""
+    return [
+        1.0 if sum(map(ord, str(p))) % 2 == 0 else float(sum(ids) % 2)
+        for p, ids in zip(prompts, completion_ids, strict=True)
+    ]
+
+
+def _ds_trainer(tmp_path, name, *sets, reward=_half_decided):
+    cfg = load_run_config(CONFIG, [*TINY, f"output_dir={tmp_path / name}", *sets])
+    return GRPOTrainer(cfg, reward_funcs=[reward])
+
+
+def test_dynamic_sampling_trains_only_groups_with_a_signal(tmp_path):
+    """DAPO's filter: without it some groups of the batch have identical rewards; with it none
+    does, the dropped groups and extra generations are reported, and the batch is still full."""
+    plain = _ds_trainer(tmp_path, "plain").step()
+    assert plain["frac_reward_zero_std"] > 0
+    ds = _ds_trainer(tmp_path, "ds", "grpo.dynamic_sampling=true")
+    rows = [ds.step() for _ in range(2)]
+    for row in rows:
+        assert row["frac_reward_zero_std"] == 0.0 and row["num_documents"] == 8
+        assert row["dynamic_sampling/rounds"] >= 1
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in rows) > 0
+    assert max(r["dynamic_sampling/rounds"] for r in rows) > 1
+
+
+def test_dynamic_sampling_that_cannot_fill_the_batch_names_the_fix(tmp_path):
+    t = _ds_trainer(
+        tmp_path,
+        "stuck",
+        "grpo.dynamic_sampling=true",
+        "grpo.max_dynamic_sampling_rounds=2",
+        reward=lambda prompts, completions, **kw: [0.5] * len(completions),
+    )
+    with pytest.raises(ConfigError, match=r"2 generations .* found 0 of the 2 prompt groups"):
+        t.step()

@@ -102,6 +102,9 @@ class GRPOConfig:
     # run stops naming the function and rows (a hung call cannot be stopped); None = no limit
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum
     mask_truncated_completions: bool = False  # completions without EOS get no loss
+    dynamic_sampling: bool = False  # DAPO: drop prompt groups whose rewards all agree and keep
+    # generating until the generation batch is full of groups with a learning signal
+    max_dynamic_sampling_rounds: int = 8  # generations one batch may take before the run stops
     top_entropy_quantile: float = 1.0  # q: keep the top-q entropy tokens in the policy loss
     learning_rate: float | None = None  # the GRPO stage's peak LR (an SFT warm start keeps
     # optimizer.learning_rate); None → optimizer.learning_rate
@@ -194,6 +197,7 @@ class GRPOConfig:
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
         require_choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        _positive_int("max_dynamic_sampling_rounds", self.max_dynamic_sampling_rounds)
         if self.importance_sampling_correction is not None:
             require_choice(
                 "importance_sampling_correction",

@@ -168,6 +168,17 @@ def _as_matrix(reward_matrix_BW: np.ndarray) -> np.ndarray:
     return x
 
 
+def informative_groups(
+    reward_matrix_BW: np.ndarray, num_generations: int, weights: Sequence[float] | None = None
+) -> np.ndarray:
+    """``[Q]`` bool: the prompt groups whose summed rewards vary (DAPO's dynamic-sampling
+    filter). A group with σ ≤ 1e-8, or fewer than 2 scored rows (σ NaN), gives every row a zero
+    advantage under any estimator: nothing to learn from it."""
+    r_B = _weighted_nansum(_as_matrix(reward_matrix_BW), _weights(reward_matrix_BW, weights))
+    std_Q = nanstd(_groups(r_B, num_generations), axis=1)
+    return std_Q > ZERO_STD_ATOL  # NaN compares False
+
+
 def aggregate_rewards(
     reward_matrix_BW: np.ndarray,
     weights: Sequence[float] | None = None,

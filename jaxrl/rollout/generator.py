@@ -11,7 +11,7 @@ host (as TRL's GRPOTrainer).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -33,6 +33,39 @@ from jaxrl.rollout.sampler import Sampler, SamplingParams
 from jaxrl.train.score import Scorer
 
 __all__ = ["RolloutGenerator"]
+
+
+class Sampled(NamedTuple):
+    """Sampled and scored rows, not yet a :class:`RolloutBatch` (``RolloutGenerator.build``'s
+    arguments after ``params``)."""
+
+    prompt_ids: list[np.ndarray]
+    completion_ids: list[np.ndarray]
+    sampler_logp: list[np.ndarray]
+    truncated: np.ndarray
+    rewards_BW: np.ndarray
+
+    def rows(self, keep: np.ndarray) -> Sampled:
+        """The rows where ``keep`` ([B] bool) is set, in order."""
+        idx = np.flatnonzero(keep)
+        pick = lambda xs: [xs[i] for i in idx]
+        return Sampled(
+            pick(self.prompt_ids),
+            pick(self.completion_ids),
+            pick(self.sampler_logp),
+            self.truncated[idx],
+            self.rewards_BW[idx],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Sampled]) -> Sampled:
+        return Sampled(
+            [x for p in parts for x in p.prompt_ids],
+            [x for p in parts for x in p.completion_ids],
+            [x for p in parts for x in p.sampler_logp],
+            np.concatenate([p.truncated for p in parts]),
+            np.concatenate([p.rewards_BW for p in parts]),
+        )
 
 
 class RolloutGenerator:
@@ -156,6 +189,21 @@ class RolloutGenerator:
         one value per row) reach the reward functions as TRL passes them
         (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
         """
+        return self.build(
+            params, *self.sample(params, prompt_ids, prompts, columns, key, trainer_state)
+        )
+
+    def sample(
+        self,
+        params: Any,
+        prompt_ids: Sequence[np.ndarray],
+        prompts: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]],
+        key: jax.Array,
+        trainer_state: TrainingProgress | None = None,
+    ) -> Sampled:
+        """The rows of :meth:`generate` before :meth:`build`: ``(prompt_ids, completions,
+        sampler log-probs, truncated, rewards [B, W])``, in row order."""
         self.sampler.load_params(params)  # the one weight sync, every generation
         res = self.sampler.generate(list(prompt_ids), key)
         completions = res.completions()
@@ -172,7 +220,7 @@ class RolloutGenerator:
             timeout=self.config.reward_timeout,
         )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
-        return self.build(params, prompt_ids, completions, logps, res.truncated, rewards_BW)
+        return Sampled(list(prompt_ids), completions, logps, np.asarray(res.truncated), rewards_BW)
 
     def metrics(self, batches: Sequence[RolloutBatch]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""

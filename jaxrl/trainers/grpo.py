@@ -25,9 +25,10 @@ from jaxrl.data.datasets import Dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
+from jaxrl.losses.advantages import informative_groups
 from jaxrl.rollout.buffer import PromptSampler
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
-from jaxrl.rollout.generator import RolloutGenerator
+from jaxrl.rollout.generator import RolloutGenerator, Sampled
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
@@ -149,6 +150,7 @@ class GRPOTrainer:
             seed=cfg.seed,
         )
         self.rollouts = RolloutQueue(config, seed=cfg.seed)  # every row, generation to update
+        self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self.zero_advantage_steps = 0  # steps whose advantages were all 0 (no policy gradient)
         self.warned_zero_advantage = False
@@ -173,22 +175,66 @@ class GRPOTrainer:
         return self.config.needs_old_logprobs or self.cfg.schedule.docs_per_step > 0
 
     def generate(self) -> RolloutBatch:
-        """Generate and score the next generation batch and load it into the buffer."""
+        """Generate and score the next generation batch and load it into the buffer.
+
+        With ``grpo.dynamic_sampling`` (DAPO) the prompt groups whose rewards all agree (no
+        learning signal: ``informative_groups``) are dropped and the next prompts are sampled
+        until the batch holds ``generation_batch_size / num_generations`` groups (the first
+        ones, in order; the rest are discarded, as DAPO does), at most
+        ``max_dynamic_sampling_rounds`` generations; advantages are computed on the final batch.
+        """
+        c = self.config
+        sampled = self._sample_next()
+        if c.dynamic_sampling:
+            sampled = self._fill_with_signal(sampled)
+        batch = self.generator.build(self.session.state.params, *sampled)
+        self.rollouts.load(batch)
+        return batch
+
+    def _sample_next(self) -> Sampled:
+        """The next generation's prompts, sampled and scored."""
         n = self.prompt_sampler.generations
         idx = self.prompt_sampler.next_generation()
         rows = [self.train_rows[i] for i in idx]
-        batch = self.generator.generate(
+        return self.generator.sample(
             self.session.state.params,
             [self.train_prompts[i] for i in idx],
             [r["prompt"] for r in rows],
             {k: [r.get(k) for r in rows] for k in self.columns},
             jax.random.fold_in(jax.random.key(self.cfg.seed), n),
-            trainer_state=TrainingProgress(
-                global_step=self.session.step, max_steps=self.cfg.max_steps
-            ),
+            TrainingProgress(global_step=self.session.step, max_steps=self.cfg.max_steps),
         )
-        self.rollouts.load(batch)
-        return batch
+
+    def _fill_with_signal(self, sampled: Sampled) -> Sampled:
+        """DAPO's dynamic sampling: keep drawing generations until enough groups have rewards
+        that differ; the rounds and dropped groups go into the next metrics rows."""
+        c, g = self.config, self.config.num_generations
+        need = c.generation_batch_size // g
+        weights = self.generator.reward_columns(sampled.rewards_BW.shape[1])[0]
+        parts, kept, dropped = [], 0, 0
+        for rounds in range(1, c.max_dynamic_sampling_rounds + 1):
+            if rounds > 1:
+                sampled = self._sample_next()
+            keep_Q = informative_groups(sampled.rewards_BW, g, weights)
+            parts.append(sampled.rows(np.repeat(keep_Q, g)))
+            kept, dropped = kept + int(keep_Q.sum()), dropped + int((~keep_Q).sum())
+            if kept >= need:
+                break
+        else:
+            raise ConfigError(
+                f"grpo.dynamic_sampling=true: {c.max_dynamic_sampling_rounds} generations "
+                f"(grpo.max_dynamic_sampling_rounds) found {kept} of the {need} prompt groups a "
+                f"batch needs whose rewards differ ({dropped} groups had identical rewards): the "
+                "prompts are too easy or too hard for the model, or the rewards do not vary; "
+                "raise grpo.max_dynamic_sampling_rounds, check the reward functions, or set "
+                "grpo.dynamic_sampling=false"
+            )
+        self.sampling_stats = {
+            "dynamic_sampling/rounds": rounds,
+            "dynamic_sampling/dropped_groups": dropped,
+        }
+        rows = Sampled.concat(parts)
+        return rows.rows(np.arange(len(rows.truncated)) < need * g)  # the first `need` groups
 
     def _micro_step(self) -> None:
         if self.rollouts.needs_generation:
@@ -285,6 +331,7 @@ class GRPOTrainer:
         used_ids = np.asarray(used, np.int64)
         row = self.session.train_on(batch, empty_cause=self._empty_cause(docs.truncated[used_ids]))
         row.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
+        row.update(self.sampling_stats)
         self._count_zero_advantages(row, docs.advantages[used_ids])
         self.rollouts.done(docs, batch.returned)
         return row
