@@ -20,7 +20,8 @@ class SFTConfig:
     batch_size: int = 64  # documents per optimizer step, over all data-parallel ranks
     loss_normalization: Literal["token", "sequence", "document"] = "token"  # step divisor
     completion_only_loss: bool = True  # loss on answer tokens (and EOS) only, not the prompt
-    max_length: int = 64  # longest allowed document (prompt + answer + EOS), in tokens
+    max_length: int = 64  # document length cap (prompt + answer + EOS), in tokens: longer ones
+    # keep their first max_length tokens and are counted (data/train_over_length), as in TRL
 
     def __post_init__(self):
         require(
