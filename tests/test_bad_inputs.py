@@ -130,6 +130,28 @@ def test_orbax_background_noise_is_dropped_unless_debugging(monkeypatch, caplog)
         install_hooks()  # a test runner is not the CLI: no late Ctrl-C in later tests
 
 
+def test_a_library_s_report_of_ctrl_c_is_dropped_unless_debugging(caplog):
+    """orbax logs the KeyboardInterrupt that passes through its wait for a checkpoint write
+    ("Save Finalize thread failed", with a traceback); the CLI says "interrupted" once."""
+    from jaxrl.runtime.shutdown import install_hooks
+
+    absl = logging.getLogger("absl")
+    install_hooks()
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        absl.exception("[wait_until_finished] Save Finalize thread (save_finalize) failed.")
+    absl.error("a real error")
+    assert [r.getMessage() for r in caplog.records] == ["a real error"]
+    install_hooks(debug=True)
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        absl.exception("shown with --debug")
+    assert caplog.records[-1].getMessage() == "shown with --debug"
+    install_hooks()
+
+
 # -- sampler log-probs, reward deadlines, preference files ---------------------------------
 
 

@@ -5,6 +5,9 @@
   traceback ("Event loop is closed", "Task exception was never retrieved"), dozens of them
   around jaxrl's one-line error. ``install_hooks`` drops exactly those reports unless
   ``--debug`` asks for everything.
+- Ctrl-C that lands while orbax waits for the previous checkpoint write makes orbax log the
+  KeyboardInterrupt with its traceback ("Save Finalize thread failed"); ``install_hooks`` drops
+  library log records that carry a KeyboardInterrupt (the CLI says "interrupted" once).
 - Ctrl-C that arrives while Python runs a gc callback (jax registers one) is reported as
   "Exception ignored" and lost: the run went on to the end. ``install_hooks`` delivers it
   again to the main thread.
@@ -50,7 +53,18 @@ class _AsyncioNoise(logging.Filter):
         return not is_background_noise(exc, str(record.msg))
 
 
+class _InterruptNoise(logging.Filter):
+    """Drops a library's report of the Ctrl-C passing through it (orbax logs "Save Finalize
+    thread failed" with the KeyboardInterrupt when Ctrl-C lands while a step waits for the
+    previous checkpoint write): the CLI reports the interrupt in its one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, KeyboardInterrupt)
+
+
 _FILTER = _AsyncioNoise()
+_INTERRUPT_FILTER = _InterruptNoise()
 
 
 _STATE = {"debug": False, "redeliver": False}
@@ -64,11 +78,13 @@ def install_hooks(*, debug: bool = False, redeliver: bool = False) -> None:
     test runner) a late KeyboardInterrupt would land in whatever runs next."""
     _STATE["debug"] = debug
     _STATE["redeliver"] = redeliver
-    log = logging.getLogger("asyncio")
+    log, absl = logging.getLogger("asyncio"), logging.getLogger("absl")
     if debug:
         log.removeFilter(_FILTER)
+        absl.removeFilter(_INTERRUPT_FILTER)
     else:
         log.addFilter(_FILTER)  # idempotent for one filter object
+        absl.addFilter(_INTERRUPT_FILTER)
     if getattr(sys.unraisablehook, "_jaxrl", False):
         return
     previous = sys.unraisablehook

@@ -383,6 +383,7 @@ class GRPOTrainer:
             "prompt_sampler": self.prompt_sampler.state_dict(),
             "rollouts": self.rollouts.state_dict(),
             "start_eval": self.start_eval,
+            "sampling_stats": self.sampling_stats,
         }
 
     def _start(self) -> None:
@@ -398,6 +399,7 @@ class GRPOTrainer:
         self.rollouts.load_state_dict(host["rollouts"])
         legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
         self.start_eval = host.get("start_eval", legacy)
+        self.sampling_stats = host.get("sampling_stats", {})
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
