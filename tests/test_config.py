@@ -127,3 +127,12 @@ def test_removed_keys_are_one_line_errors_naming_what_replaces_them(key, fix):
     field = name.removeprefix("grpo.")
     with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid: removed: "):
         GRPOConfig(**{field: yaml.safe_load(value)})  # the keyword, as from Python
+
+
+@pytest.mark.parametrize("value", ['"', "\x1b", "[1", "{a: 1"])
+def test_an_override_that_is_not_yaml_is_a_one_line_config_error(value):
+    """Found by tests/test_fuzz.py: ``--set key="`` raised yaml's multi-line ScannerError."""
+    with pytest.raises(ConfigError) as err:
+        load_run_config("configs/sft_tiny.yaml", [f"sft.max_length={value}"])
+    message = str(err.value)
+    assert "\n" not in message and "is not valid YAML" in message and "quote it" in message

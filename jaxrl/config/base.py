@@ -230,7 +230,14 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {k!r} is a value, not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({problem}); quote it as a "
+                f"string, e.g. {path.strip()}='\"...\"'"
+            ) from None
     return data
 
 
