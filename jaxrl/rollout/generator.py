@@ -173,26 +173,6 @@ class RolloutGenerator:
             batch.set_completion_field("ref_logp", _completion_parts(ref, batch.prompt_lengths))
         return batch
 
-    def generate(
-        self,
-        params: Any,
-        prompt_ids: Sequence[np.ndarray],
-        prompts: Sequence[Any],
-        columns: Mapping[str, Sequence[Any]],
-        key: jax.Array,
-        *,
-        trainer_state: TrainingProgress | None = None,
-    ) -> RolloutBatch:
-        """Sample one completion per prompt row with ``params``, score and build the batch.
-
-        ``prompts`` (text, or lists of messages) and ``columns`` (the dataset's other fields,
-        one value per row) reach the reward functions as TRL passes them
-        (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
-        """
-        return self.build(
-            params, *self.sample(params, prompt_ids, prompts, columns, key, trainer_state)
-        )
-
     def sample(
         self,
         params: Any,
@@ -202,8 +182,14 @@ class RolloutGenerator:
         key: jax.Array,
         trainer_state: TrainingProgress | None = None,
     ) -> Sampled:
-        """The rows of :meth:`generate` before :meth:`build`: ``(prompt_ids, completions,
-        sampler log-probs, truncated, rewards [B, W])``, in row order."""
+        """Sample one completion per prompt row with ``params`` and score it: ``(prompt_ids,
+        completions, sampler log-probs, truncated, rewards [B, W])`` in row order, the arguments
+        of :meth:`build` after ``params``.
+
+        ``prompts`` (text, or lists of messages) and ``columns`` (the dataset's other fields,
+        one value per row) reach the reward functions as TRL passes them
+        (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
+        """
         self.sampler.load_params(params)  # the one weight sync, every generation
         res = self.sampler.generate(list(prompt_ids), key)
         completions = res.completions()
