@@ -43,7 +43,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -52,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from machine import machine as describe_machine
 from trl_peer import SHARED_GRPO_FIELDS, cpu_seconds, same_schedule_trainer
 
 # torch's OpenMP threads spin-wait by default; while other processes hold the cores that made
@@ -336,28 +336,8 @@ def table(columns: dict[str, dict[str, Any]], n: int) -> str:
 
 
 def machine() -> dict[str, Any]:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
-    versions = {}
-    for pkg in ("jax", "flax", "torch", "transformers", "trl"):
-        try:
-            from importlib.metadata import version
-
-            versions[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - a missing package is reported as such
-            versions[pkg] = None
     return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": model,
-        "python": platform.python_version(),
-        "versions": versions,
-        "load_average": os.getloadavg(),
+        **describe_machine(("jax", "flax", "torch", "transformers", "trl")),
         "OMP_WAIT_POLICY": OMP_WAIT_POLICY,
     }
 

@@ -54,7 +54,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -65,6 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from machine import machine as describe_machine
 from trl_peer import same_schedule_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -782,29 +782,7 @@ def stage_report(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- CLI -------------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
-    versions = {}
-    for pkg in ("jax", "flax", "torch", "transformers", "trl", "gguf"):
-        try:
-            from importlib.metadata import version
-
-            versions[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - a missing package is reported as such
-            versions[pkg] = None
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "python": platform.python_version(),
-        "versions": versions,
-        "load_average": os.getloadavg(),
-    }
+    return describe_machine(("jax", "flax", "torch", "transformers", "trl", "gguf"))
 
 
 def save_result(name: str, result: dict[str, Any]) -> Path:

@@ -103,7 +103,7 @@ def test_cited_files_and_sections_exist():
     assert not no_section, f"cited sections that are not headings of the file: {no_section}"
 
 
-def test_citation_scan_sees_bare_names_paths_and_sections():
+def test_citation_scan_sees_bare_names_paths_and_sections(tmp_path):
     """The scanner itself: what counts as a citation, and how it resolves."""
     here = ROOT / "tests" / "x.py"
     text = (
@@ -119,4 +119,6 @@ def test_citation_scan_sees_bare_names_paths_and_sections():
     assert _resolve(here, "docs/algorithms/grpo.md") == ROOT / "docs/algorithms/grpo.md"
     assert _resolve(here, "../docs/index.md") == ROOT / "docs/index.md"
     assert _resolve(ROOT / "docs/algorithms/grpo.md", "dpo.md") == ROOT / "docs/algorithms/dpo.md"
-    assert _resolve(ROOT / "README.md", "../shared/specs/grpo.md") is None  # outside the repository
+    outside = tmp_path / "grpo.md"  # an existing file outside the repository
+    outside.write_text("# 1. x\n")
+    assert _resolve(ROOT / "README.md", str(outside)) is None
