@@ -174,7 +174,7 @@ def informative_groups(
     """``[Q]`` bool: the prompt groups whose summed rewards vary (DAPO's dynamic-sampling
     filter). A group with σ ≤ 1e-8, or fewer than 2 scored rows (σ NaN), gives every row a zero
     advantage under any estimator: nothing to learn from it."""
-    r_B = _weighted_nansum(_as_matrix(reward_matrix_BW), _weights(reward_matrix_BW, weights))
+    r_B = aggregate_rewards(reward_matrix_BW, weights)  # the weighted sum of the functions
     std_Q = nanstd(_groups(r_B, num_generations), axis=1)
     return std_Q > ZERO_STD_ATOL  # NaN compares False
 

@@ -183,10 +183,7 @@ class GRPOTrainer:
         ones, in order; the rest are discarded, as DAPO does), at most
         ``max_dynamic_sampling_rounds`` generations; advantages are computed on the final batch.
         """
-        c = self.config
-        sampled = self._sample_next()
-        if c.dynamic_sampling:
-            sampled = self._fill_with_signal(sampled)
+        sampled = self._fill_with_signal() if self.config.dynamic_sampling else self._sample_next()
         batch = self.generator.build(self.session.state.params, *sampled)
         self.rollouts.load(batch)
         return batch
@@ -205,16 +202,15 @@ class GRPOTrainer:
             TrainingProgress(global_step=self.session.step, max_steps=self.cfg.max_steps),
         )
 
-    def _fill_with_signal(self, sampled: Sampled) -> Sampled:
+    def _fill_with_signal(self) -> Sampled:
         """DAPO's dynamic sampling: keep drawing generations until enough groups have rewards
         that differ; the rounds and dropped groups go into the next metrics rows."""
         c, g = self.config, self.config.num_generations
         need = c.generation_batch_size // g
-        weights = self.generator.reward_columns(sampled.rewards_BW.shape[1])[0]
+        weights = c.reward_weights  # generated rows: one column per reward function
         parts, kept, dropped = [], 0, 0
-        for rounds in range(1, c.max_dynamic_sampling_rounds + 1):
-            if rounds > 1:
-                sampled = self._sample_next()
+        for _ in range(c.max_dynamic_sampling_rounds):
+            sampled = self._sample_next()
             keep_Q = informative_groups(sampled.rewards_BW, g, weights)
             parts.append(sampled.rows(np.repeat(keep_Q, g)))
             kept, dropped = kept + int(keep_Q.sum()), dropped + int((~keep_Q).sum())
@@ -230,7 +226,7 @@ class GRPOTrainer:
                 "grpo.dynamic_sampling=false"
             )
         self.sampling_stats = {
-            "dynamic_sampling/rounds": rounds,
+            "dynamic_sampling/rounds": len(parts),  # one part per generation
             "dynamic_sampling/dropped_groups": dropped,
         }
         rows = Sampled.concat(parts)
