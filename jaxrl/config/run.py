@@ -341,6 +341,30 @@ class ExportConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """GRPO generation: where and when rollouts are produced (docs/algorithms/async.md)."""
+
+    max_staleness: int = 0  # policy versions a trained batch may lag its generating weights;
+    # 0 = generate, then train (synchronous); k >= 1 = generate ahead while the trainer trains
+    devices: int = 0  # devices reserved for generation when max_staleness >= 1 (the last ones);
+    # 0 = half of them (none with one device: generation then shares it)
+
+    def __post_init__(self):
+        require(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+            "rollout.max_staleness",
+            self.max_staleness,
+            "use 0 (synchronous) or k >= 1 policy versions of lag",
+        )
+        require(
+            isinstance(self.devices, int) and self.devices >= 0,
+            "rollout.devices",
+            self.devices,
+            "use 0 (half of the devices) or the number of devices to generate on",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Console and file logging: metrics.jsonl, TensorBoard, W&B (docs/logging.md)."""
 
@@ -401,6 +425,7 @@ __all__ = [
     "MeshConfig",
     "ModelSection",
     "OptimizerConfig",
+    "RolloutConfig",
     "ScheduleConfig",
     "TaskConfig",
     "check_algorithm",
@@ -436,6 +461,7 @@ class RunConfig:
     sft_warmup_steps: int = 0  # grpo/dpo: first run this many SFT steps (output_dir/sft)
     sft_warmup_target: float = 0.0  # stop the warm start once held-out accuracy >= this; 0 = off
     sft_warmup_eval_every: int = 10  # with a target: SFT steps between held-out checks
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # GRPO generation
     grpo: GRPOConfig = _algorithm_section(GRPOConfig)  # world_size: the mesh's data × fsdp
     dpo: DPOConfig = _algorithm_section(DPOConfig)  # world_size: the mesh's data × fsdp
 
