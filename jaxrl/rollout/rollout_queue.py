@@ -60,6 +60,7 @@ class RolloutBatch:
     rewards: np.ndarray  # float64 [B, W]: one column per reward function, NaN = unscored
     advantages: np.ndarray  # float32 [B]
     mask_truncated: bool  # truncated rows carry no loss (mask_truncated_completions)
+    policy_version: int = 0  # optimizer updates the generating weights had taken
 
     @classmethod
     def build(
@@ -183,6 +184,7 @@ class RolloutBatch:
             "old_logp": many(self.old_logp),
             "ref_logp": many(self.ref_logp),
             "mask_truncated": self.mask_truncated,
+            "policy_version": self.policy_version,
         }
 
     @classmethod
@@ -193,7 +195,7 @@ class RolloutBatch:
         rewards = np.asarray(
             [[np.nan if v is None else v for v in row] for row in data["rewards"]], np.float64
         )
-        return cls.build(
+        batch = cls.build(
             many(data["prompt_ids"], np.int32),  # type: ignore[arg-type]
             many(data["completion_ids"], np.int32),  # type: ignore[arg-type]
             many(data["sampler_logp"], np.float32),  # type: ignore[arg-type]
@@ -204,6 +206,8 @@ class RolloutBatch:
             old_logp=many(data["old_logp"], np.float32),
             ref_logp=many(data["ref_logp"], np.float32),
         )
+        batch.policy_version = int(data.get("policy_version", 0))
+        return batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +224,7 @@ class RowDocuments:
     token_fields: dict[str, list[np.ndarray]]  # float32, token-aligned
     advantages: np.ndarray  # float32, one per document
     truncated: np.ndarray  # bool, one per document
+    versions: np.ndarray  # int64, one per document: its batch's policy_version
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -307,6 +312,7 @@ class RolloutQueue:
             token_fields=fields,
             advantages=np.asarray(advantages, np.float32),
             truncated=np.asarray(truncated, bool),
+            versions=np.asarray([self.batches[g].policy_version for g, _ in rows], np.int64),
         )
 
     def batches_of(self, window: RowDocuments, positions: Sequence[int]) -> list[RolloutBatch]:

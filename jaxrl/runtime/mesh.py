@@ -52,6 +52,24 @@ def use_devices(devices: Sequence[Any], *, subset: bool = False) -> Iterator[Non
         _devices.pop()
 
 
+@contextlib.contextmanager
+def reserve_devices(count: int, what: str = "rollout.devices") -> Iterator[list[Any]]:
+    """Set the last ``count`` devices of the current pool (:func:`use_devices`, else every
+    visible device) aside, e.g. for generation: meshes built inside the block use the others.
+    Yields the reserved devices ([] when ``count`` is 0, and nothing changes)."""
+    if count == 0:
+        yield []
+        return
+    devices, subset = _devices[-1] if _devices else (list(jax.devices()), False)
+    if count >= len(devices):
+        raise ConfigError(
+            f"{what}={count} sets {count} of the {len(devices)} devices aside, which leaves none "
+            "to train on: use fewer"
+        )
+    with use_devices(devices[:-count], subset=subset):
+        yield devices[-count:]
+
+
 def run_devices(sizes: Sequence[int] | None = None) -> list[Any]:
     """The devices a mesh of ``sizes`` (data, fsdp, tensor) is built from: the innermost
     :func:`use_devices`, else every visible device."""

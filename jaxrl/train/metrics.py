@@ -89,6 +89,16 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+RUN_DEPENDENT = ("elapsed_s", "compiles")  # metrics that differ between identical runs: timing
+# and the compile count (a resumed process compiles again); and every "time/..." key
+
+
+def reproducible(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` without the metrics that differ between two runs of the same config (wall
+    times, compile counts): what must be equal when results are."""
+    return {k: v for k, v in row.items() if k not in RUN_DEPENDENT and not k.startswith("time/")}
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

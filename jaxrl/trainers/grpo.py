@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl.config import ConfigError, GRPOConfig, RunConfig
 from jaxrl.data.datasets import Dataset
@@ -30,16 +33,19 @@ from jaxrl.rollout.buffer import PromptSampler
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator, Sampled
 from jaxrl.rollout.heldout import HeldoutEvaluator
+from jaxrl.rollout.pipeline import Generated, RolloutPipeline, load_steps
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
 from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
+from jaxrl.runtime.mesh import make_mesh, reserve_devices, run_devices
 from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.objectives import grpo_objective
 from jaxrl.train.plots import plot_reward_and_accuracy
 from jaxrl.train.precision import compute_copy
+from jaxrl.train.score import Scorer
 from jaxrl.trainers.run_data import run_datasets
-from jaxrl.trainers.session import Session, with_device_ranks
+from jaxrl.trainers.session import Session, generation_devices, with_device_ranks
 
 DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
 PLOT_NAME = "grpo_progress.png"
@@ -59,6 +65,13 @@ class GRPOTrainer:
 
     def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
         cfg = with_device_ranks(cfg)
+        # rollout.max_staleness >= 1: the last devices generate, the others train
+        with reserve_devices(generation_devices(cfg, len(run_devices()))) as generation:
+            self._build(cfg, reward_funcs, generation)
+
+    def _build(
+        self, cfg: RunConfig, reward_funcs: Sequence[str | RewardFunc] | None, generation: list
+    ) -> None:
         config = cfg.grpo
         funcs = load_reward_funcs(config, reward_funcs)
         cfg = _resolve_run_config(cfg, config)
@@ -96,6 +109,15 @@ class GRPOTrainer:
         chunk = cfg.model.logprob_chunk
         self.session = Session(cfg, tok.vocab_size, grpo_objective(config, chunk_size=chunk))
         self.session.say(self.warnings)
+        # where generation runs: its own devices (rollout.devices), else the trainer's
+        self.generation_mesh = make_mesh(devices=generation) if generation else self.session.mesh
+        ref_params = None
+        if config.beta != 0.0:
+            # the frozen initial parameters, a real copy (the train step donates its buffers), in
+            # the compute dtype (docs/precision.md), where generation runs
+            ref_params = compute_copy(self.session.state.params, self.session.model_config.dtype)
+            if generation:
+                ref_params = jax.device_put(ref_params, self._generation_sharding)
         self.generator = RolloutGenerator(
             config,
             self.session.model_config,
@@ -105,15 +127,19 @@ class GRPOTrainer:
             row_len=cfg.schedule.max_tokens,
             chunk_size=chunk,
             old_logprobs=self.computes_old_logprobs,
-            # β > 0: the frozen initial parameters, a real copy in the same sharding (the train
-            # step donates its buffers), in the compute dtype (docs/precision.md)
-            ref_params=(
-                compute_copy(self.session.state.params, self.session.model_config.dtype)
-                if config.beta != 0.0
-                else None
-            ),
-            mesh=self.session.mesh,
+            ref_params=ref_params,
+            mesh=self.generation_mesh,
         )
+        # the entropy pre-pass scores the trainer's own parameters, on the trainer's devices
+        self.scorer = self.generator.scorer
+        if generation:
+            self.scorer = Scorer(
+                self.session.graphdef,
+                mesh=self.session.mesh,
+                row_len=cfg.schedule.max_tokens,
+                temperature=config.temperature,
+                chunk_size=chunk,
+            )
         self.evaluator = None  # no held-out rows: no eval metrics
         if self.eval_rows:
             self.evaluator = HeldoutEvaluator(
@@ -150,6 +176,17 @@ class GRPOTrainer:
             seed=cfg.seed,
         )
         self.rollouts = RolloutQueue(config, seed=cfg.seed)  # every row, generation to update
+        self.pipeline = None  # rollout.max_staleness >= 1: generations made ahead
+        if cfg.rollout.max_staleness:
+            self.pipeline = RolloutPipeline(
+                self._produce,
+                self._snapshot,
+                max_staleness=cfg.rollout.max_staleness,
+                load_steps=load_steps(config, cfg.schedule.docs_per_step),
+                max_steps=cfg.max_steps,
+            )
+        self.generation_s = 0.0  # time making the generations loaded since the last row
+        self._ahead: deque[Generated] = deque()  # made ahead by an asynchronous run, resumed
         self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self.zero_advantage_steps = 0  # steps whose advantages were all 0 (no policy gradient)
@@ -172,10 +209,38 @@ class GRPOTrainer:
         """Old log-probs when a buffered row may be trained on after an update
         (docs/algorithms/grpo.md §5), or always under docs_per_step (leftover documents wait for
         the next step)."""
-        return self.config.needs_old_logprobs or self.cfg.schedule.docs_per_step > 0
+        return (
+            self.config.needs_old_logprobs
+            or self.cfg.schedule.docs_per_step > 0
+            or self.cfg.rollout.max_staleness > 0  # generated by older weights
+        )
+
+    @property
+    def _generation_sharding(self) -> NamedSharding:
+        return NamedSharding(self.generation_mesh, P())
 
     def generate(self) -> RolloutBatch:
-        """Generate and score the next generation batch and load it into the buffer.
+        """Make (or, asynchronously, take the finished) next generation batch and load it into
+        the buffer (:meth:`_produce`)."""
+        if self._ahead:  # resumed from an asynchronous run with rollout.max_staleness=0
+            made = self._ahead.popleft()
+            batch, stats = made.batch, made.stats
+        elif self.pipeline is None:
+            start = time.perf_counter()
+            batch, stats = self._produce(self.session.state.params, self.session.step)
+            self.generation_s += time.perf_counter() - start
+        else:
+            made = self.pipeline.take(self.session.step)
+            batch, stats = made.batch, made.stats
+            self.generation_s += made.seconds
+        if stats:
+            self.sampling_stats = stats
+        self.rollouts.load(batch)
+        return batch
+
+    def _produce(self, params: Any, step: int) -> tuple[RolloutBatch, dict[str, int]]:
+        """The next generation batch, made with ``params`` (the weights after ``step`` updates),
+        and its dynamic-sampling stats.
 
         With ``grpo.dynamic_sampling`` (DAPO) the prompt groups whose rewards all agree (no
         learning signal: ``informative_groups``) are dropped and the next prompts are sampled
@@ -183,34 +248,46 @@ class GRPOTrainer:
         ones, in order; the rest are discarded, as DAPO does), at most
         ``max_dynamic_sampling_rounds`` generations; advantages are computed on the final batch.
         """
-        sampled = self._fill_with_signal() if self.config.dynamic_sampling else self._sample_next()
-        batch = self.generator.build(self.session.state.params, *sampled)
-        self.rollouts.load(batch)
-        return batch
+        stats: dict[str, int] = {}
+        if self.config.dynamic_sampling:
+            sampled, stats = self._fill_with_signal(params, step)
+        else:
+            sampled = self._sample_next(params, step)
+        batch = self.generator.build(params, *sampled)
+        batch.policy_version = step
+        return batch, stats
 
-    def _sample_next(self) -> Sampled:
+    def _snapshot(self) -> Any:
+        """A copy of the current parameters where generation runs, which later train steps
+        (they donate their buffers) leave alone: the asynchronous generations' weights."""
+        params = self.session.state.params
+        if self.generation_mesh is not self.session.mesh:
+            return jax.device_put(params, self._generation_sharding, may_alias=False)
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params)
+
+    def _sample_next(self, params: Any, step: int) -> Sampled:
         """The next generation's prompts, sampled and scored."""
         n = self.prompt_sampler.generations
         idx = self.prompt_sampler.next_generation()
         rows = [self.train_rows[i] for i in idx]
         return self.generator.sample(
-            self.session.state.params,
+            params,
             [self.train_prompts[i] for i in idx],
             [r["prompt"] for r in rows],
             {k: [r.get(k) for r in rows] for k in self.columns},
             jax.random.fold_in(jax.random.key(self.cfg.seed), n),
-            TrainingProgress(global_step=self.session.step, max_steps=self.cfg.max_steps),
+            TrainingProgress(global_step=step, max_steps=self.cfg.max_steps),
         )
 
-    def _fill_with_signal(self) -> Sampled:
+    def _fill_with_signal(self, params: Any, step: int) -> tuple[Sampled, dict[str, int]]:
         """DAPO's dynamic sampling: keep drawing generations until enough groups have rewards
-        that differ; the rounds and dropped groups go into the next metrics rows."""
+        that differ; returns the rows and the rounds and dropped groups (metrics)."""
         c, g = self.config, self.config.num_generations
         need = c.generation_batch_size // g
         weights = c.reward_weights  # generated rows: one column per reward function
         parts, kept, dropped = [], 0, 0
         for _ in range(c.max_dynamic_sampling_rounds):
-            sampled = self._sample_next()
+            sampled = self._sample_next(params, step)
             keep_Q = informative_groups(sampled.rewards_BW, g, weights)
             parts.append(sampled.rows(np.repeat(keep_Q, g)))
             kept, dropped = kept + int(keep_Q.sum()), dropped + int((~keep_Q).sum())
@@ -225,12 +302,12 @@ class GRPOTrainer:
                 "raise grpo.max_dynamic_sampling_rounds, check the reward functions, or set "
                 "grpo.dynamic_sampling=false"
             )
-        self.sampling_stats = {
+        stats = {
             "dynamic_sampling/rounds": len(parts),  # one part per generation
             "dynamic_sampling/dropped_groups": dropped,
         }
         rows = Sampled.concat(parts)
-        return rows.rows(np.arange(len(rows.truncated)) < need * g)  # the first `need` groups
+        return rows.rows(np.arange(len(rows.truncated)) < need * g), stats  # first `need` groups
 
     def _micro_step(self) -> None:
         if self.rollouts.needs_generation:
@@ -241,6 +318,8 @@ class GRPOTrainer:
     def step(self) -> dict[str, Any]:
         """One optimizer step on the next window (g micro-steps, or docs_per_step documents)."""
         self._start()
+        if self.pipeline is not None:  # generations this step's weights make ahead
+            self.pipeline.launch_due(self.session.step)
         target = self.cfg.schedule.docs_per_step
         if target == 0:
             for _ in range(self.config.gradient_accumulation_steps):
@@ -320,14 +399,23 @@ class GRPOTrainer:
         )
         used, arrays, packed = batch.used, batch.arrays, batch.packed
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
-            tau = self.generator.scorer.step_entropy_threshold(
+            tau = self.scorer.step_entropy_threshold(
                 self.session.state.params, arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
         used_ids = np.asarray(used, np.int64)
+        start = time.perf_counter()
         row = self.session.train_on(batch, empty_cause=self._empty_cause(docs.truncated[used_ids]))
+        row["time/train_s"] = time.perf_counter() - start
+        row["time/generation_s"], self.generation_s = self.generation_s, 0.0
+        if self.pipeline is not None:
+            row.update(self.pipeline.metrics())
         row.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
         row.update(self.sampling_stats)
+        if used_ids.size:  # updates since the weights that generated each trained row
+            staleness = self.session.step - 1 - docs.versions[used_ids]
+            row["rollout/staleness_mean"] = float(staleness.mean())
+            row["rollout/staleness_max"] = int(staleness.max())
         self._count_zero_advantages(row, docs.advantages[used_ids])
         self.rollouts.done(docs, batch.returned)
         return row
@@ -371,11 +459,17 @@ class GRPOTrainer:
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
         if self.evaluator is None:
             return {}
-        return self.evaluator(self.session.state.params).metrics()
+        evaluate = lambda: self.evaluator(self.session.state.params).metrics()  # noqa: E731
+        if self.pipeline is not None:  # on the worker: it owns the generation sampler
+            return self.pipeline.call(evaluate)
+        return evaluate()
 
     def host_state(self) -> dict[str, Any]:
-        """Everything outside the TrainState that a resumed run needs, as JSON."""
+        """Everything outside the TrainState that a resumed run needs, as JSON (generations
+        made ahead first: they advance the prompt order)."""
+        ahead = {} if self.pipeline is None else {"pipeline": self.pipeline.state_dict()}
         return {
+            **ahead,
             "prompt_sampler": self.prompt_sampler.state_dict(),
             "rollouts": self.rollouts.state_dict(),
             "start_eval": self.start_eval,
@@ -396,25 +490,36 @@ class GRPOTrainer:
         legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
         self.start_eval = host.get("start_eval", legacy)
         self.sampling_stats = host.get("sampling_stats", {})
+        ahead = host.get("pipeline")
+        if self.pipeline is not None:  # a synchronous checkpoint: the pipeline starts here
+            done = self.rollouts.next_id
+            self.pipeline.load_state_dict(ahead or {"launched": done, "taken": done, "ready": []})
+        elif ahead is not None:  # generations an asynchronous run made ahead are trained first
+            self._ahead.extend(Generated.from_json(g) for g in ahead["ready"])
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
         session = self.session
         self._start()
         start = time.perf_counter()
-        last = session.loop(
-            "grpo",
-            self.step,
-            first_row=self.data_report,  # rows the length limits touched
-            epoch=lambda: self.prompt_sampler.epochs,
-            host_state=self.host_state,
-            evaluate=self.evaluate,
-            info=lambda row: f"reward {row['reward']:.3f}",
-        )
-        plot = session.output_dir / PLOT_NAME
-        if session.primary:
-            plot_reward_and_accuracy(read_metrics(session.writer.path), plot, start=self.start_eval)
-        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
+        try:
+            last = session.loop(
+                "grpo",
+                self.step,
+                first_row=self.data_report,  # rows the length limits touched
+                epoch=lambda: self.prompt_sampler.epochs,
+                host_state=self.host_state,
+                evaluate=self.evaluate,
+                info=lambda row: f"reward {row['reward']:.3f}",
+            )
+            plot = session.output_dir / PLOT_NAME
+            if session.primary:
+                metrics = read_metrics(session.writer.path)
+                plot_reward_and_accuracy(metrics, plot, start=self.start_eval)
+            summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
+        finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
         return {
             **summary,
             **{f"{k}_start": v for k, v in self.start_eval.items()},

@@ -27,6 +27,7 @@ from jaxrl.data.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
+from jaxrl.rollout.pipeline import generation_device_count
 from jaxrl.runtime.mesh import (
     barrier,
     batch_ranks,
@@ -41,7 +42,7 @@ from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import lost_update_fraction
 
-__all__ = ["Session", "with_device_ranks"]
+__all__ = ["Session", "generation_devices", "with_device_ranks"]
 
 
 def with_device_ranks(cfg: RunConfig) -> RunConfig:
@@ -50,8 +51,25 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     when the mesh does not fit the devices or the sections' batches do not fit the ranks."""
     if cfg.mesh.static_batch_ranks is not None:  # resolved when the config was built
         return cfg
-    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, len(run_devices(cfg.mesh.sizes)))
+    devices = len(run_devices(cfg.mesh.sizes))
+    devices -= generation_devices(cfg, devices)
+    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, devices)
     return cfg.with_batch_ranks(data * fsdp)
+
+
+def generation_devices(cfg: RunConfig, pool: int) -> int:
+    """Devices of a pool of ``pool`` that a GRPO run sets aside for asynchronous generation
+    (``rollout``; ``jaxrl.rollout.pipeline.generation_device_count``), 0 for other runs."""
+    if cfg.algorithm != "grpo":
+        return 0
+    r = cfg.rollout
+    count = generation_device_count(r.max_staleness, r.devices, pool)
+    if count >= pool > 1:
+        raise ConfigError(
+            f"rollout.devices={count} sets {count} of the {pool} devices aside for generation, "
+            "which leaves none to train on: use fewer"
+        )
+    return count
 
 
 class CheckpointError(RuntimeError):
@@ -311,17 +329,21 @@ class Session:
         row["elapsed_s"] = round(time.perf_counter() - self.started, 3)
         return row
 
-    def maybe_checkpoint(self, host: dict[str, Any], *, force: bool = False) -> None:
+    def maybe_checkpoint(self, host: Callable[[], dict[str, Any]], *, force: bool = False) -> None:
+        """Save a checkpoint when due (``checkpoint.every``) or ``force``d; ``host()`` gives the
+        trainer's host state, asked for only then."""
         every = self.cfg.checkpoint.every
         if force or (every and self.step % every == 0):
-            self.checkpointer.save(self.step, self.state, host)
+            self.checkpointer.save(self.step, self.state, host())
 
     def eval_due(self) -> bool:
         """Evaluate after this step: every ``logging.eval_every`` steps and after the last."""
         every = self.cfg.logging.eval_every
         return bool(every and self.step % every == 0) or self.step == self.cfg.max_steps
 
-    def record(self, row: dict[str, Any], host: dict[str, Any], *, final: bool = False) -> None:
+    def record(
+        self, row: dict[str, Any], host: Callable[[], dict[str, Any]], *, final: bool = False
+    ) -> None:
         """Write the step's metrics row, then checkpoint if due (always after the last step, or
         when ``final`` says the run ends here). After ``optimizer.max_nonfinite_steps``
         non-finite steps in a row it raises ``NonFiniteError`` instead of checkpointing, so the
@@ -371,7 +393,7 @@ class Session:
                 if evaluate is not None and self.eval_due():
                     row.update(evaluate())
                 done = stop is not None and stop(row)
-                self.record(row, host_state(), final=done)
+                self.record(row, host_state, final=done)
                 advance(info(row))
                 last = row
                 if done:
