@@ -65,6 +65,11 @@ class GRPOTrainer:
 
     def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
         cfg = with_device_ranks(cfg)
+        if cfg.rollout.max_staleness and jax.process_count() > 1:
+            raise ConfigError(
+                f"rollout.max_staleness={cfg.rollout.max_staleness} is single-process for now "
+                f"and this run has {jax.process_count()} processes: use rollout.max_staleness=0"
+            )
         # rollout.max_staleness >= 1: the last devices generate, the others train
         with reserve_devices(generation_devices(cfg, len(run_devices()))) as generation:
             self._build(cfg, reward_funcs, generation)
