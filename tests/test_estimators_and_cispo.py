@@ -112,3 +112,60 @@ def test_informative_groups_drop_groups_without_a_signal():
     x2 = np.array([[1.0, 0.0], [1.0, 1.0]])
     assert informative_groups(x2, 2, weights=[1.0, 0.5]).tolist() == [True]
     assert informative_groups(x2, 2, weights=[1.0, 0.0]).tolist() == [False]
+
+
+def kl_in_reward_reference(rewards, old, ref, masks, beta):
+    """Per token t of row i: G_t = r_i − β Σ_{s ≥ t, s in the loss} (old_s − ref_s), whitened
+    over every loss token (Bessel std + 1e-4); 0 outside the loss."""
+    returns = []
+    for r, o, f, m in zip(rewards, old, ref, masks, strict=True):
+        row = []
+        for t in range(len(o)):
+            to_go = sum(o[s] - f[s] for s in range(t, len(o)) if m[s])
+            row.append(r - beta * to_go if m[t] else None)
+        returns.append(row)
+    flat = [g for row in returns for g in row if g is not None]
+    mean = sum(flat) / len(flat)
+    std = (sum((g - mean) ** 2 for g in flat) / (len(flat) - 1)) ** 0.5
+    return [[0.0 if g is None else (g - mean) / (std + 1e-4) for g in row] for row in returns]
+
+
+def test_kl_in_reward_worked_example_and_reference():
+    """rewards [1, 0], β = 0.1, k1 KL per token [0.2, 0.1] and [0.3]: returns to go
+    [1 − 0.03, 1 − 0.01] and [−0.03], whitened over the three tokens."""
+    from jaxrl.losses.advantages import kl_in_reward_advantages
+
+    old = [np.array([-0.5, -0.7]), np.array([-0.2])]
+    ref = [np.array([-0.7, -0.8]), np.array([-0.5])]
+    masks = [np.ones(2), np.ones(1)]
+    adv = kl_in_reward_advantages(np.array([1.0, 0.0]), old, ref, masks, 0.1)
+    g = np.array([0.97, 0.99, -0.03])
+    want = (g - g.mean()) / (g.std(ddof=1) + 1e-4)
+    np.testing.assert_allclose(np.concatenate(adv), want, atol=1e-6)
+    rng = np.random.default_rng(0)
+    lengths = [3, 1, 4, 2, 5]
+    old = [rng.normal(-1, 0.3, n) for n in lengths]
+    ref = [rng.normal(-1, 0.3, n) for n in lengths]
+    masks = [rng.random(n) > 0.3 for n in lengths]
+    rewards = np.array([1.0, 0.0, np.nan, 0.5, 2.0])  # row 2 unscorable: zeros
+    got = kl_in_reward_advantages(rewards, old, ref, masks, 0.05)
+    want = kl_in_reward_reference(
+        [0.0 if np.isnan(r) else r for r in rewards], old, ref, [m & (i != 2) for i, m in
+        enumerate(masks)], 0.05,
+    )  # fmt: skip
+    for a, w, m in zip(got, want, masks, strict=True):
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, w, atol=1e-5)
+        assert np.all(a[~m] == 0)
+    assert np.all(got[2] == 0)
+
+
+def test_kl_in_reward_config_rules():
+    from jaxrl.config import ConfigError, GRPOConfig
+
+    ok = GRPOConfig(advantage_estimator="reinforce_pp", kl_in_reward=True, beta=0.01)
+    assert ok.kl_in_reward
+    with pytest.raises(ConfigError, match=r"^kl_in_reward=True is invalid.*reinforce_pp"):
+        GRPOConfig(kl_in_reward=True, beta=0.01)
+    with pytest.raises(ConfigError, match=r"^kl_in_reward=True is invalid.*beta > 0"):
+        GRPOConfig(advantage_estimator="reinforce_pp", kl_in_reward=True)

@@ -199,6 +199,35 @@ def test_dp1_equals_dp8_with_rloo_cispo_and_the_sampler_correction(tmp_path):
     assert a["sampler/is_clipped_frac"] == 0.0 and a["grad_norm"] > 0
 
 
+def test_dp1_equals_dp8_with_reinforce_pp_and_the_kl_in_the_reward(tmp_path):
+    """REINFORCE++ with β·KL in the reward: per-token advantages from old and reference
+    log-probs, whitened over the batch on the host, then the same layout-invariant step; the
+    loss carries no KL term of its own."""
+    options = ("grpo.advantage_estimator=reinforce_pp", "grpo.kl_in_reward=true", "grpo.beta=0.5")
+    one = _trainer(tmp_path, "mesh.data=1", "schedule.max_tokens=64", *options, name="k1")
+    eight = _trainer(
+        tmp_path,
+        "mesh.data=8",
+        "grpo.per_device_train_batch_size=1",
+        "schedule.max_tokens=16",
+        *options,
+        name="k8",
+    )
+    assert one.computes_old_logprobs  # the KL is the generating policy's against the reference
+    rows = [(one.step(), eight.step()) for _ in range(2)]
+    for a, b in rows:
+        assert a["num_micro_batches"] < b["num_micro_batches"]
+        for key in ("loss", "grad_norm", "reward"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-7)
+        assert "kl" not in a  # β·KL is in the advantages, not in the loss
+    batch = one.rollouts.current
+    token_adv = batch._completion_part("token_advantage")
+    masks = [m[p:] for m, p in zip(batch.loss_masks, batch.prompt_lengths, strict=True)]
+    flat = np.concatenate([a[m > 0] for a, m in zip(token_adv, masks, strict=True)])
+    assert abs(flat.mean()) < 1e-5 and flat.std(ddof=1) == pytest.approx(1.0, abs=1e-3)
+    assert rows[-1][0]["grad_norm"] > 0
+
+
 def test_train_on_rollouts_moves_toward_rewarded_completions_and_masks_truncated(tmp_path):
     t = _trainer(tmp_path, name="up")
     prompts, completions, logps, _ = _external_rollouts(1)

@@ -884,3 +884,27 @@ def test_argument_errors():
         policy_loss_terms(lp, None, None, adv, m, seg, beta=0.1)
     with pytest.raises(ValueError, match="needs entropy_BT"):
         policy_loss_terms(lp, None, None, adv, m, seg, entropy_threshold=jnp.float32(0.1))
+
+
+def test_token_advantages_replace_the_document_advantage():
+    """``token_adv_BT`` (REINFORCE++ with the KL in the reward): each token's own advantage in
+    the clipped surrogate. Equal to the document's on every token it changes no bit; random
+    per-token values match a float64 token loop (dapo: Σ m ℓ / Σ m)."""
+    S, T = 4, 40
+    seg, mask = pack(ROWS, T, S)
+    lp, old, ref, adv, ent = random_inputs(seg, S, seed=7)
+    per_doc = np.take_along_axis(adv, seg, axis=1)  # A_d on each token of document d
+    base, base_grad = terms_and_grad(lp, old, ref, adv, mask, seg, ent, loss_type="dapo")
+    same, same_grad = terms_and_grad(
+        lp, old, ref, adv, mask, seg, ent, loss_type="dapo", token_adv_BT=per_doc
+    )
+    assert float(same.numerator) == float(base.numerator)
+    np.testing.assert_array_equal(same_grad, base_grad)
+    tok = np.random.default_rng(3).normal(size=seg.shape).astype(np.float32)
+    terms, _ = terms_and_grad(lp, old, ref, adv, mask, seg, ent, loss_type="dapo", token_adv_BT=tok)
+    m = (mask > 0) & (seg > 0)
+    rho = np.exp(lp.astype(np.float64) - old)
+    clipped = np.clip(rho, 0.8, 1.2)
+    loss = -np.minimum(rho * tok, clipped * tok)
+    np.testing.assert_allclose(float(terms.numerator), loss[m].sum(), rtol=1e-5, atol=1e-6)
+    assert float(terms.denominator) == m.sum()

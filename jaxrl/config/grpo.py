@@ -94,6 +94,8 @@ class GRPOConfig:
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
     advantage_estimator: str = "grpo"  # grpo; rloo (leave-one-out); reinforce_pp (batch-
     # normalised REINFORCE++): docs/algorithms/grpo.md §6
+    kl_in_reward: bool = False  # reinforce_pp: β·KL per token goes into the reward (per-token
+    # returns, whitened over the batch's tokens) instead of the loss; needs beta > 0
     reward_funcs: tuple[str | dict[str, Any] | Callable[..., Any], ...] | None = None  # None →
     # the trainer's default; built-in names, {name: ..., params}, "pkg.mod:fn", "file.py:fn"
     # (the trainer loads them: docs/rewards.md)
@@ -224,6 +226,20 @@ class GRPOConfig:
                 self.multi_objective_aggregation,
                 f"normalize_then_sum is GRPO's; with advantage_estimator="
                 f"{self.advantage_estimator!r} use sum_then_normalize",
+            )
+        if self.kl_in_reward:
+            require(
+                self.advantage_estimator == "reinforce_pp",
+                "kl_in_reward",
+                self.kl_in_reward,
+                "it is REINFORCE++'s option: set advantage_estimator=reinforce_pp (or put the KL "
+                "in the loss with beta alone)",
+            )
+            require(
+                self.beta > 0,
+                "kl_in_reward",
+                self.kl_in_reward,
+                "the KL coefficient is beta: set beta > 0 (e.g. 0.01)",
             )
         if self.max_prompt_length is not None:
             _positive_int("max_prompt_length", self.max_prompt_length)

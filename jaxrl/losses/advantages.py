@@ -107,7 +107,7 @@ def grpo_advantages(
       = n/(n−1) · (r_i − mean_grp) for n scored rows in the group. Unscaled.
     - ``reinforce_pp`` (REINFORCE++, Hu 2025, outcome rewards): the batch-normalised reward
       (r − mean_all) / (std_all + 1e-4), no per-prompt baseline; its KL-in-reward option
-      subtracts β·KL from the rewards before this call (the trainer's job).
+      (``grpo.kl_in_reward``) makes per-token advantages instead: :func:`kl_in_reward_advantages`.
 
     ``scale_rewards`` is GRPO's normalisation; ``rloo`` and ``reinforce_pp`` define their own
     and reject any value but the default. NaN results (unscorable rows, groups with fewer than
@@ -139,6 +139,38 @@ def grpo_advantages(
         elif scale_rewards == "batch":
             adv_B = adv_B / (nanstd(r_B) + EPS)
     return np.nan_to_num(adv_B, nan=0.0).astype(np.float32)
+
+
+def kl_in_reward_advantages(
+    rewards: np.ndarray,
+    old_logp: Sequence[np.ndarray],
+    ref_logp: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    beta: float,
+) -> list[np.ndarray]:
+    """REINFORCE++ with the KL penalty in the reward (Hu 2025; OpenRLHF's ``reinforce++``):
+    float32 per-token advantages of every completion of one generation batch.
+
+    Row i's completion tokens t get the outcome reward r_i at its last token and
+    −β·kl_t on every token, kl_t = old_t − ref_t (the k1 estimate, generating policy against the
+    reference); the advantage is the return to go (γ = 1)
+
+        G_t = r_i − β Σ_{s ≥ t} kl_s       (the sum over loss tokens s only)
+
+    whitened over every loss token of the batch: (G_t − mean) / (std + 1e-4), Bessel std.
+    Tokens outside the loss mask (``masks`` [0/1] per completion token) and unscorable rows
+    (NaN reward) get 0 and stay out of the mean and std.
+    """
+    r_B = np.asarray(rewards, np.float64)
+    returns = []
+    for r, old, ref, m in zip(r_B, old_logp, ref_logp, masks, strict=True):
+        on = np.asarray(m, np.float64) > 0
+        kl = np.where(on, np.asarray(old, np.float64) - np.asarray(ref, np.float64), 0.0)
+        to_go = np.cumsum(kl[::-1])[::-1]  # Σ_{s ≥ t} kl_s
+        returns.append(np.where(on & ~np.isnan(r), r - beta * to_go, np.nan))
+    flat = np.concatenate(returns) if returns else np.zeros(0)
+    mean, std = _nanmean(flat), nanstd(flat)
+    return [np.nan_to_num((g - mean) / (std + EPS), nan=0.0).astype(np.float32) for g in returns]
 
 
 def _weights(reward_matrix_BW: np.ndarray, weights: Sequence[float] | None) -> np.ndarray:

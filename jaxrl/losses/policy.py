@@ -177,6 +177,7 @@ def policy_loss_terms(
     max_completion_length: int = 512,
     entropy_threshold: jax.Array | None = None,
     is_weight_BT: jax.Array | None = None,
+    token_adv_BT: jax.Array | None = None,
 ) -> PolicyLossTerms:
     """Numerator, denominator and metric sums of one packed micro-batch (module docstring).
 
@@ -186,7 +187,10 @@ def policy_loss_terms(
     feeds it and the ``entropy`` metric. Metrics: ``clip_ratio/{low,high,region}_mean`` (over
     loss tokens at token level, over documents at sequence level), ``entropy`` and, when
     β ≠ 0, ``kl`` (over loss tokens). ``is_weight_BT`` (``sampler_correction.sampler_weights``)
-    multiplies each token's policy term, not its KL term (TRL's order).
+    multiplies each token's policy term, not its KL term (TRL's order). ``token_adv_BT``:
+    per-token advantages (REINFORCE++ with the KL in the reward,
+    ``advantages.kl_in_reward_advantages``) used in the policy term instead of ``A_d``; the
+    sequence-level clip metrics still read the sign of ``A_d``.
     """
     if loss_type not in GRPO_LOSS_MODES:
         raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {GRPO_LOSS_TYPES}")
@@ -217,7 +221,10 @@ def policy_loss_terms(
     old_BT = jax.lax.stop_gradient(logp_BT if old_logp_BT is None else old_logp_BT)
     log_ratio_BT = jnp.where(m_BT, logp_BT - old_BT.astype(jnp.float32), 0.0)
     adv_BS = jax.lax.stop_gradient(adv_BS.astype(jnp.float32))
-    adv_BT = jnp.where(m_BT, gather_segments(adv_BS, seg_BT), 0.0)
+    if token_adv_BT is None:
+        adv_BT = jnp.where(m_BT, gather_segments(adv_BS, seg_BT), 0.0)
+    else:
+        adv_BT = jnp.where(m_BT, jax.lax.stop_gradient(token_adv_BT.astype(jnp.float32)), 0.0)
     present_BS = documents_present(seg_BT, num_segments)
     ntok_BS = segsum(mf_BT)
 

@@ -19,7 +19,12 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.losses.advantages import compute_advantages, reward_metrics
+from jaxrl.losses.advantages import (
+    aggregate_rewards,
+    compute_advantages,
+    kl_in_reward_advantages,
+    reward_metrics,
+)
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.rewards import (
     RewardFunc,
@@ -171,6 +176,18 @@ class RolloutGenerator:
         if self.ref_params is not None:
             ref = self.scorer.token_logprobs(self.ref_params, batch.sequences)
             batch.set_completion_field("ref_logp", _completion_parts(ref, batch.prompt_lengths))
+        if c.kl_in_reward:  # REINFORCE++: per-token returns with −β·KL, whitened
+            masks = _completion_parts(batch.loss_masks, batch.prompt_lengths)
+            token_adv = kl_in_reward_advantages(
+                aggregate_rewards(rewards_BW, self.reward_columns(rewards_BW.shape[1])[0]),
+                batch.old_logp,
+                batch.ref_logp,
+                masks,
+                c.beta,
+            )
+            batch.set_completion_field("token_advantage", token_adv)
+            # the row's advantage (metrics, clip counts at sequence level): its first token's
+            batch.advantages = np.asarray([a[0] if len(a) else 0.0 for a in token_adv], np.float32)
         return batch
 
     def sample(

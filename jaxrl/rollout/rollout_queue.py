@@ -12,7 +12,9 @@ target alignment):
   everywhere (it still counts as a document);
 - ``sampler_logp``: the sampler's log-prob of each completion token;
 - ``old_logp`` / ``ref_logp`` (when computed): the log-prob under the parameters at generation /
-  the frozen reference parameters.
+  the frozen reference parameters;
+- ``token_advantage`` (REINFORCE++ with the KL in the reward, ``grpo.kl_in_reward``): each
+  completion token's own advantage, used instead of the row's.
 
 Per row: ``truncated``, its rewards (one column per reward function) and its ``advantage``.
 
@@ -41,7 +43,8 @@ from jaxrl.rollout.buffer import GenerationBuffer
 
 __all__ = ["RolloutBatch", "RolloutQueue", "RowDocuments"]
 
-OPTIONAL_FIELDS = ("old_logp", "ref_logp")  # token fields computed for every batch of a run or none
+# token fields computed for every batch of a run or for none
+OPTIONAL_FIELDS = ("old_logp", "ref_logp", "token_advantage")
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,6 +78,7 @@ class RolloutBatch:
         mask_truncated: bool,
         old_logp: Sequence[np.ndarray] | None = None,
         ref_logp: Sequence[np.ndarray] | None = None,
+        token_advantage: Sequence[np.ndarray] | None = None,
     ) -> RolloutBatch:
         """The batch of B rows (``completion_ids`` with EOS included when the row stopped;
         ``sampler_logp`` one per completion token) and its documents."""
@@ -113,7 +117,8 @@ class RolloutBatch:
             advantages=np.asarray(advantages, np.float32),
             mask_truncated=mask_truncated,
         )
-        for name, values in zip(OPTIONAL_FIELDS, (old_logp, ref_logp), strict=True):
+        optional = (old_logp, ref_logp, token_advantage)
+        for name, values in zip(OPTIONAL_FIELDS, optional, strict=True):
             if values is not None:
                 batch.set_completion_field(name, values)
         return batch
@@ -181,8 +186,7 @@ class RolloutBatch:
             "truncated": self.truncated.tolist(),
             "rewards": [[None if np.isnan(v) else v for v in row] for row in self.rewards.tolist()],
             "advantages": self.advantages.tolist(),
-            "old_logp": many(self.old_logp),
-            "ref_logp": many(self.ref_logp),
+            **{name: many(self._completion_part(name)) for name in OPTIONAL_FIELDS},
             "mask_truncated": self.mask_truncated,
             "policy_version": self.policy_version,
         }
@@ -203,8 +207,7 @@ class RolloutBatch:
             rewards.reshape(len(data["truncated"]), -1),
             np.asarray(data["advantages"], np.float32),
             mask_truncated=bool(data["mask_truncated"]),
-            old_logp=many(data["old_logp"], np.float32),
-            ref_logp=many(data["ref_logp"], np.float32),
+            **{name: many(data.get(name), np.float32) for name in OPTIONAL_FIELDS},
         )
         batch.policy_version = int(data.get("policy_version", 0))
         return batch

@@ -93,8 +93,9 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
     """The GRPO family (``policy_loss_terms``) at the sampling temperature.
 
     Batch fields: ``advantage`` per document; ``sampler_logp`` and, when present, ``old_logp`` /
-    ``ref_logp`` per token (target-aligned); ``entropy_threshold`` ``[1]`` when
-    ``top_entropy_quantile < 1`` (τ_H of the whole step, from a no-grad pre-pass).
+    ``ref_logp`` / ``token_advantage`` (``kl_in_reward``) per token (target-aligned);
+    ``entropy_threshold`` ``[1]`` when ``top_entropy_quantile < 1`` (τ_H of the whole step, from
+    a no-grad pre-pass).
 
     Adds ``sampler/logprob_mismatch`` = (Σ |logp − sampler_logp|·m, Σ m) over loss tokens, so the
     step reports the mean absolute gap between the trainer's and the sampler's log-probs; with
@@ -137,10 +138,11 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             epsilon=config.epsilon,
             epsilon_high=config.epsilon_high,
             delta=config.delta,
-            beta=config.beta,
+            beta=0.0 if config.kl_in_reward else config.beta,  # else β·KL is in the reward
             max_completion_length=config.max_completion_length,
             entropy_threshold=mb["entropy_threshold"][0] if use_entropy_mask else None,
             is_weight_BT=weight_BT,
+            token_adv_BT=mb.get("token_advantage"),
         )
         terms.metrics.update(weight_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
