@@ -4,6 +4,7 @@ aside for generation, exact resume with generations in flight, and config errors
 from __future__ import annotations
 
 import itertools
+import json
 
 import jax
 import numpy as np
@@ -152,3 +153,81 @@ def test_bad_rollout_values_name_the_field(override, message):
 def test_reserving_every_device_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout.devices=8 sets 8 of the 8 devices aside"):
         _async(tmp_path, "rollout.max_staleness=1", "rollout.devices=8")
+
+
+def _fake_pipeline(k: int, loads: list[int], max_steps: int = 100):
+    from jaxrl.rollout.pipeline import RolloutPipeline
+    from jaxrl.rollout.rollout_queue import RolloutBatch
+
+    made = []  # (params, step) of every produce call, in call order
+
+    def produce(params, step):
+        made.append((params, step))
+        one = [np.zeros(1, np.int32)]
+        batch = RolloutBatch.build(
+            one, one, [np.zeros(1, np.float32)], np.zeros(1, bool), np.zeros((1, 1)),
+            np.zeros(1, np.float32), mask_truncated=False,
+        )  # fmt: skip
+        batch.policy_version = step
+        return batch, {"n": len(made)}
+
+    version = {"v": 0}
+    pipe = RolloutPipeline(
+        produce,
+        lambda: f"weights@{version['v']}",
+        max_staleness=k,
+        load_steps=iter(loads),
+        max_steps=max_steps,
+    )
+    return pipe, made, version
+
+
+def test_pipeline_launches_by_load_step_and_snapshots_once_per_step():
+    """At step t every generation loaded by step t + k starts with the weights of step t (one
+    snapshot for all); nothing is made for steps at or past max_steps."""
+    pipe, made, version = _fake_pipeline(2, [0, 0, 1, 3, 5, 6], max_steps=6)
+    pipe.launch_due(0)  # loads 0, 0, 1 are due by step 2
+    assert pipe.launched == 3
+    got = [pipe.take(0), pipe.take(0)]
+    assert [g.batch.policy_version for g in got] == [0, 0]
+    version["v"] = 1
+    pipe.launch_due(1)  # load step 3 <= 1 + 2
+    assert pipe.launched == 4
+    version["v"] = 3
+    pipe.launch_due(3)  # load step 5 <= 5; 6 is max_steps: never made
+    assert pipe.launched == 5
+    assert pipe.take(1).batch.policy_version == 0 and pipe.take(3).batch.policy_version == 1
+    pipe.close()
+    assert made == [("weights@0", 0)] * 3 + [("weights@1", 1), ("weights@3", 3)]
+
+
+def test_pipeline_state_round_trip_and_an_unpredicted_load():
+    pipe, made, version = _fake_pipeline(1, [0, 1, 2, 3])
+    pipe.launch_due(0)
+    pipe.take(0)
+    state = json.loads(json.dumps(pipe.state_dict()))  # JSON, as in a checkpoint
+    assert state["launched"] == 2 and state["taken"] == 1 and len(state["ready"]) == 1
+    fresh, fresh_made, _ = _fake_pipeline(1, [0, 1, 2, 3])
+    fresh.load_state_dict(state)
+    g = fresh.take(1)  # the stored generation, not made again
+    assert g.batch.policy_version == 0 and fresh_made == []
+    version_less = fresh.take(1)  # nothing launched: made now, with the current weights
+    assert version_less.batch.policy_version == 1 and len(fresh_made) == 1
+    assert fresh.launched == 3 and fresh.taken == 3
+    pipe.close()
+    fresh.close()
+
+
+def test_a_failing_generation_raises_in_the_trainer():
+    from jaxrl.rollout.pipeline import RolloutPipeline
+
+    def produce(params, step):
+        raise RuntimeError("reward function exploded")
+
+    pipe = RolloutPipeline(
+        produce, lambda: None, max_staleness=1, load_steps=iter([0, 1, 5]), max_steps=10
+    )
+    pipe.launch_due(0)
+    with pytest.raises(RuntimeError, match="reward function exploded"):
+        pipe.take(0)
+    pipe.close()
