@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_grpo_e2e import CONFIG, TINY
+from test_grpo_e2e import CONFIG, TINY, _external_rollouts
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config
@@ -72,6 +72,9 @@ def test_staleness_one_trains_each_batch_one_version_late_on_its_own_devices(tmp
     # the generating weights): the step moved the weights, so it is not identically 1
     assert rows[-1]["clip_ratio/region_mean"] >= 0
     assert t.evaluate()["eval/accuracy"] >= 0  # runs on the generation worker
+    row = t.train_on_rollouts(*_external_rollouts())  # scored on the generation devices
+    assert row["num_documents"] == 8 and np.isfinite(row["loss"])
+    assert row["rollout/staleness_max"] == 0  # external rows count as on-policy
     t.pipeline.close()
 
     sync = _async(tmp_path, name="sync")

@@ -263,6 +263,13 @@ class GRPOTrainer:
         batch.policy_version = step
         return batch, stats
 
+    def _generation_params(self) -> Any:
+        """The current parameters where the generator's scorer runs: themselves, or a copy on
+        the generation devices."""
+        if self.generation_mesh is self.session.mesh:
+            return self.session.state.params
+        return self._snapshot()
+
     def _snapshot(self) -> Any:
         """A copy of the current parameters where generation runs, which later train steps
         (they donate their buffers) leave alone: the asynchronous generations' weights."""
@@ -371,13 +378,14 @@ class GRPOTrainer:
             eos = self.tokenizer.eos_id
             truncated = [len(c) == 0 or int(c[-1]) != eos for c in completion_tokens]
         batch = self.generator.build(
-            self.session.state.params,
+            self._generation_params(),
             [np.asarray(p) for p in prompt_tokens],
             [np.asarray(c) for c in completion_tokens],
             [np.asarray(x) for x in sampler_logprobs],
             np.asarray(truncated, bool),
             r_BW,
         )
+        batch.policy_version = self.session.step  # counted as on-policy (docstring)
         self.rollouts.submit(batch)
         target = self.cfg.schedule.docs_per_step
         if len(self.rollouts) < target:
