@@ -161,11 +161,6 @@ class RolloutPipeline:
         self.taken += 1
         return generated
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the worker, after the generations already launched (e.g. a held-out
-        evaluation that uses the generation sampler); waits for it."""
-        return self._worker.submit(fn).result()
-
     def metrics(self) -> dict[str, float]:
         """Seconds since the last call: ``time/wait_s`` (the trainer waited for a generation)
         and ``time/generator_idle_s`` (the worker had nothing to do)."""

@@ -158,7 +158,9 @@ class GRPOTrainer:
                 samples_per_prompt=cfg.logging.eval_samples,
                 seed=cfg.seed,
                 mesh=self.session.mesh,
-                sampler=self.generator.sampler,  # one sampler, one weight copy
+                # synchronous: one sampler, one weight copy; asynchronous: a sampler of its own
+                # on the trainer's devices, so evaluations run beside the generation in flight
+                sampler=None if cfg.rollout.max_staleness else self.generator.sampler,
                 # held-out accuracy parses answers as the run's exact_answer reward does (its
                 # fallback included); the strict default otherwise
                 reward=next(
@@ -473,10 +475,7 @@ class GRPOTrainer:
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
         if self.evaluator is None:
             return {}
-        evaluate = lambda: self.evaluator(self.session.state.params).metrics()  # noqa: E731
-        if self.pipeline is not None:  # on the worker: it owns the generation sampler
-            return self.pipeline.call(evaluate)
-        return evaluate()
+        return self.evaluator(self.session.state.params).metrics()
 
     def host_state(self) -> dict[str, Any]:
         """Everything outside the TrainState that a resumed run needs, as JSON (generations
