@@ -10,6 +10,9 @@ half and generates on the other half (``rollout.devices`` default), with the sam
 (``grpo.per_device_train_batch_size`` scaled to the ranks). Each run is the plain CLI in its own
 process, one at a time.
 
+``--warm-starts DIR`` reuses the warm starts of an earlier run's folder (printed at its start)
+and ``--set max_steps=N`` shortens the GRPO stage, for a timing-only rerun.
+
 Printed per run and summarised over seeds (median, min, max): the GRPO stage's wall time per
 step (``stage_wall_s / steps``, evaluations included: the same evaluations in both modes), the
 median step time between evaluations (from ``elapsed_s``), the held-out sampled accuracy at the
@@ -83,12 +86,20 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], help="extra --set for both runs")
     ap.add_argument("--json", type=Path, help="write every run's numbers here")
+    ap.add_argument(
+        "--warm-starts",
+        type=Path,
+        help="an earlier run's output folder: start both modes from its sync<seed>/sft",
+    )
     args = ap.parse_args()
     print(json.dumps(machine(("jax", "jaxlib")), indent=2))
     root = Path(tempfile.mkdtemp(prefix="async_grpo_"))
+    print(f"runs in {root}", flush=True)
     results = []
     for seed in args.seeds:
         sync_dir, async_dir = root / f"sync{seed}", root / f"async{seed}"
+        if args.warm_starts:
+            shutil.copytree(args.warm_starts / f"sync{seed}" / "sft", sync_dir / "sft")
         sync = run(sync_dir, seed, args.devices, args.devices, 0, args.set)
         shutil.copytree(sync_dir / "sft", async_dir / "sft")  # the same warm start
         ranks = args.devices - args.devices // 2
