@@ -60,6 +60,8 @@ class RolloutBatch:
     rewards: np.ndarray  # float64 [B, W]: one column per reward function, NaN = unscored
     advantages: np.ndarray  # float32 [B]
     mask_truncated: bool  # truncated rows carry no loss (mask_truncated_completions)
+    completion_masks: list[np.ndarray] | None = None  # tool episodes: 0 on environment tokens
+    episode_stats: dict[str, np.ndarray] | None = None  # tool episodes: per-row statistics
 
     @classmethod
     def build(
@@ -74,9 +76,14 @@ class RolloutBatch:
         mask_truncated: bool,
         old_logp: Sequence[np.ndarray] | None = None,
         ref_logp: Sequence[np.ndarray] | None = None,
+        completion_masks: Sequence[np.ndarray] | None = None,
+        episode_stats: Mapping[str, np.ndarray] | None = None,
     ) -> RolloutBatch:
         """The batch of B rows (``completion_ids`` with EOS included when the row stopped;
-        ``sampler_logp`` one per completion token) and its documents."""
+        ``sampler_logp`` one per completion token) and its documents. ``completion_masks``
+        (tool episodes, ``jaxrl.rollout.episodes``): per completion token, 1 for the model's
+        tokens and 0 for the environment's, which then carry no loss; ``episode_stats``: the
+        episodes' per-row statistics (``turns``, ``tool_calls``, ``tool_failures``)."""
         b = len(prompt_ids)
         sizes = {
             "completion_ids": len(completion_ids),
@@ -99,6 +106,13 @@ class RolloutBatch:
                 )
             on = 0.0 if mask_truncated and truncated[i] else 1.0
             ids, mask = prompt_completion_document(prompt, completion, completion_loss=on)
+            if completion_masks is not None:  # environment tokens: no loss
+                if len(completion_masks[i]) != len(completion):
+                    raise ValueError(
+                        f"row {i}: {len(completion)} completion tokens but "
+                        f"{len(completion_masks[i])} completion mask values"
+                    )
+                mask[len(prompt) :] *= np.asarray(completion_masks[i], np.float32)
             sequences.append(ids)
             masks.append(mask)
             logps.append(completion_field(len(prompt), lp))
@@ -111,6 +125,16 @@ class RolloutBatch:
             rewards=np.asarray(rewards, np.float64),
             advantages=np.asarray(advantages, np.float32),
             mask_truncated=mask_truncated,
+            completion_masks=(
+                None
+                if completion_masks is None
+                else [np.asarray(m, np.float32) for m in completion_masks]
+            ),
+            episode_stats=(
+                None
+                if episode_stats is None
+                else {k: np.asarray(v, np.int64) for k, v in episode_stats.items()}
+            ),
         )
         for name, values in zip(OPTIONAL_FIELDS, (old_logp, ref_logp), strict=True):
             if values is not None:
@@ -183,6 +207,12 @@ class RolloutBatch:
             "old_logp": many(self.old_logp),
             "ref_logp": many(self.ref_logp),
             "mask_truncated": self.mask_truncated,
+            "completion_masks": many(self.completion_masks),
+            "episode_stats": (
+                None
+                if self.episode_stats is None
+                else {k: v.tolist() for k, v in self.episode_stats.items()}
+            ),
         }
 
     @classmethod
@@ -203,6 +233,8 @@ class RolloutBatch:
             mask_truncated=bool(data["mask_truncated"]),
             old_logp=many(data["old_logp"], np.float32),
             ref_logp=many(data["ref_logp"], np.float32),
+            completion_masks=many(data.get("completion_masks"), np.float32),
+            episode_stats=data.get("episode_stats"),
         )
 
 

@@ -13,6 +13,7 @@ rollout/.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,15 +25,18 @@ from jaxrl.config import ConfigError, GRPOConfig, RunConfig
 from jaxrl.data.datasets import Dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tasks import Example
-from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
+from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.losses.advantages import informative_groups
 from jaxrl.rollout.buffer import PromptSampler
+from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.generator import RolloutGenerator, Sampled
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
 from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
+from jaxrl.rollout.tool_eval import EpisodeEvaluator
+from jaxrl.rollout.tools import toolbox_from_config
 from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.objectives import grpo_objective
@@ -67,9 +71,11 @@ class GRPOTrainer:
         self.warnings: list[str] = []  # printed once the session (process 0's console) exists
         builtin = cfg.data.train is None
         if builtin:  # the built-in task: rows of prompt and answer
-            self.tokenizer = tok = char_tokenizer(build_task(cfg).alphabet)
+            self.tokenizer = tok = build_task(cfg).tokenizer()
         else:
             self.tokenizer = tok = load_tokenizer(cfg.model.path)
+        # tools / environment (docs/tools.md): loaded now, their schemas go into the prompts
+        self.toolbox = toolbox_from_config(config) if config.uses_tools else None
         data = run_datasets(cfg, "grpo")
         self.train_rows, self.train_prompts = self._prompts("train", data["train"])
         self.eval_rows, self.eval_prompts = [], []
@@ -96,6 +102,14 @@ class GRPOTrainer:
         chunk = cfg.model.logprob_chunk
         self.session = Session(cfg, tok.vocab_size, grpo_objective(config, chunk_size=chunk))
         self.session.say(self.warnings)
+        episodes = None  # multi-turn episodes with tools (jaxrl.rollout.episodes)
+        if self.toolbox is not None:
+            episodes = EpisodeRunner(
+                tok,
+                self.toolbox,
+                max_turns=config.max_turns,
+                max_completion_length=config.max_completion_length,
+            )
         self.generator = RolloutGenerator(
             config,
             self.session.model_config,
@@ -113,10 +127,16 @@ class GRPOTrainer:
                 else None
             ),
             mesh=self.session.mesh,
+            episodes=episodes,
         )
         self.evaluator = None  # no held-out rows: no eval metrics
         if self.eval_rows:
-            self.evaluator = HeldoutEvaluator(
+            evaluator = (
+                HeldoutEvaluator
+                if episodes is None
+                else functools.partial(EpisodeEvaluator, runner=episodes)
+            )
+            self.evaluator = evaluator(
                 self.session.model_config,
                 tok,
                 [r["prompt"] for r in self.eval_rows],
@@ -160,7 +180,8 @@ class GRPOTrainer:
         """Rows and prompt ids of a GRPO dataset (chat template for conversational prompts);
         prompts over ``grpo.max_prompt_length`` keep their last tokens, counted and reported."""
         limit = self.config.max_prompt_length or 2**31 - 1
-        prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit)
+        tools = self.toolbox.schemas if self.toolbox is not None else None
+        prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit, tools=tools)
         self.data_report.update(prompts.report.metrics(split))
         if (line := prompts.report.warning(split, f"grpo.max_prompt_length={limit}")) is not None:
             self.warnings.append(line)
