@@ -45,7 +45,8 @@ def _section(cls: type, data: dict[str, Any], key: str) -> Any:
 
 def anchor_reward_paths(data: dict[str, Any], base_dir: str | Path) -> dict[str, Any]:
     """Make the relative ``file.py:function`` entries of a YAML dict's ``grpo.reward_funcs``
-    (and ``grpo.tools``, ``grpo.environment``, ``grpo.tool_parser``) relative to ``base_dir`` (the YAML file's directory), in place; returns ``data``. Entries
+    (and ``grpo.tools``, ``grpo.environment``, ``grpo.tool_parser``) relative to ``base_dir``
+    (the YAML file's directory), in place; returns ``data``. Entries
     given later (``--set``) stay relative to the current directory."""
     section = data.get("grpo")
     if not isinstance(section, dict):

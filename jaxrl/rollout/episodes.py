@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxrl.data.chat_template import ChatTemplateError
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.rollout.tools import ToolResult, Toolbox
+from jaxrl.rollout.tools import Toolbox, ToolResult
 
 __all__ = [
     "Episode",

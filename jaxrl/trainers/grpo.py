@@ -28,8 +28,8 @@ from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.losses.advantages import informative_groups
 from jaxrl.rollout.buffer import PromptSampler
-from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
+from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.generator import RolloutGenerator, Sampled
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
