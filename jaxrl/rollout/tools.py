@@ -249,7 +249,7 @@ class _Worker:
         assert proc.stdout is not None
         ready = json.loads(proc.stdout.readline() or '{"ok": false, "error": "no reply"}')
         if not ready.get("ok"):
-            proc.kill()
+            _stop(proc)
             raise ConfigError(
                 f"grpo.tool_isolation=subprocess: the tool worker could not load {self.specs}: "
                 f"{ready.get('error')}"
@@ -273,7 +273,7 @@ class _Worker:
             return _error(name, "timeout", f"{name} did not return within {timeout:g} s")
         line = proc.stdout.readline()
         if not line:
-            code = proc.wait()
+            code = _stop(proc)
             self.proc = None
             return _error(name, "crashed", f"the tool process died running {name} (exit {code})")
         reply = json.loads(line)
@@ -283,9 +283,21 @@ class _Worker:
 
     def close(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+            _stop(self.proc)
             self.proc = None
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    """Kill a worker (if still running), reap it and close its pipes; its exit code."""
+    proc.kill()
+    code = proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except BrokenPipeError:
+                pass
+    return code
 
 
 class Toolbox:
