@@ -23,8 +23,8 @@ from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.tool_schema import SchemaError, get_json_schema
 from jaxrl.rollout.tools import (
     HermesToolParser,
-    ToolCall,
     Toolbox,
+    ToolCall,
     load_environment,
     load_tools,
     toolbox_from_config,
@@ -321,7 +321,9 @@ def test_calculator_template_round_trips_a_transcript():
         '123*456=<tool_call>{"name":"calc","arguments":{"x":"123*456"}}</tool_call>'
         "<tool_response>56088</tool_response>56088"
     )
-    turn = HermesToolParser().parse(tok.decode([t for t, m in zip(ids, mask) if m][:-7]))
+    turn = HermesToolParser().parse(
+        tok.decode([t for t, m in zip(ids, mask, strict=True) if m][:-7])
+    )
     assert turn.calls == [ToolCall("calc", {"x": "123*456"})]
     # the environment tokens (tool response) are exactly the unmasked span between the turns
     runner = EpisodeRunner(tok, Toolbox([calc]), max_turns=2, max_completion_length=100)
