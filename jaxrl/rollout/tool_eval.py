@@ -2,8 +2,9 @@
 
 Each held-out prompt runs a whole episode (``jaxrl.rollout.episodes``): greedy for
 ``eval/accuracy``, and ``logging.eval_samples`` sampled episodes per prompt at the training
-temperature for ``eval/accuracy_sampled``, scored by the final answer. The greedy episodes also
-give ``eval/tool_call_rate``, the fraction that call a tool. Keys are fixed per evaluator
+temperature for ``eval/accuracy_sampled``, scored by the final answer; ``eval/tool_call_rate``
+and ``eval/tool_call_rate_sampled`` are the fractions of those episodes that call a tool. Keys
+are fixed per evaluator
 (``episode_key(key, row, turn)``), so two evaluations draw the same random bits.
 """
 
@@ -23,12 +24,16 @@ __all__ = ["EpisodeEvaluator", "EpisodeHeldoutResult"]
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeHeldoutResult(HeldoutResult):
-    """``HeldoutResult`` plus the greedy episodes' tool-call rate."""
+    """``HeldoutResult`` plus the tool-call rates of the greedy and the sampled episodes."""
 
     tool_call_rate: float = 0.0
+    tool_call_rate_sampled: float | None = None
 
     def metrics(self, suffix: str = "") -> dict[str, float]:
-        return {**super().metrics(suffix), f"eval/tool_call_rate{suffix}": self.tool_call_rate}
+        out = {**super().metrics(suffix), f"eval/tool_call_rate{suffix}": self.tool_call_rate}
+        if self.tool_call_rate_sampled is not None:
+            out[f"eval/tool_call_rate_sampled{suffix}"] = self.tool_call_rate_sampled
+        return out
 
 
 class EpisodeEvaluator(HeldoutEvaluator):
@@ -37,20 +42,24 @@ class EpisodeEvaluator(HeldoutEvaluator):
     def __init__(self, *args: Any, runner: EpisodeRunner, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.runner = runner
-        self._calls: list[int] = []
+        self._calls: dict[bool, list[int]] = {}  # greedy? → tool calls per episode
 
     def _correct(self, prompt_ids: list[np.ndarray], repeat: int, s: SamplingParams) -> np.ndarray:
         prompts = [p for p in self.prompts for _ in range(repeat)]
         answers = [a for a in self.answers for _ in range(repeat)]
         rows = [{"answer": a} for a in answers]
         eps = self.runner.run(self.sampler, prompt_ids, prompts, rows, self.key, s)
-        if s is GREEDY:
-            self._calls = [e.tool_calls for e in eps]
+        self._calls[s is GREEDY] = [e.tool_calls for e in eps]
         completions = [e.messages for e in eps]
         scores = self.reward(prompts=prompts, completions=completions, answer=answers)
         return (np.asarray(scores, np.float64) == 1.0).astype(np.float64)
 
     def __call__(self, params: Any) -> EpisodeHeldoutResult:
+        self._calls = {}
         result = super().__call__(params)
-        rate = float(np.mean(np.asarray(self._calls) > 0)) if self._calls else 0.0
-        return EpisodeHeldoutResult(**dataclasses.asdict(result), tool_call_rate=rate)
+        rate = {k: float(np.mean(np.asarray(v) > 0)) for k, v in self._calls.items()}
+        return EpisodeHeldoutResult(
+            **dataclasses.asdict(result),
+            tool_call_rate=rate[True],
+            tool_call_rate_sampled=rate.get(False),
+        )
