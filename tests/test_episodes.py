@@ -290,7 +290,8 @@ def test_cli_smoke_run_of_the_tool_config(tmp_path):
     for o in (*TINY[:3], "sft_warmup_steps=2", "sft.batch_size=16", "max_steps=2",
               "task.train_size=64", "task.eval_size=8", "logging.eval_every=2",
               "logging.eval_samples=1", "grpo.per_device_train_batch_size=8",
-              "grpo.num_generations=4"):  # fmt: skip
+              "grpo.num_generations=4", "grpo.max_completion_length=16",
+              "grpo.max_turns=2"):  # fmt: skip
         args += ["--set", o]
     assert main(args) == 0
     rows = read_metrics(out / "metrics.jsonl")

@@ -332,6 +332,7 @@ class Toolbox:
             raise ConfigError("a tool run needs grpo.tools or grpo.environment")
         self.schemas = schemas
         self.names = names
+        self._functions = dict(zip(names, self.tools, strict=False))  # the plain tools
         self._worker = None
         if isolation == "subprocess" and self.tools:
             if specs is None or any(not isinstance(s, str) for s in specs):
@@ -348,7 +349,7 @@ class Toolbox:
     def new_episode(self, row: Mapping[str, Any]) -> tuple[Any, dict[str, Callable[..., Any]]]:
         """``(environment instance or None, name → function)`` for one episode; ``reset(**row)``
         gets the dataset row (its prompt and every column)."""
-        functions = {get_json_schema(f)["function"]["name"]: f for f in self.tools}
+        functions = dict(self._functions)
         env = None
         if self.environment is not None:
             env = self.environment()
