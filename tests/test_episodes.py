@@ -299,3 +299,54 @@ def test_cli_smoke_run_of_the_tool_config(tmp_path):
     for key in ("tools/calls_per_episode", "tools/failures", "turns/mean"):
         assert all(key in r for r in rows), key
     assert {"eval/accuracy", "eval/tool_call_rate"} <= set(rows[-1])
+
+
+class Tally:
+    """An environment: a running total per episode, started from the row's ``start`` column."""
+
+    def reset(self, **row):
+        self.total = int(row["start"])
+        self.prompt = row["prompt"]
+
+    def add(self, n: int) -> int:
+        """Add to the total.
+
+        Args:
+            n: the amount
+        """
+        self.total += n
+        return self.total
+
+
+def test_environment_episodes_and_timeouts_reach_the_model():
+    """An environment per episode, reset with its row; a hung tool and a raising tool answer
+    with error messages in the next turn's context; reward functions get the environments."""
+    from tool_fixtures import sleepy
+
+    add = lambda n: f'<tool_call>{{"name":"add","arguments":{{"n":{n}}}}}</tool_call><eos>'  # noqa: E731
+    script = {
+        "1+1=": [add(2), add(3), "done<eos>"],
+        "2+2=": [add(5), "done<eos>"],
+        "3+3=": ['<tool_call>{"name":"sleepy","arguments":{"seconds":5}}</tool_call><eos>',
+                 '<tool_call>{"name":"calc","arguments":{"x":"oops"}}</tool_call><eos>',
+                 "done<eos>"],
+    }  # fmt: skip
+    rows, prompts, ids = _rows(list(script))
+    box = Toolbox([calc, sleepy], environment=Tally, timeout=0.2)
+    runner = EpisodeRunner(TOK, box, max_turns=3, max_completion_length=400)
+    columns = {"answer": [r["answer"] for r in rows], "start": [10, 0, 0]}
+    sampler = ScriptedSampler(script)
+    batch = runner.sample(sampler, ids, prompts, columns, jax.random.key(0))
+    envs = batch.columns["environments"]
+    assert [e.total for e in envs] == [15, 5, 0]  # one state per episode, reset from its row
+    assert envs[0].prompt == prompts[0]
+    assert [m["content"] for m in batch.reward_completions[0] if m["role"] == "tool"] == [
+        "12",
+        "15",
+    ]
+    tools = [m["content"] for m in batch.reward_completions[2] if m["role"] == "tool"]
+    assert "did not return within 0.2 s" in tools[0] and "ValueError" in tools[1]
+    assert batch.rows.stats["tool_failures"].tolist() == [0, 0, 2]
+    # the third turn of row 2 was sampled after both error messages
+    last = TOK.decode(sampler.calls[-1], stop_at_eos=False)
+    assert last.count("{'error'") == 2 and last.endswith("</tool_response>")
