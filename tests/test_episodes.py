@@ -317,6 +317,9 @@ class Tally:
         self.total += n
         return self.total
 
+    def get_reward(self) -> float:
+        return float(self.total)
+
 
 def test_environment_episodes_and_timeouts_reach_the_model():
     """An environment per episode, reset with its row; a hung tool and a raising tool answer
@@ -340,6 +343,8 @@ def test_environment_episodes_and_timeouts_reach_the_model():
     envs = batch.columns["environments"]
     assert [e.total for e in envs] == [15, 5, 0]  # one state per episode, reset from its row
     assert envs[0].prompt == prompts[0]
+    (reward,) = box.reward_funcs()  # TRL: get_reward() is a reward function named for the class
+    assert reward.__name__ == "Tally" and reward(environments=envs, prompts=prompts) == [15, 5, 0]
     assert [m["content"] for m in batch.reward_completions[0] if m["role"] == "tool"] == [
         "12",
         "15",

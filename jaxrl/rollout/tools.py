@@ -346,6 +346,19 @@ class Toolbox:
     def method_names(self) -> list[str]:
         return environment_methods(self.environment) if self.environment is not None else []
 
+    def reward_funcs(self) -> list[Callable[..., Any]]:
+        """TRL: an environment class with ``get_reward()`` adds a reward function (named after
+        the class) returning each episode's ``env.get_reward()``."""
+        cls = self.environment
+        if cls is None or not callable(getattr(cls, "get_reward", None)):
+            return []
+
+        def get_reward(environments: Sequence[Any], **kwargs: Any) -> list[float]:
+            return [env.get_reward() for env in environments]
+
+        get_reward.__name__ = cls.__name__
+        return [get_reward]
+
     def new_episode(self, row: Mapping[str, Any]) -> tuple[Any, dict[str, Callable[..., Any]]]:
         """``(environment instance or None, name → function)`` for one episode; ``reset(**row)``
         gets the dataset row (its prompt and every column)."""

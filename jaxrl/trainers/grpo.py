@@ -76,6 +76,8 @@ class GRPOTrainer:
             self.tokenizer = tok = load_tokenizer(cfg.model.path)
         # tools / environment (docs/tools.md): loaded now, their schemas go into the prompts
         self.toolbox = toolbox_from_config(config) if config.uses_tools else None
+        if self.toolbox is not None:  # an environment's get_reward() is a reward (TRL)
+            funcs = [*funcs, *self.toolbox.reward_funcs()]
         data = run_datasets(cfg, "grpo")
         self.train_rows, self.train_prompts = self._prompts("train", data["train"])
         self.eval_rows, self.eval_prompts = [], []
