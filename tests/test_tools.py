@@ -20,11 +20,10 @@ from jaxrl.config import ConfigError, GRPOConfig, load_run_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.data.tool_task import CalculatorTask, calc
 from jaxrl.rollout.episodes import EpisodeRunner
+from jaxrl.rollout.tool_calls import HermesToolParser, ToolCall
 from jaxrl.rollout.tool_schema import SchemaError, get_json_schema
 from jaxrl.rollout.tools import (
-    HermesToolParser,
     Toolbox,
-    ToolCall,
     load_environment,
     load_tools,
     toolbox_from_config,

@@ -9,9 +9,8 @@ TRL's conventions (docs/tools.md):
 - an **environment** (``grpo.environment``, TRL's ``environment_factory``) is a class built once
   per episode; ``reset(**row)`` receives the dataset row, and its public methods (not ``reset``,
   not ``get_reward``, not starting with ``_``) are tools bound to that episode's state;
-- a **tool call** is found in the model's text by a parser: :class:`HermesToolParser` reads
-  Qwen2.5 / Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; any
-  object with ``parse(text) -> ParsedTurn`` can replace it (``grpo.tool_parser``);
+- a **tool call** is found in the model's text by a parser (``jaxrl.rollout.tool_calls``:
+  Qwen2.5 / Hermes ``<tool_call>{...}</tool_call>`` blocks by default, ``grpo.tool_parser``);
 - a tool's **result** is ``str(value)`` (TRL), in a ``{"role": "tool", "name", "content"}``
   message. A malformed call, an unknown tool, arguments that do not fit the signature, an
   exception, a timeout or a crashed tool process becomes the message ``str({"error": ...})``
@@ -36,19 +35,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from jaxrl.config.base import ConfigError, config_error
 from jaxrl.rollout.reward_specs import load_named
 from jaxrl.rollout.timeout import CallTimeoutError, call_with_deadline
+from jaxrl.rollout.tool_calls import TOOL_PARSERS, HermesToolParser, ToolCall, ToolParser
 from jaxrl.rollout.tool_schema import SchemaError, get_json_schema
 
 __all__ = [
     "FAILURE_KINDS",
-    "HermesToolParser",
-    "ParsedTurn",
-    "ToolCall",
-    "ToolParser",
     "ToolResult",
     "Toolbox",
     "load_environment",
@@ -60,91 +56,6 @@ __all__ = [
 # why a call failed: a tool message tells the model, the run counts it (tools/failures)
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout", "crashed")
 WORKER = Path(__file__).with_name("tool_worker.py")
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-    """One parsed call: the tool's name and its keyword arguments."""
-
-    name: str
-    arguments: dict[str, Any]
-
-    def message(self) -> dict[str, Any]:
-        """The call as an assistant message's ``tool_calls`` entry (transformers / TRL)."""
-        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclasses.dataclass(frozen=True)
-class ParsedTurn:
-    """What a parser found in one assistant turn."""
-
-    content: str  # the text outside tool-call blocks
-    calls: list[ToolCall]  # well-formed calls, in order
-    errors: list[str]  # one line per malformed block, in order
-
-    def message(self) -> dict[str, Any]:
-        """The assistant message of the turn (with ``tool_calls`` when there are any)."""
-        out: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.calls:
-            out["tool_calls"] = [c.message() for c in self.calls]
-        return out
-
-
-class ToolParser(Protocol):
-    def parse(self, text: str) -> ParsedTurn: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class HermesToolParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Hermes).
-
-    ``arguments`` may be an object or a string holding one (some templates write it so). The
-    content is the text before the first block, stripped (Qwen2.5's template renders content,
-    then the calls)."""
-
-    start: str = "<tool_call>"
-    end: str = "</tool_call>"
-
-    def parse(self, text: str) -> ParsedTurn:
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        first = text.find(self.start)
-        content = (text if first < 0 else text[:first]).strip()
-        at = first
-        while at >= 0:
-            body_start = at + len(self.start)
-            close = text.find(self.end, body_start)
-            if close < 0:
-                errors.append(f"{self.start} without {self.end}")
-                break
-            call, error = self._call(text[body_start:close].strip())
-            if call is not None:
-                calls.append(call)
-            else:
-                errors.append(error)
-            at = text.find(self.start, close + len(self.end))
-        return ParsedTurn(content, calls, errors)
-
-    @staticmethod
-    def _call(body: str) -> tuple[ToolCall | None, str]:
-        try:
-            data = json.loads(body)
-        except json.JSONDecodeError as e:
-            return None, f"the tool call is not valid JSON ({e.msg} at {e.pos}): {body[:80]!r}"
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            return None, f'the tool call needs {{"name": ..., "arguments": {{...}}}}: {body[:80]!r}'
-        args = data.get("arguments", data.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(args, dict):
-            return None, f"the arguments of {data['name']!r} must be a JSON object: {body[:80]!r}"
-        return ToolCall(data["name"], args), ""
-
-
-TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser}
 
 
 @dataclasses.dataclass(frozen=True)
