@@ -90,6 +90,9 @@ def _positive_int(field: str, value: Any) -> None:
     ),
     docs_per_step="removed: set schedule.docs_per_step instead (one setting for every trainer)",
     fp32_lm_head="removed: set model.fp32_lm_head instead (one setting for every trainer)",
+    max_tool_calling_iterations=(
+        "TRL's name; jaxrl counts assistant turns: set max_turns to TRL's value + 1"
+    ),
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
