@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.data.chat_template import ChatTemplateError
+from jaxrl.config import ConfigError
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.rollout.tools import Toolbox, ToolResult
 
@@ -181,10 +181,10 @@ class EpisodeRunner:
             tok.allow_unknown = allow
             self.unknown_text += tok.unknown_count - count
         if full[: len(prefix)] != prefix:
-            raise ChatTemplateError(
-                "the chat template does not render a conversation with tool messages as an "
-                "extension of the conversation before them, so the environment's tokens cannot "
-                "be located; use a template that appends turns (docs/tools.md)"
+            raise ConfigError(
+                "grpo.tools: the chat template does not render a conversation with tool "
+                "messages as an extension of the conversation before them, so the environment's "
+                "tokens cannot be located; use a template that appends turns (docs/tools.md)"
             )
         return full[len(prefix) :]
 
@@ -196,9 +196,10 @@ class EpisodeRunner:
         episodes = []
         for ids, prompt, row in zip(prompt_ids, prompts, rows, strict=True):
             if isinstance(prompt, str):
-                raise ValueError(
-                    "tool episodes need conversational prompts (lists of messages) rendered by "
-                    f"a chat template; got the text prompt {prompt[:60]!r}"
+                raise ConfigError(
+                    "grpo.tools / grpo.environment need conversational prompts (lists of "
+                    f"messages) rendered by a chat template; got the text prompt {prompt[:60]!r}: "
+                    "write the prompt column as [{role: user, content: ...}]"
                 )
             env, functions = self.toolbox.new_episode({"prompt": prompt, **row})
             episodes.append(
