@@ -330,3 +330,22 @@ def test_calculator_template_round_trips_a_transcript():
     first_end = mask.index(1) + mask[mask.index(1) :].index(0)
     assert ids[first_end : first_end + len(env)] == env
     assert all(m == 0 for m in mask[first_end : first_end + len(env)])
+
+
+def test_grpo_prompts_are_rendered_with_the_tools(tmp_path):
+    """GRPO's prompt ids of conversational rows carry the tools' schemas, as transformers renders
+    them (the trainer passes ``Toolbox.schemas``)."""
+    from jaxrl.data.datasets import rows_dataset
+    from jaxrl.data.documents import grpo_prompts
+
+    d = write_tiny_tokenizer(tmp_path / "qwen", "qwen2.5")
+    hf, ours = AutoTokenizer.from_pretrained(d), load_tokenizer(d)
+    schemas = Toolbox([add, calc]).schemas
+    prompts = [[{"role": "user", "content": "What is 1 + 2?"}], [{"role": "user", "content": "Hi"}]]
+    data = rows_dataset([{"prompt": p} for p in prompts], "grpo", source="t", split="train")
+    got = grpo_prompts(data, ours, max_prompt_length=10_000, tools=schemas).ids
+    for ids, p in zip(got, prompts, strict=True):
+        want = hf.apply_chat_template(
+            p, tools=schemas, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert ids.tolist() == want
