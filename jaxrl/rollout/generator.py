@@ -249,8 +249,9 @@ class RolloutGenerator:
         out["completions/mean_length"] = float(lengths.mean())
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(truncated.mean())
-        if batches[0].episode_stats is not None:
-            out.update(episode_metrics([b.episode_stats for b in batches]))
+        stats = [b.episode_stats for b in batches if b.episode_stats is not None]
+        if stats:  # tool episodes (external rollouts have none)
+            out.update(episode_metrics(stats))
         return out
 
 
