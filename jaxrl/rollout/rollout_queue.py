@@ -9,8 +9,9 @@ target alignment):
 
 - ``loss_mask``: 1 on completion tokens, the EOS included; a completion stops at its EOS, so
   nothing after it exists. In a tool episode (``jaxrl.rollout.episodes``) the completion holds
-  several turns and the environment's tokens between them, which get 0. With ``mask_truncated_completions`` a completion without EOS gets 0
-  everywhere (it still counts as a document);
+  several turns and the environment's tokens between them, which get 0. With
+  ``mask_truncated_completions`` a completion without EOS gets 0 everywhere (it still counts as a
+  document);
 - ``sampler_logp``: the sampler's log-prob of each completion token;
 - ``old_logp`` / ``ref_logp`` (when computed): the log-prob under the parameters at generation /
   the frozen reference parameters.
