@@ -43,6 +43,37 @@ EVAL_FIX = (
 )
 
 
+TOOL_ISOLATION = ("thread", "subprocess")  # where grpo.tools run
+
+
+def _check_spec(field: str, spec: Any, kind: str) -> None:
+    ok = callable(spec) or (isinstance(spec, str) and (":" in spec or "." in spec))
+    require(ok, field, spec, f"name the {kind} as 'pkg.module:name' or 'path/to/file.py:name'")
+
+
+def _check_tools(c: GRPOConfig) -> None:
+    """The shape of the tool fields (the trainer imports and checks the code they name)."""
+    if c.tools is not None:
+        ok = isinstance(c.tools, list | tuple) and not isinstance(c.tools, str)
+        require(ok, "tools", c.tools, "give a list of tool functions")
+        for i, spec in enumerate(c.tools):
+            _check_spec(f"tools[{i}]", spec, "tool function")
+    if c.environment is not None:
+        _check_spec("environment", c.environment, "environment class")
+    _positive_int("max_turns", c.max_turns)
+    require_choice("tool_isolation", c.tool_isolation, TOOL_ISOLATION)
+    require(
+        isinstance(c.tool_parser, str) and bool(c.tool_parser),
+        "tool_parser",
+        c.tool_parser,
+        "use 'hermes' or 'pkg.module:Parser'",
+    )
+    if c.tool_timeout is not None:
+        require(c.tool_timeout > 0, "tool_timeout", c.tool_timeout, "use seconds > 0, or None")
+    if c.tool_memory_limit_mb is not None:
+        _positive_int("tool_memory_limit_mb", c.tool_memory_limit_mb)
+
+
 def _positive_int(field: str, value: Any) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     require(ok, field, value, "use an integer ≥ 1")
@@ -59,6 +90,9 @@ def _positive_int(field: str, value: Any) -> None:
     ),
     docs_per_step="removed: set schedule.docs_per_step instead (one setting for every trainer)",
     fp32_lm_head="removed: set model.fp32_lm_head instead (one setting for every trainer)",
+    max_tool_calling_iterations=(
+        "TRL's name; jaxrl counts assistant turns: set max_turns to TRL's value + 1"
+    ),
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
@@ -108,6 +142,19 @@ class GRPOConfig:
     # generating until the generation batch is full of groups with a learning signal
     max_dynamic_sampling_rounds: int = 8  # generations one batch may take before the run stops
     top_entropy_quantile: float = 1.0  # q: keep the top-q entropy tokens in the policy loss
+    tools: tuple[str | Callable[..., Any], ...] | None = None  # tool functions the policy may call
+    # ("pkg.mod:fn", "file.py:fn"): multi-turn episodes (docs/tools.md); None = single turn
+    environment: str | type | None = None  # a class ("pkg.mod:Cls", "file.py:Cls"): one per
+    # episode, reset(**row), public methods are tools (TRL's environment_factory)
+    max_turns: int = 4  # assistant turns per episode with tools; max_completion_length is the
+    # episode's token budget (model and environment tokens together)
+    tool_parser: str = "hermes"  # how tool calls are written: hermes (<tool_call>{json}
+    # </tool_call>, Qwen2.5), or "pkg.mod:Parser" / "file.py:Parser" with parse(text)
+    tool_timeout: float | None = 10.0  # seconds a tool call may take before the model is told
+    # it timed out; None = no limit
+    tool_isolation: str = "thread"  # thread: tools run in this process; subprocess: in a
+    # worker process (killed at the timeout, memory-limited); environment methods run here
+    tool_memory_limit_mb: int | None = 1024  # address-space limit of the subprocess worker
     learning_rate: float | None = None  # the GRPO stage's peak LR (an SFT warm start keeps
     # optimizer.learning_rate); None → optimizer.learning_rate
     warmup_steps: int | None = None  # the GRPO stage's LR warmup steps; None → optimizer's
@@ -278,6 +325,7 @@ class GRPOConfig:
                 self.delta,
                 "loss_type='cispo' caps the weight with epsilon_high; remove delta",
             )
+        _check_tools(self)
         if self.reward_timeout is not None:
             require(
                 self.reward_timeout > 0,
@@ -324,6 +372,11 @@ class GRPOConfig:
         """
         window = self.steps_per_generation * self.num_iterations
         return self.gradient_accumulation_steps % window != 0
+
+    @property
+    def uses_tools(self) -> bool:
+        """Episodes are multi-turn with tools (``tools`` or ``environment`` set)."""
+        return bool(self.tools) or self.environment is not None
 
     @property
     def prompts_per_generation(self) -> int:

@@ -45,14 +45,23 @@ def _section(cls: type, data: dict[str, Any], key: str) -> Any:
 
 def anchor_reward_paths(data: dict[str, Any], base_dir: str | Path) -> dict[str, Any]:
     """Make the relative ``file.py:function`` entries of a YAML dict's ``grpo.reward_funcs``
-    relative to ``base_dir`` (the YAML file's directory), in place; returns ``data``. Entries
+    (and ``grpo.tools``, ``grpo.environment``, ``grpo.tool_parser``) relative to ``base_dir``
+    (the YAML file's directory), in place; returns ``data``. Entries
     given later (``--set``) stay relative to the current directory."""
     section = data.get("grpo")
-    funcs = section.get("reward_funcs") if isinstance(section, dict) else None
-    if not isinstance(funcs, list):
+    if not isinstance(section, dict):
         return data
-    for i, spec in enumerate(funcs):
+
+    def anchored(spec: Any) -> Any:
         parts = reward_file_spec(spec) if isinstance(spec, str) else None
         if parts and not Path(parts[0]).is_absolute():
-            funcs[i] = f"{Path(base_dir) / parts[0]}:{parts[1]}"
+            return f"{Path(base_dir) / parts[0]}:{parts[1]}"
+        return spec
+
+    for key in ("reward_funcs", "tools"):  # and the tool functions (docs/tools.md)
+        if isinstance(section.get(key), list):
+            section[key] = [anchored(spec) for spec in section[key]]
+    for key in ("environment", "tool_parser"):
+        if key in section:
+            section[key] = anchored(section[key])
     return data

@@ -269,7 +269,8 @@ class ModelSection:
 class TaskConfig:
     """A built-in synthetic task (no download)."""
 
-    name: Literal["arithmetic"] = "arithmetic"  # the only built-in task family today
+    name: Literal["arithmetic", "calculator"] = "arithmetic"  # arithmetic: a<op>b= answered
+    # directly; calculator: answered with a calc tool call (GRPO with grpo.tools, docs/tools.md)
     min_digits: int = 1  # smallest operand width
     max_digits: int = 2  # largest operand width
     ops: str = "+"  # operators to draw from
@@ -277,6 +278,7 @@ class TaskConfig:
     pad_operands: bool = True  # zero-pad operands to max_digits (fixed digit positions)
     train_size: int = 4000  # distinct training problems
     eval_size: int = 200  # distinct held-out problems
+    tool_transcripts: float = 0.5  # calculator: fraction of SFT transcripts that call the tool
 
     def __post_init__(self):
         require(
@@ -287,6 +289,8 @@ class TaskConfig:
         )
         require(self.train_size >= 1, "task.train_size", self.train_size, "use >= 1")
         require(self.eval_size >= 1, "task.eval_size", self.eval_size, "use >= 1")
+        t = self.tool_transcripts
+        require(0 <= t <= 1, "task.tool_transcripts", t, "use a fraction in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

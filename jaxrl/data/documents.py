@@ -124,12 +124,17 @@ def _in_row(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise DataError(f"{where}: {e}") from None
 
 
-def prompt_ids(tok: TextTokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+def prompt_ids(
+    tok: TextTokenizer,
+    prompt: str | Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
     """A prompt's tokens: ``[bos]`` (when the tokenizer adds one to plain text) + the text, or a
-    conversation rendered with the chat template and its generation prompt."""
+    conversation rendered with the chat template and its generation prompt (and the ``tools``
+    schemas the policy may call, docs/tools.md)."""
     if isinstance(prompt, str):
         return tok.encode(prompt, add_bos=tok.add_bos_token)
-    return tok.apply_chat_template(prompt, add_generation_prompt=True)
+    return tok.apply_chat_template(prompt, add_generation_prompt=True, tools=tools)
 
 
 def _completion_ids(
@@ -266,14 +271,21 @@ def dpo_documents(
     return PairDocuments(sequences, masks, np.asarray(lengths, np.int64)), report, kept
 
 
-def grpo_prompts(data: Dataset, tok: TextTokenizer, *, max_prompt_length: int) -> PromptDocuments:
-    """Prompt ids of every GRPO row (chat template with the generation prompt for messages);
-    a prompt over ``max_prompt_length`` keeps its last tokens (TRL), counted in the report."""
+def grpo_prompts(
+    data: Dataset,
+    tok: TextTokenizer,
+    *,
+    max_prompt_length: int,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> PromptDocuments:
+    """Prompt ids of every GRPO row (chat template with the generation prompt, and ``tools``,
+    for messages); a prompt over ``max_prompt_length`` keeps its last tokens (TRL), counted in
+    the report."""
     if data.kind != "grpo":
         raise ValueError(f"grpo_prompts needs a GRPO dataset, got kind={data.kind!r}")
     ids, over = [], 0
     for row, at in zip(data.rows, data.where, strict=True):
-        prompt = _in_row(at, prompt_ids, tok, row["prompt"])
+        prompt = _in_row(at, prompt_ids, tok, row["prompt"], tools)
         if len(prompt) > max_prompt_length:
             over += 1
             prompt = prompt[-max_prompt_length:]

@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 
 from jaxrl.data.datasets import Dataset, Kind, rows_dataset
+from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer
 
 TASK_SOURCE = "arithmetic"  # the built-in task's name in row locations and cache identities
 
@@ -128,6 +129,10 @@ class ArithmeticTask:
         """:meth:`rows` validated as the reader validates a file (rows named
         ``arithmetic[split] row i``)."""
         return rows_dataset(self.rows(kind, n, split=split), kind, source=TASK_SOURCE, split=split)
+
+    def tokenizer(self) -> TextTokenizer:
+        """The task's character tokenizer."""
+        return char_tokenizer(self.alphabet)
 
     @staticmethod
     def correctness_reward(example: Example, completion: str) -> float:

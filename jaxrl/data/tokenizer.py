@@ -345,8 +345,12 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     )
 
 
-def char_tokenizer(alphabet: str) -> TextTokenizer:
-    """A character-level tokenizer: ids 0..3 are pad, eos, bos, unk; then one id per character."""
+def char_tokenizer(
+    alphabet: str, *, added_tokens: Sequence[str] = (), chat_template: str | None = None
+) -> TextTokenizer:
+    """A character-level tokenizer: ids 0..3 are pad, eos, bos, unk; then one id per character,
+    then one per ``added_tokens`` entry (multi-character tokens, e.g. ``<tool_call>``, matched
+    before the characters and kept by ``decode``); ``chat_template``: its default template."""
     chars = list(dict.fromkeys(alphabet))
     specials = [PAD, EOS, BOS, UNK]
     vocab = {t: i for i, t in enumerate(specials + chars)}
@@ -359,4 +363,13 @@ def char_tokenizer(alphabet: str) -> TextTokenizer:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    return TextTokenizer(tok, eos_token=EOS, pad_token=PAD, bos_token=BOS, add_bos_token=True)
+    if added_tokens:
+        tok.add_tokens(list(added_tokens))
+    return TextTokenizer(
+        tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=BOS,
+        add_bos_token=True,
+        chat_templates={"default": chat_template} if chat_template else None,
+    )

@@ -26,6 +26,7 @@ from jaxrl.losses.advantages import (
     reward_metrics,
 )
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.rollout.episodes import EpisodeRows, EpisodeRunner, episode_metrics
 from jaxrl.rollout.rewards import (
     RewardFunc,
     TrainingProgress,
@@ -49,6 +50,7 @@ class Sampled(NamedTuple):
     sampler_logp: list[np.ndarray]
     truncated: np.ndarray
     rewards_BW: np.ndarray
+    episodes: EpisodeRows | None = None  # tool episodes: environment-token masks, statistics
 
     def rows(self, keep: np.ndarray) -> Sampled:
         """The rows where ``keep`` ([B] bool) is set, in order."""
@@ -60,6 +62,7 @@ class Sampled(NamedTuple):
             pick(self.sampler_logp),
             self.truncated[idx],
             self.rewards_BW[idx],
+            None if self.episodes is None else self.episodes.rows(idx),
         )
 
     @staticmethod
@@ -70,6 +73,7 @@ class Sampled(NamedTuple):
             [x for p in parts for x in p.sampler_logp],
             np.concatenate([p.truncated for p in parts]),
             np.concatenate([p.rewards_BW for p in parts]),
+            None if parts[0].episodes is None else EpisodeRows.concat([p.episodes for p in parts]),
         )
 
 
@@ -89,13 +93,16 @@ class RolloutGenerator:
         old_logprobs: bool = False,
         ref_params: Any = None,
         mesh: Mesh | None = None,
+        episodes: EpisodeRunner | None = None,
     ):
         """``reward_funcs``: the loaded functions (``jaxrl.rollout.reward_specs``);
         ``old_logprobs``: score every batch under the generating parameters
         (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
         β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
-        where the parameters are)."""
+        where the parameters are); ``episodes``: multi-turn episodes with tools (docs/tools.md;
+        None: one completion per prompt)."""
         self.config = config
+        self.episodes = episodes
         self.tokenizer = tokenizer
         self.reward_funcs = list(reward_funcs)
         self.reward_names = reward_names(self.reward_funcs)
@@ -146,6 +153,7 @@ class RolloutGenerator:
         sampler_logp: Sequence[np.ndarray],
         truncated: np.ndarray,
         rewards_BW: np.ndarray,
+        episodes: EpisodeRows | None = None,
     ) -> RolloutBatch:
         """A generation batch with its documents and advantages, and old / reference log-probs
         when needed (scored on the batch's documents).
@@ -169,6 +177,8 @@ class RolloutGenerator:
             rewards_BW,
             advantages_B,
             mask_truncated=c.mask_truncated_completions,
+            completion_masks=None if episodes is None else episodes.masks,
+            episode_stats=None if episodes is None else episodes.stats,
         )
         if self.old_logprobs:
             old = self.scorer.token_logprobs(params, batch.sequences)
@@ -208,6 +218,20 @@ class RolloutGenerator:
         (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
         """
         self.sampler.load_params(params)  # the one weight sync, every generation
+        if self.episodes is not None:  # multi-turn episodes with tools (docs/tools.md)
+            ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
+            rewards_BW = score_completions(
+                self.reward_funcs,
+                list(prompts),
+                ep.reward_completions,
+                ep.columns,
+                completion_ids=ep.completions,
+                trainer_state=trainer_state,
+                timeout=self.config.reward_timeout,
+            )
+            return Sampled(
+                list(prompt_ids), ep.completions, ep.logps, ep.truncated, rewards_BW, ep.rows
+            )
         res = self.sampler.generate(list(prompt_ids), key)
         completions = res.completions()
         reward_prompts, texts = reward_inputs(
@@ -242,6 +266,9 @@ class RolloutGenerator:
         out["completions/mean_length"] = float(lengths.mean())
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(truncated.mean())
+        stats = [b.episode_stats for b in batches if b.episode_stats is not None]
+        if stats:  # tool episodes (external rollouts have none)
+            out.update(episode_metrics(stats))
         return out
 
 

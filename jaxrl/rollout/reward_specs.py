@@ -42,7 +42,7 @@ from jaxrl.config.reward_entries import (
 from jaxrl.rollout.builtin_rewards import BUILTIN_REWARDS
 from jaxrl.rollout.rewards import RewardFunc
 
-__all__ = ["load_reward_func", "resolve_reward_funcs"]
+__all__ = ["load_named", "load_reward_func", "resolve_reward_funcs"]
 
 _FILE_MODULES = "_jaxrl_reward_files"  # sys.modules prefix of functions loaded from files
 
@@ -132,6 +132,20 @@ def _builtin(where: str, name: str, params: Mapping[str, Any], max_completion_le
     return from_dict(cls, params, where=where)
 
 
+def load_named(where: str, spec: str) -> Any:
+    """The object ``"package.module:name"`` (or ``"package.module.name"``) or
+    ``"path/to/file.py:name"`` names (reward functions, tools, environments); ``ConfigError``
+    naming ``where`` when it cannot be loaded."""
+    if not isinstance(spec, str) or (":" not in spec and "." not in spec):
+        raise config_error(where, spec, "write 'package.module:name' or 'path/to/file.py:name'")
+    if (parts := reward_file_spec(spec)) is not None:
+        module = _load_file(where, spec, parts[0])
+        return _attribute(where, spec, module, f"file '{parts[0]}'", parts[1])
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    module = _import(where, spec, module_name)
+    return _attribute(where, spec, module, f"module {module_name!r}", attr)
+
+
 def load_reward_func(
     spec: Any, *, where: str = "reward_funcs", max_completion_length: int | None = None
 ) -> RewardFunc:
@@ -145,13 +159,8 @@ def load_reward_func(
         func = spec  # a callable
     elif spec in BUILTIN_REWARDS:
         return _builtin(where, spec, {}, max_completion_length)
-    elif (parts := reward_file_spec(spec)) is not None:
-        module = _load_file(where, spec, parts[0])
-        func = _attribute(where, spec, module, f"file '{parts[0]}'", parts[1])
-    else:  # "package.module:function" or "package.module.function"
-        module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-        module = _import(where, spec, module_name)
-        func = _attribute(where, spec, module, f"module {module_name!r}", attr)
+    else:
+        func = load_named(where, spec)
     if not callable(func):
         raise config_error(where, spec, f"it names a {type(func).__name__}, not a function")
     _check_signature(where, spec, func)

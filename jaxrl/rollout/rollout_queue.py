@@ -8,8 +8,10 @@ fields (value i belongs to token i, 0 on the prompt; ``jaxrl.data.packing`` shif
 target alignment):
 
 - ``loss_mask``: 1 on completion tokens, the EOS included; a completion stops at its EOS, so
-  nothing after it exists. With ``mask_truncated_completions`` a completion without EOS gets 0
-  everywhere (it still counts as a document);
+  nothing after it exists. In a tool episode (``jaxrl.rollout.episodes``) the completion holds
+  several turns and the environment's tokens between them, which get 0. With
+  ``mask_truncated_completions`` a completion without EOS gets 0 everywhere (it still counts as a
+  document);
 - ``sampler_logp``: the sampler's log-prob of each completion token;
 - ``old_logp`` / ``ref_logp`` (when computed): the log-prob under the parameters at generation /
   the frozen reference parameters;
@@ -64,6 +66,8 @@ class RolloutBatch:
     advantages: np.ndarray  # float32 [B]
     mask_truncated: bool  # truncated rows carry no loss (mask_truncated_completions)
     policy_version: int = 0  # optimizer updates the generating weights had taken
+    completion_masks: list[np.ndarray] | None = None  # tool episodes: 0 on environment tokens
+    episode_stats: dict[str, np.ndarray] | None = None  # tool episodes: per-row statistics
 
     @classmethod
     def build(
@@ -79,9 +83,14 @@ class RolloutBatch:
         old_logp: Sequence[np.ndarray] | None = None,
         ref_logp: Sequence[np.ndarray] | None = None,
         token_advantage: Sequence[np.ndarray] | None = None,
+        completion_masks: Sequence[np.ndarray] | None = None,
+        episode_stats: Mapping[str, np.ndarray] | None = None,
     ) -> RolloutBatch:
         """The batch of B rows (``completion_ids`` with EOS included when the row stopped;
-        ``sampler_logp`` one per completion token) and its documents."""
+        ``sampler_logp`` one per completion token) and its documents. ``completion_masks``
+        (tool episodes, ``jaxrl.rollout.episodes``): per completion token, 1 for the model's
+        tokens and 0 for the environment's, which then carry no loss; ``episode_stats``: the
+        episodes' per-row statistics (``turns``, ``tool_calls``, ``tool_failures``)."""
         b = len(prompt_ids)
         sizes = {
             "completion_ids": len(completion_ids),
@@ -104,6 +113,13 @@ class RolloutBatch:
                 )
             on = 0.0 if mask_truncated and truncated[i] else 1.0
             ids, mask = prompt_completion_document(prompt, completion, completion_loss=on)
+            if completion_masks is not None:  # environment tokens: no loss
+                if len(completion_masks[i]) != len(completion):
+                    raise ValueError(
+                        f"row {i}: {len(completion)} completion tokens but "
+                        f"{len(completion_masks[i])} completion mask values"
+                    )
+                mask[len(prompt) :] *= np.asarray(completion_masks[i], np.float32)
             sequences.append(ids)
             masks.append(mask)
             logps.append(completion_field(len(prompt), lp))
@@ -116,6 +132,16 @@ class RolloutBatch:
             rewards=np.asarray(rewards, np.float64),
             advantages=np.asarray(advantages, np.float32),
             mask_truncated=mask_truncated,
+            completion_masks=(
+                None
+                if completion_masks is None
+                else [np.asarray(m, np.float32) for m in completion_masks]
+            ),
+            episode_stats=(
+                None
+                if episode_stats is None
+                else {k: np.asarray(v, np.int64) for k, v in episode_stats.items()}
+            ),
         )
         optional = (old_logp, ref_logp, token_advantage)
         for name, values in zip(OPTIONAL_FIELDS, optional, strict=True):
@@ -189,6 +215,12 @@ class RolloutBatch:
             **{name: many(self._completion_part(name)) for name in OPTIONAL_FIELDS},
             "mask_truncated": self.mask_truncated,
             "policy_version": self.policy_version,
+            "completion_masks": many(self.completion_masks),
+            "episode_stats": (
+                None
+                if self.episode_stats is None
+                else {k: v.tolist() for k, v in self.episode_stats.items()}
+            ),
         }
 
     @classmethod
@@ -208,6 +240,8 @@ class RolloutBatch:
             np.asarray(data["advantages"], np.float32),
             mask_truncated=bool(data["mask_truncated"]),
             **{name: many(data.get(name), np.float32) for name in OPTIONAL_FIELDS},
+            completion_masks=many(data.get("completion_masks"), np.float32),
+            episode_stats=data.get("episode_stats"),
         )
         batch.policy_version = int(data.get("policy_version", 0))
         return batch

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.config.run import MODEL_SECTION_KEYS, ModelSection
 from jaxrl.data.tasks import ArithmeticTask
+from jaxrl.data.tool_task import CalculatorTask
 from jaxrl.models.attention_dispatch import resolve_attention_impl
 from jaxrl.models.hf import load_pretrained, read_config
 from jaxrl.models.model_config import ModelConfig
@@ -33,13 +34,21 @@ from jaxrl.train.step import TrainStep
 __all__ = ["RunParts", "build_model", "build_run", "build_task", "model_config"]
 
 
-def build_task(cfg: RunConfig) -> ArithmeticTask:
+def build_task(cfg: RunConfig) -> ArithmeticTask | CalculatorTask:
     """The built-in task the ``task`` section describes, seeded by the run."""
     t = cfg.task
     if t is None:
         raise ConfigError(
             f"data.train={cfg.data.train!r} is set, so there is no built-in task to build "
             "(internal: a trainer asked for the task on real data)"
+        )
+    if t.name == "calculator":
+        return CalculatorTask(
+            min_digits=t.min_digits,
+            max_digits=t.max_digits,
+            ops=t.ops,
+            seed=cfg.seed,
+            tool_transcripts=t.tool_transcripts,
         )
     return ArithmeticTask(
         min_digits=t.min_digits,

@@ -60,7 +60,6 @@ import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.step_plan import DEVICE_FIELDS
-from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.models.sharding import bytes_per_device
 from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
 from jaxrl.train.build import RunParts, build_run, build_task
@@ -82,7 +81,7 @@ def plan_run(cfg: RunConfig) -> RunParts:
     m = cfg.model
     vocab_size = None
     if m.path is None and "vocab_size" not in m.init:
-        vocab_size = char_tokenizer(build_task(cfg).alphabet).vocab_size
+        vocab_size = build_task(cfg).tokenizer().vocab_size
     objective = sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk)
     try:
         return build_run(cfg, vocab_size, objective, abstract=True)

@@ -25,7 +25,7 @@ from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.data.preference import PairDocuments, preference_accuracy
 from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import TASK_SOURCE, ArithmeticTask
-from jaxrl.data.tokenizer import TextTokenizer, char_tokenizer, load_tokenizer
+from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import REF_FIELD, dpo_objective
 from jaxrl.train.ref_cache import (
@@ -127,7 +127,7 @@ class DPOTrainer:
         path = self.cfg.model.path
         if path is not None and (Path(path) / "tokenizer.json").is_file():
             return load_tokenizer(path)
-        return char_tokenizer(task.alphabet)
+        return task.tokenizer()
 
     # -- reference values -------------------------------------------------------------------
     def _identity(self, split: str, docs: PairDocuments, weights: str) -> CacheIdentity:

@@ -13,6 +13,7 @@ rollout/.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -27,16 +28,19 @@ from jaxrl.config import ConfigError, GRPOConfig, RunConfig
 from jaxrl.data.datasets import Dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tasks import Example
-from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
+from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.losses.advantages import informative_groups
 from jaxrl.rollout.buffer import PromptSampler
 from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
+from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.generator import RolloutGenerator, Sampled
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.pipeline import Generated, RolloutPipeline, load_steps
 from jaxrl.rollout.reward_specs import resolve_reward_funcs
 from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
 from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
+from jaxrl.rollout.tool_eval import EpisodeEvaluator
+from jaxrl.rollout.tools import toolbox_from_config
 from jaxrl.runtime.mesh import make_mesh, reserve_devices, run_devices
 from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
@@ -70,6 +74,11 @@ class GRPOTrainer:
                 f"rollout.max_staleness={cfg.rollout.max_staleness} is single-process for now "
                 f"and this run has {jax.process_count()} processes: use rollout.max_staleness=0"
             )
+        if cfg.rollout.max_staleness and cfg.grpo.uses_tools:
+            raise ConfigError(
+                f"rollout.max_staleness={cfg.rollout.max_staleness} does not run tool episodes "
+                "yet (grpo.tools / grpo.environment): use rollout.max_staleness=0"
+            )
         # rollout.max_staleness >= 1: the last devices generate, the others train
         with reserve_devices(generation_devices(cfg, len(run_devices()))) as generation:
             self._build(cfg, reward_funcs, generation)
@@ -85,9 +94,13 @@ class GRPOTrainer:
         self.warnings: list[str] = []  # printed once the session (process 0's console) exists
         builtin = cfg.data.train is None
         if builtin:  # the built-in task: rows of prompt and answer
-            self.tokenizer = tok = char_tokenizer(build_task(cfg).alphabet)
+            self.tokenizer = tok = build_task(cfg).tokenizer()
         else:
             self.tokenizer = tok = load_tokenizer(cfg.model.path)
+        # tools / environment (docs/tools.md): loaded now, their schemas go into the prompts
+        self.toolbox = toolbox_from_config(config) if config.uses_tools else None
+        if self.toolbox is not None:  # an environment's get_reward() is a reward (TRL)
+            funcs = [*funcs, *self.toolbox.reward_funcs()]
         data = run_datasets(cfg, "grpo")
         self.train_rows, self.train_prompts = self._prompts("train", data["train"])
         self.eval_rows, self.eval_prompts = [], []
@@ -123,6 +136,14 @@ class GRPOTrainer:
             ref_params = compute_copy(self.session.state.params, self.session.model_config.dtype)
             if generation:
                 ref_params = jax.device_put(ref_params, self._generation_sharding)
+        episodes = None  # multi-turn episodes with tools (jaxrl.rollout.episodes)
+        if self.toolbox is not None:
+            episodes = EpisodeRunner(
+                tok,
+                self.toolbox,
+                max_turns=config.max_turns,
+                max_completion_length=config.max_completion_length,
+            )
         self.generator = RolloutGenerator(
             config,
             self.session.model_config,
@@ -134,6 +155,7 @@ class GRPOTrainer:
             old_logprobs=self.computes_old_logprobs,
             ref_params=ref_params,
             mesh=self.generation_mesh,
+            episodes=episodes,
         )
         # the entropy pre-pass scores the trainer's own parameters, on the trainer's devices
         self.scorer = self.generator.scorer
@@ -147,7 +169,12 @@ class GRPOTrainer:
             )
         self.evaluator = None  # no held-out rows: no eval metrics
         if self.eval_rows:
-            self.evaluator = HeldoutEvaluator(
+            evaluator = (
+                HeldoutEvaluator
+                if episodes is None
+                else functools.partial(EpisodeEvaluator, runner=episodes)
+            )
+            self.evaluator = evaluator(
                 self.session.model_config,
                 tok,
                 [r["prompt"] for r in self.eval_rows],
@@ -204,7 +231,8 @@ class GRPOTrainer:
         """Rows and prompt ids of a GRPO dataset (chat template for conversational prompts);
         prompts over ``grpo.max_prompt_length`` keep their last tokens, counted and reported."""
         limit = self.config.max_prompt_length or 2**31 - 1
-        prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit)
+        tools = self.toolbox.schemas if self.toolbox is not None else None
+        prompts = grpo_prompts(data, self.tokenizer, max_prompt_length=limit, tools=tools)
         self.data_report.update(prompts.report.metrics(split))
         if (line := prompts.report.warning(split, f"grpo.max_prompt_length={limit}")) is not None:
             self.warnings.append(line)

@@ -13,7 +13,7 @@ from jaxrl.data.documents import sft_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.data.packing import pack_sequences
 from jaxrl.data.step_plan import StepBatch
-from jaxrl.data.tokenizer import char_tokenizer, load_tokenizer
+from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import sft_objective
 from jaxrl.train.score import Scorer
@@ -69,7 +69,7 @@ class SFTTrainer:
         cfg = self.cfg
         builtin = cfg.data.train is None
         if builtin:
-            self.tokenizer = char_tokenizer(build_task(cfg).alphabet)
+            self.tokenizer = build_task(cfg).tokenizer()
         else:
             self.tokenizer = load_tokenizer(cfg.model.path)
         limit = f"sft.max_length={cfg.sft.max_length}"
