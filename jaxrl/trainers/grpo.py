@@ -37,7 +37,6 @@ from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.objectives import grpo_objective
 from jaxrl.train.plots import plot_reward_and_accuracy
-from jaxrl.train.precision import compute_copy
 from jaxrl.trainers.run_data import run_datasets
 from jaxrl.trainers.session import Session, with_device_ranks
 
@@ -107,11 +106,7 @@ class GRPOTrainer:
             old_logprobs=self.computes_old_logprobs,
             # β > 0: the frozen initial parameters, a real copy in the same sharding (the train
             # step donates its buffers), in the compute dtype (docs/precision.md)
-            ref_params=(
-                compute_copy(self.session.state.params, self.session.model_config.dtype)
-                if config.beta != 0.0
-                else None
-            ),
+            ref_params=self.session.reference_params() if config.beta != 0.0 else None,
             mesh=self.session.mesh,
         )
         self.evaluator = None  # no held-out rows: no eval metrics
@@ -184,7 +179,7 @@ class GRPOTrainer:
         ``max_dynamic_sampling_rounds`` generations; advantages are computed on the final batch.
         """
         sampled = self._fill_with_signal() if self.config.dynamic_sampling else self._sample_next()
-        batch = self.generator.build(self.session.state.params, *sampled)
+        batch = self.generator.build(self.session.policy_params, *sampled)
         self.rollouts.load(batch)
         return batch
 
@@ -194,7 +189,7 @@ class GRPOTrainer:
         idx = self.prompt_sampler.next_generation()
         rows = [self.train_rows[i] for i in idx]
         return self.generator.sample(
-            self.session.state.params,
+            self.session.policy_params,
             [self.train_prompts[i] for i in idx],
             [r["prompt"] for r in rows],
             {k: [r.get(k) for r in rows] for k in self.columns},
@@ -286,7 +281,7 @@ class GRPOTrainer:
             eos = self.tokenizer.eos_id
             truncated = [len(c) == 0 or int(c[-1]) != eos for c in completion_tokens]
         batch = self.generator.build(
-            self.session.state.params,
+            self.session.policy_params,
             [np.asarray(p) for p in prompt_tokens],
             [np.asarray(c) for c in completion_tokens],
             [np.asarray(x) for x in sampler_logprobs],
@@ -321,7 +316,7 @@ class GRPOTrainer:
         used, arrays, packed = batch.used, batch.arrays, batch.packed
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.generator.scorer.step_entropy_threshold(
-                self.session.state.params, arrays, c.top_entropy_quantile
+                self.session.policy_params, arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
         used_ids = np.asarray(used, np.int64)
@@ -371,7 +366,7 @@ class GRPOTrainer:
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
         if self.evaluator is None:
             return {}
-        return self.evaluator(self.session.state.params).metrics()
+        return self.evaluator(self.generator.sampler_params(self.session.policy_params)).metrics()
 
     def host_state(self) -> dict[str, Any]:
         """Everything outside the TrainState that a resumed run needs, as JSON."""
