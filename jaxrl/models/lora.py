@@ -107,6 +107,18 @@ def quantize_base(model: nnx.Module, config: ModelConfig) -> None:
         quantize_kernels(model, config.lora.quantize)
 
 
+def with_adapters(model: nnx.Module, spec: LoraSpec, *, seed: int = 0) -> nnx.Module:
+    """``model`` (a plain ``Transformer``) with fresh adapters of ``spec`` (PEFT init, drawn from
+    ``seed``) and its kernels quantised per ``spec.quantize``; ``model`` is left unchanged.
+    Eager and unsharded, for notebooks and tests; runs build theirs in ``jaxrl.train.build``."""
+    config = dataclasses.replace(model.config, lora=spec)
+    fresh = nnx.eval_shape(lambda: _transformer(config, seed))
+    adapters = jax.jit(lambda: split_adapters(_transformer(config, seed))[0])()
+    base = nnx.clone(model)
+    quantize_base(base.layers, config)
+    return nnx.merge(nnx.graphdef(fresh), adapters, nnx.state(base))
+
+
 def split_adapters(model_or_state: Any) -> tuple[nnx.State, nnx.State]:
     """``(adapters, frozen)``: the ``nnx.LoRAParam`` Variables and everything else."""
     state = model_or_state
@@ -192,10 +204,10 @@ def _key(path: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
 
 
-def _transformer(config: ModelConfig) -> nnx.Module:
+def _transformer(config: ModelConfig, seed: int = 0) -> nnx.Module:
     from jaxrl.models.transformer import Transformer  # transformer.py imports this module
 
-    return Transformer(config, rngs=nnx.Rngs(0))
+    return Transformer(config, rngs=nnx.Rngs(params=seed))
 
 
 __all__ = [
@@ -210,4 +222,5 @@ __all__ = [
     "merge",
     "merged_state",
     "split_adapters",
+    "with_adapters",
 ]
