@@ -113,10 +113,15 @@ def with_adapters(model: nnx.Module, spec: LoraSpec, *, seed: int = 0) -> nnx.Mo
     Eager and unsharded, for notebooks and tests; runs build theirs in ``jaxrl.train.build``."""
     config = dataclasses.replace(model.config, lora=spec)
     fresh = nnx.eval_shape(lambda: _transformer(config, seed))
-    adapters = jax.jit(lambda: split_adapters(_transformer(config, seed))[0])()
-    base = nnx.clone(model)
-    quantize_base(base.layers, config)
-    return nnx.merge(nnx.graphdef(fresh), adapters, nnx.state(base))
+    base_graphdef, base_state = nnx.split(model)
+
+    def build(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+        base = nnx.merge(base_graphdef, state)
+        quantize_base(base.layers, config)
+        return split_adapters(_transformer(config, seed))[0], nnx.state(base)
+
+    adapters, frozen = jax.jit(build)(base_state)
+    return nnx.merge(nnx.graphdef(fresh), adapters, frozen)
 
 
 def split_adapters(model_or_state: Any) -> tuple[nnx.State, nnx.State]:

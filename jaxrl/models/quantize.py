@@ -8,7 +8,8 @@ model's forward reads a quantised kernel exactly as it reads a dense one (then c
 compute dtype). Nothing here is trained: ``QuantizedParam`` is not an ``nnx.Param``.
 
 - ``int8``: symmetric absmax per output channel (one scale per output unit, over the input
-  axis), codes in ``int8``.
+  axis): ``scale = absmax / 127.5`` (qwix's symmetric bound, so the top bucket is fully used),
+  codes ``round(w / scale)`` clipped to ``[-128, 127]``, in ``int8``.
 - ``nf4``: QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, appendix E buckets), absmax
   blocks of ``NF4_BLOCK`` = 64 inputs per output unit (bitsandbytes' block size), codes in
   ``uint4``. XLA stores ``uint4`` packed two to a byte on TPU; the memory planner counts
