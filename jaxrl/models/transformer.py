@@ -33,7 +33,7 @@ from jaxrl.models.attention_dispatch import attention_fn
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
-from jaxrl.models.lora import adapt, adapter, lora_rngs, quantize_base
+from jaxrl.models.lora_layer import adapt, adapter, lora_rngs, quantize_base
 from jaxrl.models.model_config import ModelConfig
 
 _INIT_STD = 0.02  # Hugging Face's default initializer_range.
