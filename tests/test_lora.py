@@ -16,6 +16,7 @@ import transformers
 from flax import nnx
 from hf_fixtures import hf_logits, write_case
 
+from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models import LoraSpec, from_pretrained, save_adapters, save_pretrained, with_adapters
 from jaxrl.models import lora as L
@@ -217,6 +218,7 @@ SMALL = [
     "sft.batch_size=32",
     "model.lora.rank=4",
     "model.lora.alpha=8",
+    "model.init.num_hidden_layers=1",
 ]
 
 
@@ -232,7 +234,7 @@ def _sft(tmp_path, name, *overrides):
 @pytest.fixture(scope="module")
 def dp1_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_sft")
-    return (tmp, *_sft(tmp, "dp1", "max_steps=3", "mesh.data=1", "schedule.max_tokens=512"))
+    return (tmp, *_sft(tmp, "dp1", "max_steps=2", "mesh.data=1", "schedule.max_tokens=512"))
 
 
 def test_only_adapters_train_and_the_base_stays_bit_identical(dp1_run):
@@ -260,7 +262,7 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(dp1_run):
 
 def test_dp8_small_rows_equal_dp1_packed_rows(dp1_run):
     tmp, _, _, one = dp1_run
-    _, _, eight = _sft(tmp, "dp8", "max_steps=3", "mesh.data=8", "schedule.max_tokens=16")
+    _, _, eight = _sft(tmp, "dp8", "max_steps=2", "mesh.data=8", "schedule.max_tokens=16")
     for a, b in zip(one, eight, strict=True):
         assert a["num_micro_batches"] < b["num_micro_batches"]  # genuinely different layouts
         for key in ("loss", "grad_norm"):
@@ -286,7 +288,7 @@ def test_reference_with_disabled_adapters_equals_a_frozen_copy(dp1_run):
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_qlora_trains_with_its_quantised_base_untouched(tmp_path, mode):
-    trainer, frozen, rows = _sft(tmp_path, mode, "max_steps=3", f"model.lora.quantize={mode}")
+    trainer, frozen, rows = _sft(tmp_path, mode, "max_steps=2", f"model.lora.quantize={mode}")
     assert rows[-1]["loss"] < rows[0]["loss"]
     codes = [x for x in jax.tree.leaves(trainer.session.frozen) if x.dtype in (jnp.int8, jnp.uint4)]
     assert len(codes) == 7 * trainer.session.model_config.num_hidden_layers
@@ -301,3 +303,44 @@ def test_lora_config_errors_name_the_fix():
         load_run_config(SFT, ["model.lora.rank=4", "model.lora.target_modules=[lm_head]"])
     with pytest.raises(ConfigError, match="model.lora.dropout"):
         load_run_config(SFT, ["model.lora.rank=4", "model.lora.dropout=0.1"])
+
+
+# -- DPO and GRPO end to end -----------------------------------------------------------------
+def _cli(config, out, *overrides):
+    args = ["train", config, "--set", f"output_dir={out}"]
+    for o in ("logging.progress=false", "sft_warmup_steps=0", "model.lora.rank=4", *overrides):
+        args += ["--set", o]
+    assert main(args) == 0
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_dpo_with_lora_starts_at_ln2_against_the_disabled_adapters(tmp_path):
+    rows = _cli(
+        "configs/dpo_tiny.yaml",
+        tmp_path / "dpo",
+        "max_steps=2",
+        "task.train_size=64",
+        "task.eval_size=8",
+        "logging.eval_every=0",
+        "optimizer.warmup_steps=0",
+    )
+    np.testing.assert_allclose(rows[0]["loss"], np.log(2.0), rtol=1e-6)  # reference = base
+    assert rows[1]["loss"] != rows[0]["loss"]
+
+
+def test_grpo_with_lora_and_beta_has_zero_kl_before_the_first_update(tmp_path):
+    rows = _cli(
+        "configs/grpo_tiny.yaml",
+        tmp_path / "grpo",
+        "max_steps=2",
+        "grpo.beta=0.04",
+        "grpo.warmup_steps=0",
+        "grpo.learning_rate=1e-2",
+        "grpo.per_device_train_batch_size=32",
+        "task.train_size=64",
+        "task.eval_size=8",
+        "logging.eval_every=0",
+    )
+    assert abs(rows[0]["kl"]) < 1e-7  # the reference is the policy with its adapters disabled
+    assert rows[1]["kl"] > 0
