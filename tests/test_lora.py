@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_fixtures import hf_logits, write_case
+from hf_fixtures import hf_logits, write_case, write_chat_checkpoint
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
@@ -344,3 +344,34 @@ def test_grpo_with_lora_and_beta_has_zero_kl_before_the_first_update(tmp_path):
     )
     assert abs(rows[0]["kl"]) < 1e-7  # the reference is the policy with its adapters disabled
     assert rows[1]["kl"] > 0
+
+
+def test_the_lora_gsm8k_recipe_runs_on_a_tiny_qwen_checkpoint(tmp_path):
+    from test_real_configs import QA, _jsonl, _messages, _run  # the real-config harness
+
+    model_dir = write_chat_checkpoint(tmp_path / "qwen", "qwen2.5")
+    data = _jsonl(tmp_path / "gsm.jsonl", [{"prompt": _messages(q), "answer": a} for q, a in QA])
+    out = _run(
+        "grpo_gsm8k_qwen_lora.yaml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"model.path={model_dir}",
+            f"data.train={data}",
+            f"data.eval={data}",
+            "grpo.num_generations=4",
+            "grpo.per_device_train_batch_size=4",
+            "grpo.gradient_accumulation_steps=1",
+            "grpo.max_completion_length=8",
+            "grpo.max_prompt_length=48",
+            "schedule.max_tokens=64",
+            "logging.eval_samples=0",
+            "checkpoint.every=0",
+        ],
+    )
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 2 and abs(rows[0]["kl"]) < 1e-6  # bf16: policy == base at step 1
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir), out / "adapter"
+    )
+    assert loaded.peft_config["default"].r == 32
+    assert (out / "hf" / "model.safetensors").is_file()
