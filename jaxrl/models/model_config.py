@@ -91,6 +91,8 @@ class LoraSpec:
         unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
         if unknown or not self.target_modules:
             _fail("lora.target_modules", self.target_modules, f"choose from {LORA_TARGETS}")
+        ordered = tuple(t for t in LORA_TARGETS if t in self.target_modules)  # one canonical order
+        object.__setattr__(self, "target_modules", ordered)
         if self.quantize not in QUANTIZE_MODES:
             _fail("lora.quantize", self.quantize, f"choose one of {QUANTIZE_MODES}")
         if self.dropout != 0.0:
