@@ -17,10 +17,13 @@ adapters, frozen)`` is the model. Three derived views serve the rest of the run:
 
 - :func:`disabled`: the adapters zeroed. The model with them is the base model exactly
   (``y + 0``), the reference of DPO and GRPO with β > 0: same program, same frozen weights, no
-  second copy (a zero ``[r, out]`` per adapter is all it adds).
+  second copy (zeroed adapters, adapter-sized, are all it adds).
 - :func:`merge`: a plain dense model (``W + scaling · A B`` per targeted kernel, quantised
   kernels dequantised), for the sampler (one merge per weight sync) and for the HF export.
 - :func:`dense_config`: the ``ModelConfig`` of that dense model.
+
+The layer itself (``nnx.LoRA`` creation and the added branch) is in ``lora_layer.py``; the
+quantised base in ``quantize.py``; the PEFT directory format in ``peft.py``.
 """
 
 from __future__ import annotations
@@ -33,26 +36,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.lora_layer import ADAPTERS, adapt, adapter, quantize_base
+from jaxrl.models.lora_layer import ADAPTERS, quantize_base
 from jaxrl.models.model_config import LoraSpec, ModelConfig
-from jaxrl.models.quantize import QuantizedKernel, QuantizedParam
+from jaxrl.models.quantize import QuantizedParam
 from jaxrl.models.transformer import Transformer
-
-
-def has_adapters(config: ModelConfig) -> bool:
-    return config.lora is not None and config.lora.rank > 0
 
 
 def dense_config(config: ModelConfig) -> ModelConfig:
     """The plain model's config: no adapters, no quantisation (merged weights' architecture)."""
     return dataclasses.replace(config, lora=None)
-
-
-def base_config(config: ModelConfig) -> ModelConfig:
-    """The frozen base's config: no adapters, the same quantisation."""
-    if config.lora is None:
-        return config
-    return dataclasses.replace(config, lora=dataclasses.replace(config.lora, rank=0))
 
 
 def with_adapters(model: nnx.Module, spec: LoraSpec, *, seed: int = 0) -> nnx.Module:
@@ -162,10 +154,6 @@ def _transformer(config: ModelConfig, seed: int = 0) -> nnx.Module:
 
 
 __all__ = [
-    "QuantizedKernel",
-    "adapt",
-    "adapter",
-    "base_config",
     "dense_config",
     "disabled",
     "frozen_copy",
