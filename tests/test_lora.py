@@ -212,7 +212,7 @@ SMALL = [
     "logging.progress=false",
     "logging.eval_every=0",
     "optimizer.warmup_steps=0",
-    "task.train_size=256",
+    "task.train_size=32",  # = sft.batch_size: every step trains on the same documents
     "task.eval_size=16",
     "sft.batch_size=32",
     "model.lora.rank=4",
@@ -254,7 +254,7 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(dp1_run):
     for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(session.frozen), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert any(np.asarray(b).any() for b in jax.tree.leaves(adapters))  # B moved off zero
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["loss"] < rows[0]["loss"]  # the same 32 documents: one step lowered the loss
     assert (tmp / "dp1" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp / "dp1" / "hf" / "model.safetensors").is_file()
 
