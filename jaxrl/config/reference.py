@@ -131,6 +131,11 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             out.append((f"{f.name}.", tp, tuple(getattr(tp, "RUN_FIELDS", ()))))
+            sub_hints = typing.get_type_hints(tp)  # a section's own sections (model.lora)
+            for g in dataclasses.fields(tp):
+                sub = sub_hints[g.name]
+                if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+                    out.append((f"{f.name}.{g.name}.", sub, ()))
         else:
             top.append(f.name)
     skip_top = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in top)

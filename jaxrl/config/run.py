@@ -11,7 +11,14 @@ from jaxrl.config.base import ConfigError, config_error, require, require_choice
 from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.sft import SFTConfig
-from jaxrl.models.model_config import ATTENTION_IMPLS, ModelConfig
+from jaxrl.models.model_config import (
+    ALL_LINEAR,
+    ATTENTION_IMPLS,
+    LORA_TARGETS,
+    QUANTIZE_MODES,
+    LoraSpec,
+    ModelConfig,
+)
 
 MAX_MESH_DEVICES = 1 << 20  # no machine has more; a larger product is a typo
 MODEL_SECTION_KEYS = (
@@ -22,6 +29,7 @@ MODEL_SECTION_KEYS = (
     "attention_block_size",
     "scan_layers",
     "remat",
+    "lora",
 )
 # ``model.init`` keys: ModelConfig's architecture fields (the rest are model.<key> settings)
 MODEL_INIT_KEYS = tuple(
@@ -218,6 +226,80 @@ AttentionImpl = Literal[ATTENTION_IMPLS]  # docs/attention.md
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+    """Low-rank adapters (LoRA / rsLoRA / QLoRA, docs/lora.md): only the adapters are trained,
+    optimised and checkpointed; the base is frozen in the compute dtype (quantised with
+    ``quantize``) and is the reference of DPO / GRPO with beta > 0. ``rank: 0`` = off."""
+
+    rank: int = 0  # adapter rank r; 0 = full fine-tuning (no adapters)
+    alpha: float = 16.0  # adapter output scaled by alpha / rank (alpha / sqrt(rank) with rsLoRA)
+    dropout: float = 0.0  # PEFT's lora_dropout; only 0.0 (a random mask per micro-batch
+    # would make the update depend on the micro-batching)
+    target_modules: str | list[str] = ALL_LINEAR  # "all-linear" or HF projection names:
+    # q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank)
+    quantize: Literal[QUANTIZE_MODES] = "none"  # frozen base projections: none, int8 or nf4
+    # (QLoRA); needs rank > 0
+    adapter_path: str | None = None  # a PEFT adapter directory (adapter_config.json +
+    # adapter_model.safetensors) whose weights start the adapters; its rank and targets are used
+
+    def __post_init__(self):
+        require(
+            isinstance(self.rank, int) and self.rank >= 0,
+            "model.lora.rank",
+            self.rank,
+            "use 0 (no adapters) or a positive rank such as 8 or 16",
+        )
+        require(self.alpha > 0, "model.lora.alpha", self.alpha, "use a positive alpha, e.g. 16")
+        require(
+            self.dropout == 0.0,
+            "model.lora.dropout",
+            self.dropout,
+            "only 0.0 is supported: a dropout mask drawn per micro-batch would make the update "
+            "depend on how the batch is cut into micro-batches; leave it at 0",
+        )
+        targets = self.targets
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        require(
+            bool(targets) and not unknown,
+            "model.lora.target_modules",
+            self.target_modules,
+            f"use {ALL_LINEAR!r} or a list of {', '.join(LORA_TARGETS)}",
+        )
+        require(
+            self.quantize == "none" or self.rank > 0 or self.adapter_path is not None,
+            "model.lora.quantize",
+            self.quantize,
+            "a quantised base is frozen, so it needs adapters to train: set model.lora.rank",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run trains adapters (a rank or an adapter directory is given)."""
+        return self.rank > 0 or self.adapter_path is not None
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The targeted projections' HF names (``all-linear``: all seven)."""
+        if isinstance(self.target_modules, str):
+            return LORA_TARGETS if self.target_modules == ALL_LINEAR else (self.target_modules,)
+        return tuple(self.target_modules)
+
+    def spec(self) -> LoraSpec | None:
+        """The model's ``LoraSpec`` (None without a rank; an ``adapter_path``'s rank and
+        targets are read when the model is built)."""
+        if self.rank == 0:
+            return None
+        return LoraSpec(
+            rank=self.rank,
+            alpha=float(self.alpha),
+            target_modules=self.targets,
+            use_rslora=self.use_rslora,
+            quantize=self.quantize,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
     """Which model to train: a local HF directory, or a fresh model of the given shape."""
 
@@ -233,6 +315,7 @@ class ModelSection:
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
     scan_layers: bool = False  # stack the layers' parameters and run them with one lax.scan
     remat: str = "none"  # recompute in backward: "none", "block" or a jax.checkpoint_policies name
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)  # adapters (docs/lora.md)
 
     def __post_init__(self):
         for key in self.init:

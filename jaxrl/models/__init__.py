@@ -8,12 +8,15 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "LoraSpec": "model_config",
     "ModelConfig": "model_config",
     "Transformer": "transformer",
     "from_pretrained": "hf",
     "lm_head": "head",
+    "save_adapters": "peft",
     "save_pretrained": "hf",
     "token_logprobs": "head",
+    "with_adapters": "lora",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -14,6 +14,10 @@ from typing import Any
 ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # attention_dispatch.py
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+# LoRA (models/lora.py): the projections an adapter may target, by their HF module names
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every projection above (never the LM head)
+QUANTIZE_MODES = ("none", "int8", "nf4")  # the frozen base of QLoRA (models/quantize.py)
 
 
 def _fail(field: str, value: Any, fix: str) -> None:
@@ -65,6 +69,46 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """Low-rank adapters on the projections (PEFT's ``LoraConfig`` names; models/lora.py).
+
+    ``y = W x + scaling * B (A x)`` with ``A [in, r]`` PEFT-initialised (kaiming-uniform) and
+    ``B [r, out]`` zero, so a fresh adapter leaves the model unchanged; ``scaling`` is
+    ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA). ``rank == 0``: no adapters (with
+    ``quantize`` set, the quantised base alone: the reference model of a QLoRA run).
+    """
+
+    rank: int = 0  # r; 0 = no adapters
+    alpha: float = 16.0  # scaling numerator
+    dropout: float = 0.0  # only 0 (see jaxrl.config.run.LoraSection)
+    target_modules: tuple[str, ...] = LORA_TARGETS  # HF projection names
+    use_rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r
+    quantize: str = "none"  # frozen base kernels: none, int8 (per channel) or nf4 (blocks of 64)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            _fail("lora.rank", self.rank, "must be an int >= 0")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            _fail("lora.target_modules", self.target_modules, f"choose from {LORA_TARGETS}")
+        ordered = tuple(t for t in LORA_TARGETS if t in self.target_modules)  # one canonical order
+        object.__setattr__(self, "target_modules", ordered)
+        if self.quantize not in QUANTIZE_MODES:
+            _fail("lora.quantize", self.quantize, f"choose one of {QUANTIZE_MODES}")
+        if self.dropout != 0.0:
+            _fail("lora.dropout", self.dropout, "only 0.0 is supported")
+
+    @property
+    def scaling(self) -> float:
+        """The factor on the adapter's output: ``alpha / r``, or ``alpha / sqrt(r)`` (rsLoRA)."""
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+    def targets(self, name: str) -> bool:
+        """Whether the projection ``name`` (an HF name, e.g. ``q_proj``) carries an adapter."""
+        return self.rank > 0 and name in self.target_modules
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture and precision of a :class:`Transformer` (names follow transformers)."""
 
@@ -91,6 +135,7 @@ class ModelConfig:
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
     scan_layers: bool = False  # layer parameters stacked [Nl, ...] and run by one lax.scan
     remat: str = "none"  # "none", "block" or a jax.checkpoint_policies name (layer_stack.py)
+    lora: LoraSpec | None = None  # low-rank adapters / quantised base (models/lora.py)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -149,6 +194,10 @@ class ModelConfig:
             _fail("attention_impl", self.attention_impl, f"choose one of {ATTENTION_IMPLS}")
         if not isinstance(self.attention_block_size, int) or self.attention_block_size < 1:
             _fail("attention_block_size", self.attention_block_size, "must be a positive int")
+        if isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
+        if self.lora is not None and self.lora.rank == 0 and self.lora.quantize == "none":
+            object.__setattr__(self, "lora", None)  # nothing to adapt: the plain model
         if not isinstance(self.scan_layers, bool):
             _fail("scan_layers", self.scan_layers, "use true or false")
         from jaxrl.models.layer_stack import check_remat  # imports jax: only when building one

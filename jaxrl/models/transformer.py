@@ -33,6 +33,7 @@ from jaxrl.models.attention_dispatch import attention_fn
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
+from jaxrl.models.lora_layer import adapt, adapter, lora_rngs, quantize_base
 from jaxrl.models.model_config import ModelConfig
 
 _INIT_STD = 0.02  # Hugging Face's default initializer_range.
@@ -76,7 +77,7 @@ def _project(x_BTD: jax.Array, kernel_DHDh: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Projections, optional q/k norm and RoPE around :func:`attention.attention`."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         d, h, k, dh = (
             config.hidden_size,
             config.num_attention_heads,
@@ -88,6 +89,12 @@ class Attention(nnx.Module):
         self.k_kernel = _param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
         self.v_kernel = _param(rngs.params(), (d, k, dh), ("embed", "kv_heads", "head_dim"), pd)
         self.o_kernel = _param(rngs.params(), (h, dh, d), ("heads", "head_dim", "embed"), pd)
+        lora, cd = config.lora, config.dtype
+        self.q_lora = adapter(lora, "q_proj", (d, h * dh), ("embed", "heads"), cd, lora_rngs)
+        self.k_lora = adapter(lora, "k_proj", (d, k * dh), ("embed", "kv_heads"), cd, lora_rngs)
+        self.v_lora = adapter(lora, "v_proj", (d, k * dh), ("embed", "kv_heads"), cd, lora_rngs)
+        self.o_lora = adapter(lora, "o_proj", (h * dh, d), ("heads", "embed"), cd, lora_rngs)
+        self.scaling = lora.scaling if lora is not None and lora.rank else 0.0
         if config.attention_bias:
             self.q_bias = _param(None, (h, dh), ("heads", "head_dim"), pd, init="zeros")
             self.k_bias = _param(None, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
@@ -114,6 +121,9 @@ class Attention(nnx.Module):
         q_BTHDh = _project(x_BTD, self.q_kernel[...].astype(dt))
         k_BTKDh = _project(x_BTD, self.k_kernel[...].astype(dt))
         v_BTKDh = _project(x_BTD, self.v_kernel[...].astype(dt))
+        q_BTHDh = adapt(q_BTHDh, self.q_lora, x_BTD, self.scaling)
+        k_BTKDh = adapt(k_BTKDh, self.k_lora, x_BTD, self.scaling)
+        v_BTKDh = adapt(v_BTKDh, self.v_lora, x_BTD, self.scaling)
         if cfg.attention_bias:
             q_BTHDh = q_BTHDh + self.q_bias[...].astype(dt)[None, None]
             k_BTKDh = k_BTKDh + self.k_bias[...].astype(dt)[None, None]
@@ -150,35 +160,46 @@ class Attention(nnx.Module):
             )
         b, t, h, dh = out_BTHDh.shape
         o_kernel_HDhD = self.o_kernel[...].astype(dt)
-        out_BTD = out_BTHDh.reshape(b, t, h * dh) @ o_kernel_HDhD.reshape(h * dh, -1)
+        out_BTHDh = out_BTHDh.reshape(b, t, h * dh)
+        out_BTD = adapt(
+            out_BTHDh @ o_kernel_HDhD.reshape(h * dh, -1), self.o_lora, out_BTHDh, self.scaling
+        )
         return out_BTD if cache is None else (out_BTD, cache)
 
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(x @ gate) * (x @ up))``."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
         self.gate_kernel = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
         self.up_kernel = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
         self.down_kernel = _param(rngs.params(), (f, d), ("mlp", "embed"), pd)
+        lora, cd = config.lora, config.dtype
+        self.gate_lora = adapter(lora, "gate_proj", (d, f), ("embed", "mlp"), cd, lora_rngs)
+        self.up_lora = adapter(lora, "up_proj", (d, f), ("embed", "mlp"), cd, lora_rngs)
+        self.down_lora = adapter(lora, "down_proj", (f, d), ("mlp", "embed"), cd, lora_rngs)
+        self.scaling = lora.scaling if lora is not None and lora.rank else 0.0
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        gate_BTF = x_BTD @ self.gate_kernel[...].astype(dt)
-        up_BTF = x_BTD @ self.up_kernel[...].astype(dt)
-        return (jax.nn.silu(gate_BTF) * up_BTF) @ self.down_kernel[...].astype(dt)
+        gate_BTF = adapt(
+            x_BTD @ self.gate_kernel[...].astype(dt), self.gate_lora, x_BTD, self.scaling
+        )
+        up_BTF = adapt(x_BTD @ self.up_kernel[...].astype(dt), self.up_lora, x_BTD, self.scaling)
+        h_BTF = jax.nn.silu(gate_BTF) * up_BTF
+        return adapt(h_BTF @ self.down_kernel[...].astype(dt), self.down_lora, h_BTF, self.scaling)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         norm = dict(eps=config.rms_norm_eps, axis="embed", param_dtype=config.param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, **norm)
-        self.attn = Attention(config, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs, lora_rngs=lora_rngs)
         self.post_attn_norm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs, lora_rngs=lora_rngs)
 
     def __call__(
         self,
@@ -205,8 +226,14 @@ class Transformer(nnx.Module):
             rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
         )
         # created one by one in both layouts, so a seed gives the same weights scanned or not
-        blocks = [Block(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        # (adapters draw from their own stream: a seed gives the same base with or without them)
+        adapter_rngs = lora_rngs(rngs, config)
+        blocks = [
+            Block(config, rngs=rngs, lora_rngs=adapter_rngs)
+            for _ in range(config.num_hidden_layers)
+        ]
         self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
+        quantize_base(self.layers, config)  # QLoRA: the projections' kernels as int8 / nf4
         self.final_norm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, axis="embed", param_dtype=pd
         )

@@ -25,6 +25,7 @@ from jaxrl.losses.advantages import (
     kl_in_reward_advantages,
     reward_metrics,
 )
+from jaxrl.models import lora
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.episodes import EpisodeRows, EpisodeRunner, episode_metrics
 from jaxrl.rollout.rewards import (
@@ -115,8 +116,9 @@ class RolloutGenerator:
             )
         self.old_logprobs = old_logprobs
         self.ref_params = ref_params
+        self.lora_graphdef = graphdef if model_config.lora is not None else None
         self.sampler = Sampler(
-            model_config,
+            lora.dense_config(model_config),  # LoRA: samples with the merged weights
             max_new_tokens=config.max_completion_length,
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
@@ -217,7 +219,7 @@ class RolloutGenerator:
         one value per row) reach the reward functions as TRL passes them
         (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
         """
-        self.sampler.load_params(params)  # the one weight sync, every generation
+        self.sampler.load_params(self.sampler_params(params))  # the one weight sync
         if self.episodes is not None:  # multi-turn episodes with tools (docs/tools.md)
             ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
             rewards_BW = score_completions(
@@ -248,6 +250,12 @@ class RolloutGenerator:
         )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
         return Sampled(list(prompt_ids), completions, logps, np.asarray(res.truncated), rewards_BW)
+
+    def sampler_params(self, params: Any) -> Any:
+        """What the sampler loads: ``params``, or a LoRA model merged (``lora.merged_state``)."""
+        if self.lora_graphdef is None:
+            return params
+        return lora.merged_state(self.lora_graphdef, params, self.sampler.config.dtype)
 
     def metrics(self, batches: Sequence[RolloutBatch]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""

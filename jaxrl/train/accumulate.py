@@ -25,6 +25,7 @@ micro-batches, which is what makes the result independent of the layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -106,8 +107,13 @@ def _rank_sums(
     docs_per_step: int,
     loop: Literal["while", "scan"],
     comm: _Collectives,
+    frozen: Any = None,
 ) -> StepSums:
-    """One rank's accumulation (inside shard_map); returns sums over every rank."""
+    """One rank's accumulation (inside shard_map); returns sums over every rank. ``frozen``:
+    constant inputs of the loss (a LoRA run's base), passed as ``loss_fn(params, mb, frozen)``
+    and not differentiated."""
+    if frozen is not None:
+        loss_fn = functools.partial(_with_frozen, loss_fn, frozen=frozen)
     docs_M = num_documents(batch_MT["segment_ids"]).astype(jnp.int32)
     global_docs_M = comm.psum(docs_M)
     real_MT = batch_MT["segment_ids"] > 0
@@ -169,6 +175,12 @@ def _rank_sums(
     )
 
 
+def _with_frozen(
+    loss_fn: Callable[..., LossTerms], params: Any, mb: dict[str, jax.Array], *, frozen: Any
+) -> LossTerms:
+    return loss_fn(params, mb, frozen)
+
+
 def _numerator(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]):
     terms = loss_fn(params, mb)
     return terms.numerator, terms
@@ -181,8 +193,10 @@ def make_accumulate(
     docs_per_step: int = 0,
     loop: Literal["while", "scan"] = "while",
     grad_specs: Any | None = None,
-) -> Callable[[Any, dict[str, jax.Array], jax.Array], StepSums]:
-    """``(params, batch[R,M,...], bounds[2]) -> StepSums``, manual over the batch axes.
+) -> Callable[..., StepSums]:
+    """``(params, batch[R,M,...], bounds[2], frozen=None) -> StepSums``, manual over the batch
+    axes. ``frozen`` (e.g. a LoRA run's base) enters the loss as ``loss_fn(params, mb, frozen)``
+    replicated over the batch axes as the parameters do, and gets no gradient.
 
     ``bounds = [start, stop]`` selects the slots this step may consume (data, not static), so
     one compiled program serves every step of a bucket and a cursor can carry over between
@@ -193,10 +207,17 @@ def make_accumulate(
     manual = manual_batch_axes(mesh)
     comm = _Collectives(manual, grad_specs)
 
-    def per_rank(params, batch, bounds):
+    def per_rank(params, batch, bounds, frozen=None):
         local = jax.tree.map(lambda x: x[0], batch)  # [1, M, ...] → [M, ...]
         return _rank_sums(
-            loss_fn, params, local, bounds, docs_per_step=docs_per_step, loop=loop, comm=comm
+            loss_fn,
+            params,
+            local,
+            bounds,
+            docs_per_step=docs_per_step,
+            loop=loop,
+            comm=comm,
+            frozen=frozen,
         )
 
     if not manual:  # one rank over several tensor devices: XLA partitions the whole loop
@@ -209,11 +230,12 @@ def make_accumulate(
             is_leaf=lambda x: isinstance(x, P),
         )
     out_specs = StepSums(grads_spec, P(), P(), P(), P(), P(), P(), P(), P())
-    return jax.shard_map(
+    mapped = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(manual), P()),
+        in_specs=(P(), P(manual), P(), P()),
         out_specs=out_specs,
         axis_names=set(manual),
         check_vma=False,
     )
+    return lambda params, batch, bounds, frozen=None: mapped(params, batch, bounds, frozen)

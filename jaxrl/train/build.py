@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -23,7 +24,10 @@ from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tool_task import CalculatorTask
 from jaxrl.models.attention_dispatch import resolve_attention_impl
 from jaxrl.models.hf import load_pretrained, read_config
-from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.lora import dense_config, frozen_copy, quantize_base, split_adapters
+from jaxrl.models.model_config import LoraSpec, ModelConfig
+from jaxrl.models.peft import load_adapters, read_lora_spec
+from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config
 from jaxrl.train.objectives import Objective, on_params
@@ -69,6 +73,7 @@ def model_config(section: ModelSection, vocab_size: int | None) -> ModelConfig:
     be clamped silently. ``model.path`` errors are those of ``read_config``.
     """
     settings = {name: getattr(section, name) for name in MODEL_SECTION_KEYS}
+    settings["lora"] = lora_spec(section)
     if section.path is not None:
         config = read_config(section.path, **settings)
         if vocab_size is not None and vocab_size > config.vocab_size:
@@ -92,6 +97,21 @@ def model_config(section: ModelSection, vocab_size: int | None) -> ModelConfig:
     return ModelConfig.tiny(int(vocab), **init, **settings)
 
 
+def lora_spec(section: ModelSection) -> LoraSpec | None:
+    """The ``LoraSpec`` of ``model.lora``: its own fields, or those of ``adapter_path``'s
+    adapter_config.json (a PEFT directory) when given; None without adapters."""
+    lora = section.lora
+    if lora.adapter_path is None:
+        return lora.spec()
+    try:
+        return read_lora_spec(lora.adapter_path, quantize=lora.quantize)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.lora.adapter_path={lora.adapter_path!r} is invalid: {e}; name a directory "
+            "written by PEFT's save_pretrained (or by a jaxrl LoRA run: <output_dir>/adapter)"
+        ) from None
+
+
 def fresh_model(config: ModelConfig, seed: int) -> tuple[Any, Callable[[], Any]]:
     """``(graphdef, init)``: a new model's graph (traced, never allocated) and the function that
     initialises its parameters (run under ``jit`` into their shardings by ``create_state``)."""
@@ -112,9 +132,16 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh: Mesh | None = None) -> tu
     except ValueError as e:
         raise ConfigError(str(e)) from e
     config = model_config(cfg.model, vocab_size)
+    # a LoRA run reads (or initialises) the plain model; adapters and quantisation come after
+    # (lora_parts)
     if cfg.model.path is None:
-        return (*fresh_model(config, cfg.seed), config)
-    graphdef, params = nnx.split(load_pretrained(cfg.model.path, config, mesh=mesh))
+        graphdef, params = fresh_model(dense_config(config), cfg.seed)
+    else:
+        graphdef, params = nnx.split(
+            load_pretrained(cfg.model.path, dense_config(config), mesh=mesh)
+        )
+    if config.lora is not None:
+        graphdef = fresh_model(config, cfg.seed)[0]
     return graphdef, params, config
 
 
@@ -128,6 +155,8 @@ class RunParts:
     state: TrainState  # ShapeDtypeStructs when built ``abstract``
     shardings: TrainState  # the state's NamedShardings
     step: TrainStep
+    frozen: Any = None  # LoRA: the frozen base (compute dtype / quantised); state holds adapters
+    frozen_shardings: Any = None
 
 
 def build_run(
@@ -143,13 +172,23 @@ def build_run(
     """
     mesh = mesh_from_config(cfg.mesh)
     tx = make_optimizer(cfg.optimizer, cfg.max_steps)
+    frozen = frozen_shardings = None
     if abstract:
         config = model_config(cfg.model, vocab_size)
-        graphdef, params = fresh_model(config, cfg.seed)
+        graphdef, params = fresh_model(dense_config(config), cfg.seed)
+        if config.lora is not None:
+            graphdef = fresh_model(config, cfg.seed)[0]
+            params, frozen, frozen_shardings = lora_parts(config, params, cfg, mesh, abstract=True)
         state, shardings = abstract_state(params, tx, cfg.seed, mesh)
     else:
         graphdef, params, config = build_model(cfg, vocab_size, mesh)
+        if config.lora is not None:
+            params, frozen, frozen_shardings = lora_parts(config, params, cfg, mesh)
         state, shardings = create_state(params, tx, cfg.seed, mesh)
+        if cfg.model.lora.adapter_path is not None:
+            path = cfg.model.lora.adapter_path
+            adapters = load_adapters(path, config, state.params, shardings.params)
+            state = state.replace(params=adapters)
     step = TrainStep(
         on_params(objective, graphdef),
         tx,
@@ -159,5 +198,35 @@ def build_run(
         docs_per_step=cfg.schedule.docs_per_step,
         state_shardings=shardings,
         master_rounding=cfg.optimizer.master_rounding,
+        frozen=frozen,
     )
-    return RunParts(mesh, config, graphdef, state, shardings, step)
+    return RunParts(mesh, config, graphdef, state, shardings, step, frozen, frozen_shardings)
+
+
+def lora_parts(
+    config: ModelConfig, base: Any, cfg: RunConfig, mesh: Mesh, *, abstract: bool = False
+) -> tuple[Callable[[], Any], Any, Any]:
+    """``(init_adapters, frozen, frozen_shardings)`` of a LoRA run (docs/lora.md).
+
+    ``base``: the plain model's parameters (loaded state, or the function that initialises
+    them). ``init_adapters`` makes fresh adapters (PEFT init; under ``create_state``'s jit);
+    ``frozen`` is the base quantised per ``model.lora.quantize`` and cast to the compute dtype,
+    built under ``jit`` straight into its shardings (ShapeDtypeStructs when ``abstract``).
+    """
+    dense_graphdef = fresh_model(dense_config(config), cfg.seed)[0]
+
+    def init_adapters() -> Any:
+        return split_adapters(Transformer(config, rngs=nnx.Rngs(params=cfg.seed)))[0]
+
+    def make_frozen(params: Any) -> Any:
+        model = nnx.merge(dense_graphdef, params)
+        quantize_base(model.layers, config)
+        return frozen_copy(nnx.state(model), config.dtype)
+
+    args = () if callable(base) else (base,)
+    fn = (lambda: make_frozen(base())) if callable(base) else make_frozen
+    shapes = jax.eval_shape(fn, *args)
+    shardings = state_shardings(shapes, mesh)
+    if abstract:
+        return init_adapters, shapes, shardings
+    return init_adapters, jax.jit(fn, out_shardings=shardings)(*args), shardings

@@ -11,6 +11,11 @@ mesh needs).
 
 Numbers are bytes on the largest device:
 
+- LoRA (``model.lora``): ``params_bytes`` is the fp32 adapters plus the frozen base (compute
+  dtype, or int8 / nf4 codes and their fp32 scales; ``uint4`` codes counted at half a byte),
+  ``optimizer_bytes`` and ``grads_bytes`` cover the adapters only, GRPO keeps one compute copy
+  (the merged sampler weights; the reference is the base itself), and ``lora`` gives the rank,
+  the trained parameter count and the frozen base's bytes.
 - ``params_bytes`` / ``optimizer_bytes``: the train state's master weights (``param_dtype``,
   fp32 unless a bf16 master is opted into; docs/precision.md) and AdamW state (two fp32
   moments + a step count), each under its sharding (``embed`` over
@@ -57,10 +62,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.step_plan import DEVICE_FIELDS
-from jaxrl.models.sharding import bytes_per_device
+from jaxrl.models.lora import dense_config
+from jaxrl.models.sharding import bytes_per_device, state_shardings
+from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
 from jaxrl.train.build import RunParts, build_run, build_task
 from jaxrl.train.objectives import sft_objective
@@ -128,6 +137,9 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     run = plan_run(cfg)
     mesh, config, state, shardings = run.mesh, run.model_config, run.state, run.shardings
     params_bytes = bytes_per_device(state.params, shardings.params)
+    frozen_bytes = 0
+    if run.frozen is not None:  # LoRA: the trained adapters are state.params; add the base
+        frozen_bytes = _packed_bytes(run.frozen, run.frozen_shardings)
     optimizer_bytes = bytes_per_device(state.opt_state, shardings.opt_state)
     grads32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
     grads_bytes = bytes_per_device(grads32, shardings.params)
@@ -137,10 +149,16 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
 
     copies = _compute_copies(cfg)
     compute_dtype = jnp.dtype(config.dtype)  # ModelConfig resolves None to param_dtype
-    compute_shapes = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), state.params
-    )
-    compute_copy_bytes = copies * bytes_per_device(compute_shapes, shardings.params)
+    dense, dense_shardings = state.params, shardings.params
+    if run.frozen is not None:  # the sampler's copy is the merged dense model
+        dense = nnx.state(
+            nnx.eval_shape(lambda: Transformer(dense_config(config), rngs=nnx.Rngs(0)))
+        )
+        dense_shardings = state_shardings(dense, mesh)
+        copies = min(copies, 1)  # the reference is the base itself (adapters disabled)
+    compute_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), dense)
+    compute_copy_bytes = copies * bytes_per_device(compute_shapes, dense_shardings)
+    params_bytes += frozen_bytes
 
     analysis, lower_s, compile_s = _compile_step(cfg, run)
     compiled_temp = int(analysis.temp_size_in_bytes)
@@ -158,6 +176,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "num_params": int(num_params),
         "unsharded_params_bytes": int(unsharded),
         "params_bytes": int(params_bytes),
+        "lora": _lora_fields(config, state.params, frozen_bytes),
         "optimizer_bytes": int(optimizer_bytes),
         "grads_bytes": int(grads_bytes),
         "compute_copy_bytes": int(compute_copy_bytes),
@@ -173,6 +192,38 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),
         "notes": _notes(cfg, platform),
+    }
+
+
+def _packed_bytes(tree: Any, shardings: Any) -> int:
+    """``bytes_per_device``, with 4-bit codes (``uint4``, nf4) counted at half a byte each, as
+    accelerators store them packed."""
+    full = bytes_per_device(tree, shardings)
+    four_bit = [
+        (x, s)
+        for x, s in zip(
+            jax.tree.leaves(tree),
+            jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding)),
+            strict=True,
+        )
+        if jnp.dtype(x.dtype) in (jnp.dtype(jnp.uint4), jnp.dtype(jnp.int4))
+    ]
+    if not four_bit:
+        return full
+    halves = bytes_per_device([x for x, _ in four_bit], [s for _, s in four_bit]) // 2
+    return full - halves
+
+
+def _lora_fields(config: Any, adapters: Any, frozen_bytes: int) -> dict[str, Any] | None:
+    """LoRA runs: rank, quantisation, trained parameter count, adapter and frozen-base bytes."""
+    if config.lora is None:
+        return None
+    return {
+        "rank": config.lora.rank,
+        "quantize": config.lora.quantize,
+        "target_modules": list(config.lora.target_modules),
+        "trainable_params": int(sum(math.prod(p.shape) for p in jax.tree.leaves(adapters))),
+        "frozen_bytes": int(frozen_bytes),
     }
 
 
@@ -205,7 +256,8 @@ def _compile_step(cfg: RunConfig, run: RunParts) -> tuple[Any, float, float]:
     batch = abstract_batch(run.mesh, cfg.schedule.max_tokens)
     bounds = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated(run.mesh))
     started = time.perf_counter()
-    lowered = run.step._jitted.lower(_abstract(run.state, run.shardings), batch, bounds)
+    frozen = None if run.frozen is None else _abstract(run.frozen, run.frozen_shardings)
+    lowered = run.step._jitted.lower(_abstract(run.state, run.shardings), batch, bounds, frozen)
     lowered_at = time.perf_counter()
     cpu = run.mesh.devices.flat[0].platform == "cpu"
     compiled = lowered.compile(_CPU_COMPILER_OPTIONS if cpu else None)
@@ -278,8 +330,16 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
     total = max(plan["total_bytes"], 1)
     compute = m["dtype"]
     copies = plan["compute_copies"]
+    lora = plan.get("lora")
+    master = f"{m['param_dtype']}, what AdamW updates"
+    if lora:
+        base = f"{m['dtype']} base" if lora["quantize"] == "none" else f"{lora['quantize']} base"
+        master = (
+            f"{_count(lora['trainable_params'])} fp32 adapters (rank {lora['rank']}) + frozen "
+            f"{base} ({_size(lora['frozen_bytes'])})"
+        )
     rows = (
-        ("master weights", "params_bytes", f"{m['param_dtype']}, what AdamW updates"),
+        ("master weights", "params_bytes", master),
         ("optimizer", "optimizer_bytes", "AdamW fp32 moments"),
         ("gradients", "grads_bytes", "fp32 accumulator"),
         (

@@ -36,11 +36,13 @@ OFF_POLICY = "policy/abs_log_ratio"
 
 
 def on_params(objective: Objective, graphdef: Any) -> LossFn:
-    """The engine's ``loss_fn(params, mb)``: ``objective`` on the model ``graphdef`` and the
-    differentiated ``params`` make."""
+    """The engine's ``loss_fn(params, mb[, frozen])``: ``objective`` on the model ``graphdef``
+    and the differentiated ``params`` make (with a LoRA run's frozen base: the adapters are
+    ``params``, the base ``frozen``)."""
 
-    def loss_fn(params: Any, mb: dict[str, jax.Array]) -> LossTerms:
-        return objective(nnx.merge(graphdef, params), mb)
+    def loss_fn(params: Any, mb: dict[str, jax.Array], frozen: Any = None) -> LossTerms:
+        states = (params,) if frozen is None else (params, frozen)
+        return objective(nnx.merge(graphdef, *states), mb)
 
     return loss_fn
 

@@ -48,8 +48,12 @@ class TrainStep:
         donate: bool = True,
         state_shardings: Any | None = None,
         master_rounding: Rounding | None = None,
+        frozen: Any = None,
     ):
+        """``frozen``: the loss's constant inputs (a LoRA run's frozen base, already placed):
+        ``loss_fn(params, mb, frozen)``; only ``state.params`` are differentiated and updated."""
         self.mesh = mesh
+        self.frozen = frozen
         self.compiles = 0
         self.state_shardings = state_shardings
         grad_specs = None
@@ -92,11 +96,11 @@ class TrainStep:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         num_slots = next(iter(batch.values())).shape[1]
         bounds = np.asarray([start, num_slots if stop is None else stop], np.int32)
-        return self._jitted(state, batch, bounds)
+        return self._jitted(state, batch, bounds, self.frozen)
 
-    def _step(self, state: TrainState, batch, bounds):
+    def _step(self, state: TrainState, batch, bounds, frozen):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
-        sums = self._accumulate(state.params, batch, bounds)
+        sums = self._accumulate(state.params, batch, bounds, frozen)
         grads = jax.tree.map(lambda g: finalize(g, sums.denominator), sums.grads)
         loss = finalize(sums.numerator, sums.denominator)
         grad_norm = optax.tree.norm(grads)

@@ -163,7 +163,7 @@ class DPOTrainer:
         """Held-out reference values, packed as ``evaluate`` packs the policy's."""
         fill_pair_logps(
             self.scorer,
-            self.session.state.params,
+            self.session.reference_params(copy=False),
             docs,
             sink,
             max_tokens=self.cfg.schedule.max_tokens,
@@ -189,7 +189,7 @@ class DPOTrainer:
                 loss_masks=self.train.masks,
             )
             scores = self.scorer.documents(
-                self.session.state.params,
+                self.session.reference_params(copy=False),
                 batch.packed,
                 mean=self.dpo.uses_mean_logps,
                 temperature=1.0,
@@ -207,7 +207,7 @@ class DPOTrainer:
         """
         if not self.dpo.needs_reference:
             return
-        weights = weight_fingerprint(self.session.state.params)
+        weights = weight_fingerprint(self.session.reference_params(copy=False))
         splits = {"train": self.train, "eval": self.held_out}
         for split, docs in splits.items():
             if docs is None:
@@ -248,7 +248,7 @@ class DPOTrainer:
             return {}
         scores = pair_scores(
             self.scorer,
-            self.session.state.params,
+            self.session.policy_params,
             self.held_out,
             max_tokens=self.cfg.schedule.max_tokens,
             packing=self.cfg.schedule.packing,

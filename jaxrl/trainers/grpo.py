@@ -46,7 +46,6 @@ from jaxrl.train.build import build_task
 from jaxrl.train.metrics import read_metrics
 from jaxrl.train.objectives import grpo_objective
 from jaxrl.train.plots import plot_reward_and_accuracy
-from jaxrl.train.precision import compute_copy
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.run_data import run_datasets
 from jaxrl.trainers.session import Session, generation_devices, with_device_ranks
@@ -133,7 +132,8 @@ class GRPOTrainer:
         if config.beta != 0.0:
             # the frozen initial parameters, a real copy (the train step donates its buffers), in
             # the compute dtype (docs/precision.md), where generation runs
-            ref_params = compute_copy(self.session.state.params, self.session.model_config.dtype)
+            # (with LoRA: the same model with its adapters disabled, no second copy)
+            ref_params = self.session.reference_params()
             if generation:
                 ref_params = jax.device_put(ref_params, self._generation_sharding)
         episodes = None  # multi-turn episodes with tools (jaxrl.rollout.episodes)
@@ -175,7 +175,7 @@ class GRPOTrainer:
                 else functools.partial(EpisodeEvaluator, runner=episodes)
             )
             self.evaluator = evaluator(
-                self.session.model_config,
+                self.generator.sampler.config,  # what a sampler runs (LoRA: the merged model)
                 tok,
                 [r["prompt"] for r in self.eval_rows],
                 [r["answer"] for r in self.eval_rows],
@@ -263,7 +263,7 @@ class GRPOTrainer:
             batch, stats = made.batch, made.stats
         elif self.pipeline is None:
             start = time.perf_counter()
-            batch, stats = self._produce(self.session.state.params, self.session.step)
+            batch, stats = self._produce(self.session.policy_params, self.session.step)
             self.generation_s += time.perf_counter() - start
         else:
             made = self.pipeline.take(self.session.step)
@@ -297,13 +297,13 @@ class GRPOTrainer:
         """The current parameters where the generator's scorer runs: themselves, or a copy on
         the generation devices."""
         if self.generation_mesh is self.session.mesh:
-            return self.session.state.params
+            return self.session.policy_params
         return self._snapshot()
 
     def _snapshot(self) -> Any:
         """A copy of the current parameters where generation runs, which later train steps
         (they donate their buffers) leave alone: the asynchronous generations' weights."""
-        params = self.session.state.params
+        params = self.session.policy_params
         if self.generation_mesh is not self.session.mesh:
             return jax.device_put(params, self._generation_sharding, may_alias=False)
         return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params)
@@ -444,7 +444,7 @@ class GRPOTrainer:
         used, arrays, packed = batch.used, batch.arrays, batch.packed
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.scorer.step_entropy_threshold(
-                self.session.state.params, arrays, c.top_entropy_quantile
+                self.session.policy_params, arrays, c.top_entropy_quantile
             )
             arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
         used_ids = np.asarray(used, np.int64)
@@ -503,7 +503,7 @@ class GRPOTrainer:
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
         if self.evaluator is None:
             return {}
-        return self.evaluator(self.session.state.params).metrics()
+        return self.evaluator(self.generator.sampler_params(self.session.policy_params)).metrics()
 
     def host_state(self) -> dict[str, Any]:
         """Everything outside the TrainState that a resumed run needs, as JSON (generations

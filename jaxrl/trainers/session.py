@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import flax.nnx as nnx
+import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,7 +26,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from jaxrl.config import ConfigError, RunConfig, to_dict
 from jaxrl.data.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.models import lora
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
+from jaxrl.models.peft import save_adapters
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
 from jaxrl.runtime.mesh import (
@@ -40,7 +43,7 @@ from jaxrl.train.build import build_run
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.objectives import Objective
-from jaxrl.train.precision import lost_update_fraction
+from jaxrl.train.precision import compute_copy, lost_update_fraction
 
 __all__ = ["Session", "generation_devices", "with_device_ranks"]
 
@@ -150,6 +153,7 @@ class Session:
         run = build_run(cfg, vocab_size, objective)
         self.mesh, self.model_config, self.graphdef = run.mesh, run.model_config, run.graphdef
         self.state, self.step_fn = run.state, run.step
+        self.frozen = run.frozen  # LoRA: the frozen base; state.params are the adapters
         self.ranks = batch_ranks(self.mesh)  # data-parallel ranks: data × fsdp
         self.local_ranks = local_ranks(self.mesh)  # the ranks whose rows this process packs
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", keep=cfg.checkpoint.keep)
@@ -165,7 +169,26 @@ class Session:
     @property
     def model(self) -> Transformer:
         """The current parameters as a model (for evaluation and export)."""
-        return nnx.merge(self.graphdef, self.state.params)
+        return nnx.merge(self.graphdef, self.policy_params)
+
+    @property
+    def policy_params(self) -> Any:
+        """The whole current model state for the scorer and the sampler: ``state.params``, or
+        with LoRA the adapters joined to the frozen base (no copy)."""
+        if self.frozen is None:
+            return self.state.params
+        return lora.join(self.state.params, self.frozen)
+
+    def reference_params(self, *, copy: bool = True) -> Any:
+        """The frozen reference of DPO / GRPO with beta > 0, taken now (before any update): a
+        compute-dtype copy of the parameters (``copy=False``: the parameters themselves, for a
+        use that ends before the next step), or with LoRA the same model with its adapters
+        disabled (zeroed: the base exactly, no second copy of the weights)."""
+        if self.frozen is None:
+            if not copy:
+                return self.state.params
+            return compute_copy(self.state.params, self.model_config.dtype)
+        return lora.join(lora.disabled(self.state.params), self.frozen)
 
     @property
     def step(self) -> int:
@@ -428,14 +451,20 @@ class Session:
         checkpoint, or ``model.param_dtype`` for a fresh model), so fp32 masters of a bf16
         checkpoint go back as bf16 and an fp32 checkpoint stays fp32 whatever the compute
         dtype. generation_config.json (the source's, with the tokenizer's ids) makes
-        transformers' ``generate()`` stop where jaxrl's sampler does.
+        transformers' ``generate()`` stop where jaxrl's sampler does. A LoRA run also writes
+        its adapters in PEFT's format to ``<output_dir>/adapter`` (``jaxrl.models.peft``) and
+        exports the merged model (``W + scaling · A B``, a quantised base dequantised) as ``hf``.
         """
         path = self.output_dir / "hf"
         source = self.cfg.model.path
         dtype = self.cfg.export.dtype or (source and checkpoint_dtype(source))
         base = read_generation_config(source) if source else {}
+        model = self.model
+        if self.frozen is not None:  # LoRA: the adapters alone (PEFT), then the merged model
+            save_adapters(model, self.output_dir / "adapter", base_model=source)
+            model = lora.merge(model, jnp.float32)
         save_pretrained(
-            self.model,
+            model,
             path,
             dtype=dtype or self.cfg.model.param_dtype,
             generation_config=tokenizer.generation_config(base),

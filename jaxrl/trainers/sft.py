@@ -118,7 +118,7 @@ class SFTTrainer:
         packed = pack_sequences(
             self.eval_seqs, loss_masks=self.eval_masks, row_len=self.cfg.schedule.max_tokens
         )
-        scores = self.scorer.documents(self.session.state.params, packed)
+        scores = self.scorer.documents(self.session.policy_params, packed)
         out = {"eval/accuracy": scores.exact_match()}
         if self.cfg.data.train is not None:
             tokens = sum(float(m[1:].sum()) for m in self.eval_masks)  # token 0 is never predicted

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from jaxrl.config import RunConfig
+from jaxrl.config.run import LoraSection
 
 SUMMARY = "warm_start.json"
 
@@ -40,6 +41,12 @@ def warm_start(cfg: RunConfig) -> RunConfig:
             sft_warmup_steps=0,
             sft_warmup_target=0.0,
         )
+        if cfg.model.path is None and cfg.model.lora.enabled:
+            # adapters on a random base learn little: a fresh model is warm-started fully, and
+            # the RL stage puts its adapters on the result (docs/lora.md)
+            sft_cfg = dataclasses.replace(
+                sft_cfg, model=dataclasses.replace(cfg.model, lora=LoraSection())
+            )
         target = cfg.sft_warmup_target or None
         if target is not None:  # check the target every sft_warmup_eval_every steps
             logging = dataclasses.replace(cfg.logging, eval_every=cfg.sft_warmup_eval_every)
