@@ -235,3 +235,21 @@ def test_a_failing_generation_raises_in_the_trainer():
     with pytest.raises(RuntimeError, match="reward function exploded"):
         pipe.take(0)
     pipe.close()
+
+
+def test_async_with_lora_and_a_reference(tmp_path):
+    """LoRA + β > 0 asynchronously: the snapshot carries adapters and the frozen base to the
+    generation devices, the reference (adapters disabled) lives there too, and evaluation builds
+    the merged architecture on the trainer's devices."""
+    t = _async(
+        tmp_path,
+        "rollout.max_staleness=1",
+        "model.lora.rank=4",
+        "grpo.beta=0.1",
+        "task.eval_size=8",
+    )
+    rows = [t.step() for _ in range(2)]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and np.isfinite(rows[1]["loss"])
+    assert "eval/accuracy" in t.evaluate()
+    t.pipeline.close()
