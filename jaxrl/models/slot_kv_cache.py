@@ -32,6 +32,7 @@ from jax import lax
 if TYPE_CHECKING:
     from jaxrl.models.model_config import ModelConfig
 
+DECODE_BLOCK = 64  # entries per decode-attention block (the sampler's default)
 _MASKED = np.float32(-1e30)  # the dense path's fill for invisible scores (attention.py)
 
 

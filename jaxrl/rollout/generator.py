@@ -84,12 +84,16 @@ class RolloutGenerator:
         old_logprobs: bool = False,
         ref_params: Any = None,
         mesh: Mesh | None = None,
+        max_slots: int = 0,
+        copy_params: bool = True,
     ):
         """``reward_funcs``: the loaded functions (``jaxrl.rollout.reward_specs``);
         ``old_logprobs``: score every batch under the generating parameters
         (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
         β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
-        where the parameters are)."""
+        where the parameters are); ``max_slots``: the sampler's decode slots (``rollout.max_slots``,
+        0 = one per completion); ``copy_params``: whether the sampler copies the weights at each
+        sync (needed when generation overlaps training; docs/rollout.md)."""
         self.config = config
         self.tokenizer = tokenizer
         self.reward_funcs = list(reward_funcs)
@@ -112,6 +116,8 @@ class RolloutGenerator:
                 temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
             ),
             mesh=mesh,
+            max_slots=max_slots,
+            copy_params=copy_params,
         )
         self.scorer = Scorer(
             graphdef,

@@ -51,9 +51,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.data.batch_buckets import batch_bucket, decode_slots
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.slot_kv_cache import SlotKVCache
+from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.engine import EngineShape, decode_requests
 from jaxrl.rollout.sampler_weights import SamplerWeights
@@ -64,13 +65,7 @@ from jaxrl.rollout.sampling import (
     sample_tokens,
     token_key,
 )
-from jaxrl.rollout.static_sampler import (
-    StaticSampler,
-    batch_bucket,
-    decode_step,
-    left_pad,
-    prefill,
-)
+from jaxrl.rollout.static_sampler import StaticSampler, decode_step, left_pad, prefill
 from jaxrl.rollout.stop import StopStrings
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, row_ranks
@@ -116,7 +111,7 @@ class Sampler:
         refill_every: int = 1,
         stop: StopStrings | None = None,
         prefill_chunk: int = 0,
-        attention_block: int = 64,
+        attention_block: int = DECODE_BLOCK,
         copy_params: bool = True,
     ):
         eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
@@ -178,10 +173,7 @@ class Sampler:
     def slots_for(self, num_requests: int) -> int:
         """Decode slots of a call with ``num_requests`` requests: ``max_slots`` (0: one per
         request of the batch bucket), at most the bucket, a multiple of the row ranks."""
-        padded = batch_bucket(num_requests)
-        slots = min(self.max_slots or padded, padded)
-        ranks = row_ranks(self.mesh)
-        return -(-slots // ranks) * ranks
+        return decode_slots(num_requests, self.max_slots, row_ranks(self.mesh))
 
     def cache_length(self, prompt_length: int) -> int:
         """L: entries per slot for prompts padded to ``prompt_length`` (P + N, in blocks)."""

@@ -55,6 +55,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxrl.data.batch_buckets import batch_bucket
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.model_config import ModelConfig
@@ -104,20 +105,6 @@ def decode_step(
     ones_B1 = jnp.ones((tokens_B.shape[0], 1), jnp.int32)
     hidden_B1D, cache = model.decode(tokens_B[:, None], positions_B[:, None], ones_B1, cache)
     return model.logits(hidden_B1D)[:, 0], cache
-
-
-def batch_bucket(b: int) -> int:
-    """The batch size a call of ``b`` prompts is padded to: the smallest power of two or 1.5 times
-    a power of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) that holds it, so at most a third of the
-    rows are empty and calls of nearby sizes share one compiled program. Empty rows are stopped
-    from the start, and every row's random bits depend on its index only (threefry
-    partitionable), so the padding changes no completion."""
-    size = 1
-    while size < b:
-        if size >= 2 and size * 3 // 2 >= b:
-            return size * 3 // 2
-        size *= 2
-    return size
 
 
 class StaticSampler:

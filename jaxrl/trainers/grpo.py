@@ -113,6 +113,10 @@ class GRPOTrainer:
                 else None
             ),
             mesh=self.session.mesh,
+            max_slots=cfg.rollout.max_slots,
+            # synchronous: the sampler reads the trainer's weights in place (no copy) when
+            # they are in the compute dtype; generation overlapping training needs its copy
+            copy_params=cfg.rollout.max_staleness > 0,
         )
         self.evaluator = None  # no held-out rows: no eval metrics
         if self.eval_rows:
