@@ -25,10 +25,12 @@ completions for any slot count, refill interval, batch bucket or mesh. A GRPO tr
 ``fold_in(key(seed), generation)`` and lays rows out prompt-major, so row ``r = i·G + j`` is
 completion j of prompt i.
 
-Placement. With a ``mesh`` the decode slots (and their cache) are split over its batch axes
-(data × fsdp; the slot count is rounded up to a multiple of the row ranks); parameters stay in
-the sharding they have and XLA partitions the model around them (``jaxrl.runtime.spmd``).
-Results come back with ``jaxrl.runtime.mesh.to_host`` on every process.
+Placement. With a ``mesh`` the decode slots (and their cache) and the prompt groups' prefill are
+split over its batch axes (data × fsdp; slot and group counts are rounded up to a multiple of
+the row ranks; a refilled slot gathers its group's prompt cache from wherever it lies);
+parameters stay in the sharding they have and XLA partitions the model around them
+(``jaxrl.runtime.spmd``). Results come back with ``jaxrl.runtime.mesh.to_host`` on every
+process.
 
 Weights (``sampler_weights.py``): ``load_params`` copies the trainer's parameters in the
 compute dtype by default (``copy_params=True``: generation may run while the trainer trains and
@@ -68,7 +70,7 @@ from jaxrl.rollout.sampling import (
 from jaxrl.rollout.static_sampler import StaticSampler, decode_step, left_pad, prefill
 from jaxrl.rollout.stop import StopStrings
 from jaxrl.runtime.mesh import to_host
-from jaxrl.runtime.spmd import on_mesh, put_replicated, row_ranks
+from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
 __all__ = [
     "SampleResult",
@@ -217,7 +219,8 @@ class Sampler:
         length = pick_bucket(max(len(p) for p in unique), self.prompt_buckets, "prompt length P")
         if self.prefill_chunk and length > self.prefill_chunk:
             length = -(-length // self.prefill_chunk) * self.prefill_chunk
-        r_pad, q_pad = batch_bucket(b), batch_bucket(len(unique))
+        ranks = row_ranks(self.mesh)  # the groups' prefill is split over the row ranks
+        r_pad, q_pad = batch_bucket(b), -(-batch_bucket(len(unique)) // ranks) * ranks
         prompts_QP = np.full((q_pad, length), self.pad_id, np.int32)
         lengths_Q = np.zeros(q_pad, np.int32)
         for q, p in enumerate(unique):
@@ -242,8 +245,8 @@ class Sampler:
         with on_mesh(self.mesh):
             out = self._jitted(
                 params,
-                rep(prompts_QP),
-                rep(lengths_Q),
+                put_rows(prompts_QP, self.mesh),
+                put_rows(lengths_Q, self.mesh),
                 rep(np.concatenate([np.asarray(group_R, np.int32), pad_R])),
                 rep(np.concatenate([limits.astype(np.int32), pad_R])),
                 rep(np.int32(b)),
