@@ -13,6 +13,8 @@ B prompts (random ids, 16-48 tokens). Two cases:
   logits). The engine (``Sampler``) takes the per-request limits and ``--slots`` decode slots; the
   static sampler (``StaticSampler``) and HF ``generate`` cannot stop a row at its own limit, so
   they decode every row to the largest limit. Useful tokens = sum of the limits, for all three.
+- ``grouped``: the same limits on GRPO-shaped prompts, B / G distinct prompts x G completions
+  (``--group``): the engine prefills each prompt once, the others once per row.
 - ``equal``: every request generates ``--equal-new`` tokens (no eos); engine with its default
   slots (one per request) vs the static sampler vs HF.
 
@@ -136,7 +138,8 @@ def main() -> None:
     ap.add_argument("--equal-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--cases", nargs="+", default=["long-tail", "equal"])
+    ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
+    ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -152,43 +155,43 @@ def main() -> None:
     ).eval()
     rng = np.random.default_rng(0)
     lengths = rng.integers(16, 49, size=args.batch)
-    prompts = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
+    distinct = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
+    grouped = [p for p in distinct[: args.batch // args.group] for _ in range(args.group)]
     key = jax.random.key(0)
     print(json.dumps(machine(("jax", "jaxlib", "torch", "transformers"))))
     print(f"model {args.shape}: D={config.hidden_size} layers={config.num_hidden_layers} "
           f"V={config.vocab_size}, fp32, greedy; prompts 16-48 tokens")  # fmt: skip
 
-    def engine(limits, slots):
+    def engine(prompts, limits, slots):
         sampler = Sampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD,
                           max_slots=slots)  # fmt: skip
         sampler.load_params(model)
         return lambda: sampler.generate(prompts, key, GREEDY, max_tokens=limits).tokens
 
-    def static(limits):
+    def static(prompts, limits):
         sampler = StaticSampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD)
         sampler.load_params(model)
         return lambda: sampler.generate(prompts, key, GREEDY).tokens
 
-    def hf_fn(limits):
+    def hf_fn(prompts, limits):
         return lambda: hf_generate(hf, prompts, int(limits.max()))
 
+    tail = long_tail_limits(rng, args.batch, args.median, args.sigma, args.max_new)
+    g = args.group
+    cases = {
+        "long-tail": (distinct, tail, args.slots, "distinct prompts"),
+        "grouped": (grouped, tail, args.slots, f"{args.batch // g} prompts x G={g}"),
+        "equal": (distinct, np.full(args.batch, args.equal_new, np.int32), [0], "distinct"),
+    }
     results = {}
-    if "long-tail" in args.cases:
-        limits = long_tail_limits(rng, args.batch, args.median, args.sigma, args.max_new)
-        methods = {f"engine, {s} slots": engine(limits, s) for s in args.slots}
-        methods["static sampler"] = static(limits)
+    for name in args.cases:
+        prompts, limits, slots, what = cases[name]
+        methods = {f"engine, {s or 'one per request'} slots": engine(prompts, limits, s)
+                   for s in slots}  # fmt: skip
+        methods["static sampler"] = static(prompts, limits)
         if not args.skip_hf:
-            methods["HF generate"] = hf_fn(limits)
-        results["long-tail"] = run_case("long-tail", methods, limits, args.repeat)
-    if "equal" in args.cases:
-        limits = np.full(args.batch, args.equal_new, np.int32)
-        methods = {
-            "engine, 1 slot per request": engine(limits, 0),
-            "static sampler": static(limits),
-        }
-        if not args.skip_hf:
-            methods["HF generate"] = hf_fn(limits)
-        results["equal"] = run_case("equal", methods, limits, args.repeat)
+            methods["HF generate"] = hf_fn(prompts, limits)
+        results[name] = run_case(f"{name} ({what})", methods, limits, args.repeat)
     print(f"\nload average after: {os.getloadavg()}")
     print(json.dumps(results))
 

@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
+from jaxrl.data.batch_buckets import batch_bucket
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.runtime.mesh import mesh_from_config, use_devices
 from jaxrl.train.build import build_model, build_task
@@ -150,7 +151,7 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     full = plan_memory(cfg)
     assert full["total_bytes"] == sum(full[k] for k in PARTS)
     g, model = cfg.grpo, full["model"]
-    p = 1 << (g.max_prompt_length - 1).bit_length()
+    p = batch_bucket(g.max_prompt_length)
     entry = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 4
     length = -(-(p + g.max_completion_length) // 64) * 64  # decode-attention blocks
     slots = -(-g.generation_batch_size // 8)  # one per completion, over 8 batch ranks

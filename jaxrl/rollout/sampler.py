@@ -8,7 +8,7 @@ any order; results come back in the rows' order.
 
 Shapes and programs. Requests are padded to a batch bucket (:func:`batch_bucket`: 1, 2, 3, 4,
 6, 8, 12, ...), distinct prompts likewise, and the prompts right-padded to a prompt bucket P
-(``prompt_buckets`` as in ``jaxrl.data.packing.pick_bucket``: None = the next power of two). One
+(``prompt_buckets`` as in ``jaxrl.data.packing.pick_bucket``; None = the same ladder). One
 program is compiled per (requests bucket, prompts bucket, P); slots, N = ``max_new_tokens``,
 the refill interval and the stop strings are fixed per sampler. Sampling parameters, the key,
 the prompts' contents and lengths and the per-request limits are traced, so changing them never
@@ -56,7 +56,7 @@ from jax.sharding import Mesh
 from jaxrl.data.batch_buckets import batch_bucket, decode_slots
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
+from jaxrl.models.slot_kv_cache import DECODE_BLOCK
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.engine import EngineShape, decode_requests
 from jaxrl.rollout.sampler_weights import SamplerWeights
@@ -182,11 +182,6 @@ class Sampler:
         b = self.attention_block
         return -(-(prompt_length + self.max_new_tokens) // b) * b
 
-    def kv_cache_bytes(self, num_requests: int, prompt_length: int) -> int:
-        """Bytes of the slot cache of a call (the prompt cache of the groups comes on top)."""
-        slots = self.slots_for(num_requests)
-        return SlotKVCache.nbytes(self.config, slots, self.cache_length(prompt_length), 1)
-
     # -- generation ---------------------------------------------------------------------------
     def generate(
         self,
@@ -216,7 +211,11 @@ class Sampler:
         groups: dict[tuple[int, ...], int] = {}
         group_R = [groups.setdefault(tuple(int(t) for t in p), len(groups)) for p in prompts]
         unique = list(groups)
-        length = pick_bucket(max(len(p) for p in unique), self.prompt_buckets, "prompt length P")
+        longest = max(len(p) for p in unique)
+        if self.prompt_buckets is None:  # 1, 2, 3, 4, 6, 8, ..., 32, 48, 64, 96, ...
+            length = batch_bucket(longest)
+        else:
+            length = pick_bucket(longest, self.prompt_buckets, "prompt length P")
         if self.prefill_chunk and length > self.prefill_chunk:
             length = -(-length // self.prefill_chunk) * self.prefill_chunk
         ranks = row_ranks(self.mesh)  # the groups' prefill is split over the row ranks
@@ -275,11 +274,8 @@ class Sampler:
         temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
     ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
-        key = key_data
-        if key_impl is not None:
-            key = jax.random.wrap_key_data(key_data, impl=key_impl)
-        else:
-            key = jax.random.wrap_key_data(key_data)
+        impl = {} if key_impl is None else {"impl": key_impl}  # None: a raw uint32 key
+        key = jax.random.wrap_key_data(key_data, **impl)
         return decode_requests(
             nnx.merge(self._graphdef, params),
             shape,

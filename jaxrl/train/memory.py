@@ -69,7 +69,6 @@ import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batch_buckets import batch_bucket, decode_slots
-from jaxrl.data.packing import pick_bucket
 from jaxrl.data.step_plan import DEVICE_FIELDS
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.models.model_config import ModelConfig
@@ -214,7 +213,7 @@ def _kv_cache_bytes(cfg: RunConfig, config: ModelConfig, ranks: int) -> int:
     g = cfg.grpo
     requests = g.generation_batch_size
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
-    p = pick_bucket(prompt, None, "prompt length P")
+    p = batch_bucket(prompt)  # the sampler's prompt bucket
     slots = decode_slots(requests, cfg.rollout.max_slots, ranks) // ranks
     length = p + g.max_completion_length
     groups = batch_bucket(max(requests // g.num_generations, 1))
