@@ -239,9 +239,9 @@ def test_invalid_requests_are_named(tiny_model):
 
 
 def test_grpo_run_reruns_bit_for_bit_and_slot_count_changes_no_completion(tmp_path):
-    """``jaxrl train`` GRPO (the tiny config, 2 steps, greedy held-out eval): a rerun writes the same
-    metrics bit for bit; ``rollout.max_slots=4`` (refilled slots) samples the same completions,
-    so the rewards and lengths are equal and the losses equal up to float rounding."""
+    """``jaxrl train`` GRPO (the tiny config, 2 steps, greedy held-out eval): a rerun writes the
+    same metrics bit for bit; ``rollout.max_slots=4`` (refilled slots) samples the same
+    completions, so rewards and lengths are equal and the losses equal up to float rounding."""
     from test_grpo_e2e import CONFIG, TINY
 
     from jaxrl.cli import main
