@@ -5,7 +5,7 @@
 
 One random jaxrl model is written with ``save_pretrained`` and loaded by transformers
 (``LlamaForCausalLM``, sdpa, fp32), so all three decode the same weights, greedily, from the same
-B prompts (random ids, 16-48 tokens). Two cases:
+B prompts (random ids, ``--prompt-len`` 16-48 tokens). Cases:
 
 - ``long-tail``: request b may generate ``limit[b]`` tokens, log-normal (median ``--median``,
   sigma ``--sigma``) with the largest forced to ``--max-new`` (>= 8x the median); eos is
@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
     ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -154,13 +155,13 @@ def main() -> None:
         hf_dir, attn_implementation="sdpa", dtype=torch.float32
     ).eval()
     rng = np.random.default_rng(0)
-    lengths = rng.integers(16, 49, size=args.batch)
+    lengths = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, size=args.batch)
     distinct = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
     grouped = [p for p in distinct[: args.batch // args.group] for _ in range(args.group)]
     key = jax.random.key(0)
     print(json.dumps(machine(("jax", "jaxlib", "torch", "transformers"))))
     print(f"model {args.shape}: D={config.hidden_size} layers={config.num_hidden_layers} "
-          f"V={config.vocab_size}, fp32, greedy; prompts 16-48 tokens")  # fmt: skip
+          f"V={config.vocab_size}, fp32, greedy; prompts {args.prompt_len} tokens")  # fmt: skip
 
     def engine(prompts, limits, slots):
         sampler = Sampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD,
