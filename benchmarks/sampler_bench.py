@@ -1,23 +1,32 @@
-"""Decode throughput of jaxrl's KV-cache ``Sampler`` vs transformers ``generate``, same model.
+"""Rollout engine vs the static-batch sampler vs transformers ``generate``, side by side.
 
-    python benchmarks/sampler_bench.py [--shape tiny|100m] [--batch 64] [--new-tokens 64]
+    python benchmarks/sampler_bench.py [--shape tiny|100m] [--batch 64] [--repeat 3]
+        [--median 16] [--sigma 1.0] [--max-new 128] [--slots 8 16 32] [--equal-new 64]
 
 One random jaxrl model is written with ``save_pretrained`` and loaded by transformers
-(``LlamaForCausalLM``, sdpa), so both decode the same weights. Both get the same B prompts
-(random ids, lengths uniform in ``[--min-prompt, --max-prompt]``), left-padded, and decode
-greedily up to ``--new-tokens`` tokens (eos = 1, pad = 0; prompts never contain either).
-Calls alternate (jaxrl, HF, jaxrl, ...) after one warm-up call each (jaxrl's compiles), and each
-side's time is the whole ``generate`` call (prefill included). Decode tokens/s = B x decode steps
-/ time. The greedy completions of the two are compared token by token.
+(``LlamaForCausalLM``, sdpa, fp32), so all three decode the same weights, greedily, from the same
+B prompts (random ids, ``--prompt-len`` 16-48 tokens). Cases:
 
-Then the sampler's compile contract: a call with a smaller batch, one with other prompt lengths
-in the same prompt bucket, and one with other sampling parameters, counting ``compiles``; and the
-KV cache's dtype with a bfloat16 compute dtype (``jax.eval_shape`` of the prefill).
+- ``long-tail``: request b may generate ``limit[b]`` tokens, log-normal (median ``--median``,
+  sigma ``--sigma``) with the largest forced to ``--max-new`` (>= 8x the median); eos is
+  disabled (the eos embedding row is zeroed, so its logit 0 never wins the argmax over 32k random
+  logits). The engine (``Sampler``) takes the per-request limits and ``--slots`` decode slots; the
+  static sampler (``StaticSampler``) and HF ``generate`` cannot stop a row at its own limit, so
+  they decode every row to the largest limit. Useful tokens = sum of the limits, for all three.
+- ``grouped``: the same limits on GRPO-shaped prompts, B / G distinct prompts x G completions
+  (``--group``): the engine prefills each prompt once, the others once per row.
+- ``equal``: every request generates ``--equal-new`` tokens (no eos); engine with its default
+  slots (one per request) vs the static sampler vs HF.
+
+Calls are interleaved (engine configs, static, HF, then again) after one warm-up call each
+(jaxrl compiles), ``--repeat`` times; each time is one whole ``generate`` call (prefill
+included). The greedy tokens of every method are compared within each request's limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -28,18 +37,19 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle torch threads sleep (shared cores)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flax.nnx as nnx  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from machine import machine  # noqa: E402
 
 from jaxrl.models.hf import save_pretrained  # noqa: E402
 from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
-from jaxrl.rollout.sampler import Sampler, SamplingParams, prefill  # noqa: E402
+from jaxrl.rollout.sampler import Sampler, SamplingParams, StaticSampler  # noqa: E402
 
 SHAPES = {
     "tiny": dict(
@@ -56,7 +66,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def hf_generate(model, prompts: list[np.ndarray], new_tokens: int) -> np.ndarray:
-    """Greedy transformers ``generate`` on left-padded prompts; the new tokens ``[B, <=N]``."""
+    """Greedy transformers ``generate`` on left-padded prompts, no eos: ``[B, new_tokens]``."""
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), PAD, np.int64)
     mask = np.zeros_like(ids)
@@ -67,22 +77,70 @@ def hf_generate(model, prompts: list[np.ndarray], new_tokens: int) -> np.ndarray
             input_ids=torch.as_tensor(ids),
             attention_mask=torch.as_tensor(mask),
             max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
-            eos_token_id=EOS,
+            eos_token_id=None,
             pad_token_id=PAD,
         )
     return out[:, width:].numpy()
+
+
+def long_tail_limits(rng, batch: int, median: float, sigma: float, longest: int) -> np.ndarray:
+    limits = np.exp(rng.normal(np.log(median), sigma, size=batch)).round().astype(np.int32)
+    limits = np.clip(limits, 1, longest)
+    limits[np.argmax(limits)] = longest  # the tail's end: max >= 8x median
+    return limits
+
+
+def run_case(name, methods, limits, repeat) -> dict:
+    """Warm up, then time the methods round-robin; check their tokens agree within limits."""
+    outs = {m: fn() for m, fn in methods.items()}  # warm-up (jaxrl compiles)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(repeat):
+        for m, fn in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            times[m].append(time.perf_counter() - t0)
+    ref = next(iter(outs.values()))
+    useful = int(limits.sum())
+    rows = {}
+    for m, tokens in outs.items():
+        same = np.mean([(tokens[b, :n] == ref[b, :n]).all() for b, n in enumerate(limits)])
+        med = statistics.median(times[m])
+        rows[m] = dict(
+            median_s=med, min_s=min(times[m]), max_s=max(times[m]), tok_s=useful / med,
+            rows_equal_to_first=float(same),
+        )  # fmt: skip
+    print(f"\n### {name}: B={len(limits)}, useful tokens {useful} (limits median "
+          f"{int(np.median(limits))}, max {limits.max()}, mean {limits.mean():.1f})")  # fmt: skip
+    header = "method | s/call median (min-max) | useful tokens/s | vs static | vs HF | rows equal"
+    print(f"| {header} |")
+    print("|---|---|---|---|---|---|")
+    static = next(v["tok_s"] for k, v in rows.items() if k.startswith("static"))
+    hf = rows.get("HF generate", {}).get("tok_s")
+    for m, r in rows.items():
+        vs_hf = f"{r['tok_s'] / hf:.2f}x" if hf else "-"
+        print(f"| {m} | {r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | "
+              f"{r['tok_s']:,.0f} | {r['tok_s'] / static:.2f}x | {vs_hf} | "
+              f"{r['rows_equal_to_first']:.0%} |")  # fmt: skip
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--min-prompt", type=int, default=16)
-    ap.add_argument("--max-prompt", type=int, default=48)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--median", type=float, default=16)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--equal-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
+    ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -90,75 +148,53 @@ def main() -> None:
 
     config = ModelConfig.tiny(**SHAPES[args.shape])
     model = Transformer(config, rngs=nnx.Rngs(0))
+    model.embedding[...] = model.embedding[...].at[EOS].set(0.0)  # eos logit 0: never argmax
     hf_dir = Path(tempfile.mkdtemp(prefix="sampler_bench_")) / "hf"
     save_pretrained(model, hf_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, attn_implementation="sdpa", dtype=torch.float32
     ).eval()
-
     rng = np.random.default_rng(0)
-    lengths = rng.integers(args.min_prompt, args.max_prompt + 1, size=args.batch)
-    prompts = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
-    sampler = Sampler(config, max_new_tokens=args.new_tokens, eos_id=EOS, pad_id=PAD)
-    sampler.load_params(model)
+    lengths = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, size=args.batch)
+    distinct = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
+    grouped = [p for p in distinct[: args.batch // args.group] for _ in range(args.group)]
     key = jax.random.key(0)
+    print(json.dumps(machine(("jax", "jaxlib", "torch", "transformers"))))
+    print(f"model {args.shape}: D={config.hidden_size} layers={config.num_hidden_layers} "
+          f"V={config.vocab_size}, fp32, greedy; prompts {args.prompt_len} tokens")  # fmt: skip
 
-    def run_jaxrl():
-        return sampler.generate(prompts, key, GREEDY)
+    def engine(prompts, limits, slots):
+        sampler = Sampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD,
+                          max_slots=slots)  # fmt: skip
+        sampler.load_params(model)
+        return lambda: sampler.generate(prompts, key, GREEDY, max_tokens=limits).tokens
 
-    def run_hf():
-        return hf_generate(hf, prompts, args.new_tokens)
+    def static(prompts, limits):
+        sampler = StaticSampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD)
+        sampler.load_params(model)
+        return lambda: sampler.generate(prompts, key, GREEDY).tokens
 
-    ours, theirs = run_jaxrl(), run_hf()  # warm-up (jaxrl compiles)
-    times: dict[str, list[float]] = {"jaxrl Sampler": [], "HF generate": []}
-    for _ in range(args.repeat):
-        for name, fn in (("jaxrl Sampler", run_jaxrl), ("HF generate", run_hf)):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    def hf_fn(prompts, limits):
+        return lambda: hf_generate(hf, prompts, int(limits.max()))
 
-    steps = {"jaxrl Sampler": ours.num_steps, "HF generate": theirs.shape[1]}
-    n = min(ours.tokens.shape[1], theirs.shape[1])
-    same = float(np.mean(ours.tokens[:, :n] == theirs[:, :n]))
-    print(
-        f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}; load average {os.getloadavg()[0]:.2f}; "
-        f"model {args.shape}: D={config.hidden_size} L={config.num_hidden_layers} "
-        f"V={config.vocab_size}; B={args.batch}, prompts {args.min_prompt}-{args.max_prompt} "
-        f"tokens (left-padded to the next power of two), max_new_tokens={args.new_tokens}"
-    )
-    print("| sampler | decode steps | s/call median (min-max) | decode tokens/s |")
-    medians = {}
-    for name, ts in times.items():
-        med = medians[name] = statistics.median(ts)
-        rate = args.batch * steps[name] / med
-        print(f"| {name} | {steps[name]} | {med:.3f} ({min(ts):.3f}-{max(ts):.3f}) | {rate:,.0f} |")
-    ratio = (args.batch * steps["jaxrl Sampler"] / medians["jaxrl Sampler"]) / (
-        args.batch * steps["HF generate"] / medians["HF generate"]
-    )
-    print(f"jaxrl / HF decode tokens/s = {ratio:.2f}; greedy tokens equal: {same:.1%}")
-
-    # compile contract: one program per (B, P bucket, N); sampling parameters are traced
-    before = sampler.compiles
-    bucket = 1 << (int(max(lengths)) - 1).bit_length()
-    shorter = [p[: bucket // 2 + 1] for p in prompts]  # longest now bucket/2 + 1: same bucket
-    sampler.generate(shorter, key, GREEDY)
-    same_bucket = sampler.compiles - before
-    sampler.generate(prompts, key, SamplingParams(temperature=0.7, top_k=20, top_p=0.9))
-    sampling = sampler.compiles - before - same_bucket
-    sampler.generate(prompts[: args.batch - 4], key, GREEDY)
-    smaller = sampler.compiles - before - same_bucket - sampling
-    print(
-        f"compiles: first call 1; shorter prompts, same bucket {bucket} (longest "
-        f"{max(lengths)} -> {bucket // 2 + 1}) +{same_bucket}; other sampling parameters "
-        f"+{sampling}; "
-        f"batch {args.batch} -> {args.batch - 4} +{smaller}"
-    )
-    bf16 = ModelConfig.tiny(**SHAPES[args.shape], dtype="bfloat16")
-    tokens = jnp.zeros((2, 8), jnp.int32)
-    abstract = nnx.eval_shape(lambda: Transformer(bf16, rngs=nnx.Rngs(0)))
-    _, cache = jax.eval_shape(lambda m: prefill(m, tokens, jnp.full((2,), 8), 16), abstract)
-    print(f"KV cache dtype with param_dtype float32, dtype bfloat16: {cache.keys.dtype}")
+    tail = long_tail_limits(rng, args.batch, args.median, args.sigma, args.max_new)
+    g = args.group
+    cases = {
+        "long-tail": (distinct, tail, args.slots, "distinct prompts"),
+        "grouped": (grouped, tail, args.slots, f"{args.batch // g} prompts x G={g}"),
+        "equal": (distinct, np.full(args.batch, args.equal_new, np.int32), [0], "distinct"),
+    }
+    results = {}
+    for name in args.cases:
+        prompts, limits, slots, what = cases[name]
+        methods = {f"engine, {s or 'one per request'} slots": engine(prompts, limits, s)
+                   for s in slots}  # fmt: skip
+        methods["static sampler"] = static(prompts, limits)
+        if not args.skip_hf:
+            methods["HF generate"] = hf_fn(prompts, limits)
+        results[name] = run_case(f"{name} ({what})", methods, limits, args.repeat)
+    print(f"\nload average after: {os.getloadavg()}")
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -12,16 +12,24 @@ import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
+from jaxrl.data.batch_buckets import batch_bucket
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.runtime.mesh import mesh_from_config, use_devices
 from jaxrl.train.build import build_model, build_task
-from jaxrl.train.memory import plan_memory
+from jaxrl.train.memory import _compute_copies, _kv_cache_bytes, plan_memory, plan_run
 from jaxrl.train.optimizer import make_optimizer
 from jaxrl.train.state import create_state
 
 TINY = "configs/sft_tiny.yaml"
 TINY_8 = ["mesh.data=2", "mesh.fsdp=4"]
-PARTS = ("params_bytes", "optimizer_bytes", "grads_bytes", "compute_copy_bytes", "temp_bytes")
+PARTS = (
+    "params_bytes",
+    "optimizer_bytes",
+    "grads_bytes",
+    "compute_copy_bytes",
+    "kv_cache_bytes",
+    "temp_bytes",
+)
 QWEN25_7B = {  # Qwen2.5-7B's config.json shape
     "model_type": "qwen2",
     "vocab_size": 152064,
@@ -132,6 +140,28 @@ def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference()
         assert plan["total_bytes"] == sum(plan[k] for k in PARTS)
     sft = plan_memory(load_run_config(TINY, ["model.dtype=bfloat16", *TINY_8]))
     assert sft["compute_copy_bytes"] == 0 and sft["params_bytes"] == plans[0.0]["params_bytes"]
+    assert sft["kv_cache_bytes"] == 0
+
+
+def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
+    """The sampler's KV caches are in the total; rollout.max_slots shrinks the decode cache;
+    synchronous fp32 runs hold no sampler copy, generation ahead of training holds one."""
+    sets = ["algorithm=grpo", *TINY_8]
+    cfg = load_run_config(TINY, sets)
+    full = plan_memory(cfg)
+    assert full["total_bytes"] == sum(full[k] for k in PARTS)
+    g, model = cfg.grpo, full["model"]
+    p = batch_bucket(g.max_prompt_length)
+    entry = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 4
+    length = -(-(p + g.max_completion_length) // 64) * 64  # decode-attention blocks
+    slots = -(-g.generation_batch_size // 8)  # one per completion, over 8 batch ranks
+    groups = g.generation_batch_size // g.num_generations
+    assert full["kv_cache_bytes"] == entry * (slots * length + groups * p) > 0
+    config = plan_run(cfg).model_config
+    few = load_run_config(TINY, [*sets, "rollout.max_slots=8"])
+    assert _kv_cache_bytes(few, config, 8) == entry * (1 * length + groups * p)  # 8 over 8 ranks
+    ahead = load_run_config(TINY, [*sets, "rollout.max_staleness=1"])
+    assert full["compute_copies"] == 0 and _compute_copies(ahead, config) == 1
 
 
 def test_a_mesh_that_does_not_match_the_devices_exits_2_naming_both_counts(capsys):

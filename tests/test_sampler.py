@@ -266,14 +266,17 @@ def test_sampled_rows_stop_at_their_first_eos(tiny):
     assert res.num_steps == res.lengths.max()
 
 
-def test_compiles_once_per_batch_and_prompt_bucket(tiny):
+def test_compiles_once_per_batch_group_and_prompt_bucket(tiny):
+    """One program per (requests bucket, distinct-prompts bucket, P bucket): prompt contents,
+    lengths within the bucket, sampling parameters and per-request limits are traced."""
     _, sampler = tiny
-    sampler.generate([[2, 4]] * 3, jax.random.key(0))
+    sampler.generate([[2, 4], [3], [5]], jax.random.key(0))
+    sampler.generate([[2, 4]] * 3, jax.random.key(0))  # one distinct prompt: a group bucket of 1
     before = sampler.compiles
     for n, seed in ((1, 1), (5, 2), (8, 3)):
         sampler.generate([[2] * n, [4], [5, 6]], jax.random.key(seed))
         sampler.generate([[2] * n] * 3, jax.random.key(seed), SamplingParams(top_p=0.5))
-        sampler.generate([[2] * n] * 3, jax.random.key(seed), GREEDY)
+        sampler.generate([[2] * n] * 3, jax.random.key(seed), GREEDY, max_tokens=[1, 5, 16])
     assert sampler.compiles == before
     sampler.generate([[2] * 9] * 3, jax.random.key(0))  # P bucket 16
     sampler.generate([[2] * 12] * 3, jax.random.key(1))

@@ -435,6 +435,8 @@ class RolloutConfig:
     # 0 = generate, then train (synchronous); k >= 1 = generate ahead while the trainer trains
     devices: int = 0  # devices reserved for generation when max_staleness >= 1 (the last ones);
     # 0 = half of them (none with one device: generation then shares it)
+    max_slots: int = 0  # decode slots of the rollout engine (docs/rollout.md): a stopped
+    # completion's slot takes the next waiting one; 0 = one slot per completion of the batch
 
     def __post_init__(self):
         require(
@@ -448,6 +450,12 @@ class RolloutConfig:
             "rollout.devices",
             self.devices,
             "use 0 (half of the devices) or the number of devices to generate on",
+        )
+        require(
+            isinstance(self.max_slots, int) and self.max_slots >= 0,
+            "rollout.max_slots",
+            self.max_slots,
+            "use 0 (one slot per completion) or the number of decode slots, e.g. 64",
         )
 
 

@@ -23,6 +23,7 @@ longer than the cache, and samplers size the cache as ``P + max_new_tokens``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -72,6 +73,29 @@ class LayerKV:
                 self.values_NlBLKDh, v_BTKDh[None].astype(self.values_NlBLKDh.dtype), start
             ),
         )
+
+    def attend(
+        self,
+        q_BTHDh: jax.Array,
+        k_BTKDh: jax.Array,
+        v_BTKDh: jax.Array,
+        segment_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        attention: Callable[..., jax.Array],
+    ) -> tuple[jax.Array, LayerKV]:
+        """Append the T new keys/values, then ``attention`` of the queries over all L slots
+        under the visibility rule: ``(out_BTHDh, updated view)``."""
+        kv = self.append(k_BTKDh, v_BTKDh)
+        out_BTHDh = attention(
+            q_BTHDh,
+            kv.keys_BLKDh,
+            kv.values_BLKDh,
+            segment_ids_BT,
+            kv.segment_ids_BL,
+            positions_BT,
+            kv.positions_BL,
+        )
+        return out_BTHDh, kv
 
 
 @jax.tree_util.register_dataclass

@@ -35,6 +35,7 @@ from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
 from jaxrl.models.lora_layer import adapt, adapter, lora_rngs, quantize_base
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.slot_kv_cache import SlotKVCache
 
 _INIT_STD = 0.02  # Hugging Face's default initializer_range.
 
@@ -147,16 +148,9 @@ class Attention(nnx.Module):
                 positions_BT,
                 positions_BT,
             )
-        else:
-            cache = cache.append(k_BTKDh, v_BTKDh)
-            out_BTHDh = attention(
-                q_BTHDh,
-                cache.keys_BLKDh,
-                cache.values_BLKDh,
-                segment_ids_BT,
-                cache.segment_ids_BL,
-                positions_BT,
-                cache.positions_BL,
+        else:  # the cache writes the new keys and attends (kv_cache.py, slot_kv_cache.py)
+            out_BTHDh, cache = cache.attend(
+                q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention
             )
         b, t, h, dh = out_BTHDh.shape
         o_kernel_HDhD = self.o_kernel[...].astype(dt)
@@ -296,8 +290,8 @@ class Transformer(nnx.Module):
         input_ids_BT: jax.Array,
         positions_BT: jax.Array,
         segment_ids_BT: jax.Array,
-        cache: KVCache,
-    ) -> tuple[jax.Array, KVCache]:
+        cache: KVCache | SlotKVCache,
+    ) -> tuple[jax.Array, KVCache | SlotKVCache]:
         """Run T new tokens against a KV cache: ``(hidden_BTD, cache)`` (``kv_cache.py``).
 
         The tokens' keys and values are written at slots ``[cache.index, cache.index + T)``

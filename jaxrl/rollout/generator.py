@@ -95,13 +95,18 @@ class RolloutGenerator:
         ref_params: Any = None,
         mesh: Mesh | None = None,
         episodes: EpisodeRunner | None = None,
+        max_slots: int = 0,
+        copy_params: bool = True,
     ):
         """``reward_funcs``: the loaded functions (``jaxrl.rollout.reward_specs``);
         ``old_logprobs``: score every batch under the generating parameters
         (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
         β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
         where the parameters are); ``episodes``: multi-turn episodes with tools (docs/tools.md;
-        None: one completion per prompt)."""
+        None: one completion per prompt); ``max_slots``: the sampler's decode slots
+        (``rollout.max_slots``, 0 = one per completion); ``copy_params``: whether the sampler
+        copies the weights at each sync (needed when generation overlaps training;
+        docs/rollout.md)."""
         self.config = config
         self.episodes = episodes
         self.tokenizer = tokenizer
@@ -126,6 +131,8 @@ class RolloutGenerator:
                 temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
             ),
             mesh=mesh,
+            max_slots=max_slots,
+            copy_params=copy_params,
         )
         self.scorer = Scorer(
             graphdef,

@@ -1,43 +1,44 @@
-"""KV-cache sampler: jitted prefill plus a ``lax.while_loop`` decode over a preallocated cache.
+"""The sampler: prompts in, completions with their log-probs out, by continuous batching.
 
-Layout. A batch of B prompts of different lengths is left-padded to a bucketed length P (padding
-is segment 0, real tokens segment 1, positions 0.. from each row's first real token), so every
-row's next token lands in the same cache slot ``P + step`` (``jaxrl/models/kv_cache.py``). The
-cache has ``P + N`` slots, N = ``max_new_tokens``. One program is compiled per ``(B, P, N)``;
-the sampling parameters and the PRNG key are traced arguments, so changing them never
+``Sampler.generate(prompts, key)`` generates one completion per prompt row with the engine of
+``engine.py``: identical prompt rows (a GRPO group's G copies) are prefilled once, and a fixed
+number of decode slots (``max_slots``; 0 = one per request) is refilled, inside the compiled
+program, as requests stop (eos, a stop string, or their own ``max_tokens``). Rows may be given in
+any order; results come back in the rows' order.
+
+Shapes and programs. Requests are padded to a batch bucket (:func:`batch_bucket`: 1, 2, 3, 4,
+6, 8, 12, ...), distinct prompts likewise, and the prompts right-padded to a prompt bucket P
+(``prompt_buckets`` as in ``jaxrl.data.packing.pick_bucket``; None = the same ladder). One
+program is compiled per (requests bucket, prompts bucket, P); slots, N = ``max_new_tokens``,
+the refill interval and the stop strings are fixed per sampler. Sampling parameters, the key,
+the prompts' contents and lengths and the per-request limits are traced, so changing them never
 recompiles (``Sampler.compiles`` counts traces).
 
 Numerics match the trainer (docs/algorithms/accumulation.md §5 and §7): logits come from the
-model's own head
-(``Transformer.logits``, an fp32 HIGHEST matmul when ``fp32_lm_head``), and the reported
-log-prob of a sampled token is ``z[tok] - logsumexp(z)`` with ``z = logits.astype(f32) / T``
-over the FULL vocabulary, the quantity ``token_logprobs`` computes in training. top-k / top-p
-only decide which token is drawn; they do not renormalise the reported log-prob.
+model's own head (``Transformer.logits``, an fp32 HIGHEST matmul when ``fp32_lm_head``), and
+the reported log-prob of a sampled token is the full-vocabulary ``log_softmax(logits / T)`` at
+it (``sampling.py``).
 
-Stopping. Row b stops at its first token in ``eos_ids``; later positions hold ``pad_id`` with
-log-prob 0, and the row's cache entries no longer matter (rows never attend to each other). The
-loop exits as soon as every row has stopped, or after N steps. (Each step samples, then runs the
-model on the sampled token, so the forward of the last step is not used: one wasted step per
-call, in exchange for a loop body without a conditional around the cache.)
+Random bits (``sampling.token_key``). Token t of request r (row r of the call) is drawn with
+``fold_in(fold_in(key, r), t)``: a function of (key, r, t) only. The same key gives the same
+completions for any slot count, refill interval, batch bucket or mesh. A GRPO trainer passes
+``fold_in(key(seed), generation)`` and lays rows out prompt-major, so row ``r = i·G + j`` is
+completion j of prompt i.
 
-Placement. With a ``mesh`` (``Sampler(..., mesh=)``) the prompts are split over its batch axes
-(data × fsdp, ``jaxrl.runtime.mesh.batch_sharding``): the batch is padded up to a multiple of the
-row ranks with empty rows (prompt length 0, stopped from the start, dropped from the result), and
-every device decodes its own rows. Parameters stay in the sharding they have (``load_params``
-copies them in place; leaves that are not on the mesh's devices are replicated over it), and
-XLA partitions the model around them (``jaxrl.runtime.spmd``). Results come back with
-``jaxrl.runtime.mesh.to_host``, so every process of a multi-process run gets them all. Without a
-mesh everything runs where the parameters are.
+Placement. With a ``mesh`` the decode slots (and their cache) and the prompt groups' prefill are
+split over its batch axes (data × fsdp; slot and group counts are rounded up to a multiple of
+the row ranks; a refilled slot gathers its group's prompt cache from wherever it lies);
+parameters stay in the sharding they have and XLA partitions the model around them
+(``jaxrl.runtime.spmd``). Results come back with ``jaxrl.runtime.mesh.to_host`` on every
+process.
 
-Random bits do not depend on the mesh: with ``jax_threefry_partitionable`` (the default in this
-jax; the sampler refuses a mesh without it) the bits drawn for row b, vocabulary entry v are a
-function of the key and the position (b, v) only, not of how the rows are split or how many
-padding rows follow. So one key gives the same completions on one device and on eight.
+Weights (``sampler_weights.py``): ``load_params`` copies the trainer's parameters in the
+compute dtype by default (``copy_params=True``: generation may run while the trainer trains and
+donates its buffers); ``copy_params=False`` reads arrays already in the compute dtype in place
+(the synchronous case), so the run holds no second copy of the model.
 
-Weights enter only through :meth:`Sampler.load_params`, which copies a trainer's
-parameters and casts them to the compute dtype (``ModelConfig.dtype``; fp32 masters are never
-copied as fp32), so a trainer that donates its buffers
-cannot invalidate the sampler's.
+``static_sampler.StaticSampler`` is the previous static-batch sampler, kept as the benchmark
+baseline; this module re-exports its building blocks.
 """
 
 from __future__ import annotations
@@ -50,175 +51,52 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
+from jaxrl.data.batch_buckets import batch_bucket, decode_slots
 from jaxrl.data.packing import BucketSpec, pick_bucket
-from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.slot_kv_cache import DECODE_BLOCK
 from jaxrl.models.transformer import Transformer
-from jaxrl.runtime.mesh import put_global, to_host
-from jaxrl.runtime.spmd import (
-    on_mesh,
-    on_mesh_devices,
-    put_replicated,
-    put_rows,
-    row_ranks,
+from jaxrl.rollout.engine import EngineShape, decode_requests
+from jaxrl.rollout.sampler_weights import SamplerWeights
+from jaxrl.rollout.sampling import (
+    SampleResult,
+    SamplingParams,
+    filter_logits,
+    sample_tokens,
+    token_key,
 )
+from jaxrl.rollout.static_sampler import StaticSampler, decode_step, left_pad, prefill
+from jaxrl.rollout.stop import StopStrings
+from jaxrl.runtime.mesh import to_host
+from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
 __all__ = [
     "SampleResult",
     "Sampler",
     "SamplingParams",
+    "StaticSampler",
+    "StopStrings",
+    "batch_bucket",
     "decode_step",
     "filter_logits",
     "left_pad",
     "prefill",
     "sample_tokens",
+    "token_key",
 ]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How the next token is drawn; none of these fields triggers a recompile."""
-
-    temperature: float = 1.0  # logits are divided by it; 0 = greedy (argmax)
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # keep the smallest top set with mass >= top_p (after top-k); 1 = off
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be an int >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1] (1 = off)")
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleResult:
-    """Completions of one :meth:`Sampler.generate` call (host numpy)."""
-
-    tokens: np.ndarray  # int32 [B, N]: generated ids, eos included, pad_id after it
-    logprobs: np.ndarray  # float32 [B, N]: log-softmax(logits / T) at the token; 0 after eos
-    lengths: np.ndarray  # int32 [B]: generated tokens including the eos
-    truncated: np.ndarray  # bool [B]: no eos within N tokens
-    prompt_lengths: np.ndarray  # int32 [B]
-    num_steps: int  # decode steps run (< N when every row stopped early)
-
-    def completions(self) -> list[np.ndarray]:
-        """Row b's generated ids, ``tokens[b, :lengths[b]]``."""
-        return [self.tokens[b, :n] for b, n in enumerate(self.lengths)]
-
-
-def left_pad(
-    prompts: Sequence[Sequence[int]], *, pad_id: int, length: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens_BP, prompt_lengths_B)``: prompts right-aligned in int32 rows of ``length``."""
-    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    tokens_BP = np.full((len(prompts), length), pad_id, np.int32)
-    for b, prompt in enumerate(prompts):
-        if len(prompt):
-            tokens_BP[b, length - len(prompt) :] = np.asarray(prompt)
-    return tokens_BP, lengths_B
-
-
-def prefill(
-    model: Transformer, tokens_BP: jax.Array, prompt_lengths_B: jax.Array, cache_length: int
-) -> tuple[jax.Array, KVCache]:
-    """Run left-padded prompts into a fresh cache of ``cache_length`` slots.
-
-    Returns the logits of each row's last prompt token ``[B, V]`` (the next-token
-    distribution) and the cache with index P.
-    """
-    b, p = tokens_BP.shape
-    pad_B1 = (p - prompt_lengths_B)[:, None]
-    idx_1P = jnp.arange(p, dtype=jnp.int32)[None, :]
-    segment_ids_BP = (idx_1P >= pad_B1).astype(jnp.int32)
-    positions_BP = jnp.maximum(idx_1P - pad_B1, 0)
-    cache = KVCache.empty(model.config, b, cache_length)
-    hidden_BPD, cache = model.decode(tokens_BP, positions_BP, segment_ids_BP, cache)
-    return model.logits(hidden_BPD[:, -1:])[:, 0], cache
-
-
-def decode_step(
-    model: Transformer, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
-    """One token per row at the cache's index (segment 1): ``(next logits [B, V], cache)``."""
-    ones_B1 = jnp.ones((tokens_B.shape[0], 1), jnp.int32)
-    hidden_B1D, cache = model.decode(tokens_B[:, None], positions_B[:, None], ones_B1, cache)
-    return model.logits(hidden_B1D)[:, 0], cache
-
-
-def filter_logits(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """``logits`` with ``-inf`` outside the top-k, then top-p (nucleus), set of each row.
-
-    top-k keeps the k largest logits (``top_k <= 0``: all). top-p then keeps, in decreasing
-    order, every token whose preceding mass under the renormalised top-k distribution is
-    ``< top_p`` (the first token always stays). Tokens tied with the last kept logit are kept
-    too. Works for traced ``top_k`` and ``top_p``.
-    """
-    v = logits_BV.shape[-1]
-    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    in_top_k_BV = jnp.arange(v)[None, :] < k
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    num_kept_B = jnp.sum(in_top_k_BV & (mass_before_BV < top_p), axis=-1)
-    cutoff_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(num_kept_B, 1)[:, None] - 1, axis=-1)
-    return jnp.where(logits_BV >= cutoff_B1, logits_BV, -jnp.inf)
-
-
-def sample_tokens(
-    key: jax.Array,
-    logits_BV: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """``(tokens_B, logprobs_B)``: one draw per row and its full-vocabulary log-prob.
-
-    ``z = logits.astype(f32) / temperature``; the token is drawn from ``softmax(z)`` restricted
-    by :func:`filter_logits`, and its log-prob is ``z[tok] - logsumexp(z)`` over the full
-    vocabulary (as the trainer computes it). ``temperature == 0`` is greedy: the argmax of the
-    logits, with the log-prob at temperature 1.
-    """
-    greedy = temperature == 0
-    z_BV = logits_BV.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
-    filtering = (top_k > 0) | (top_p < 1)
-    filtered_BV = lax.cond(
-        filtering & ~greedy, lambda z: filter_logits(z, top_k, top_p), lambda z: z, z_BV
-    )
-    drawn_B = jax.random.categorical(key, filtered_BV, axis=-1)
-    tokens_B = jnp.where(greedy, jnp.argmax(z_BV, axis=-1), drawn_B).astype(jnp.int32)
-    token_logit_B = jnp.take_along_axis(z_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, token_logit_B - jax.nn.logsumexp(z_BV, axis=-1)
-
-
-def batch_bucket(b: int) -> int:
-    """The batch size a call of ``b`` prompts is padded to: the smallest power of two or 1.5 times
-    a power of two (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) that holds it, so at most a third of the
-    rows are empty and calls of nearby sizes share one compiled program. Empty rows are stopped
-    from the start, and every row's random bits depend on its index only (threefry
-    partitionable), so the padding changes no completion."""
-    size = 1
-    while size < b:
-        if size >= 2 and size * 3 // 2 >= b:
-            return size * 3 // 2
-        size *= 2
-    return size
-
-
 class Sampler:
-    """Batched sampling from a :class:`Transformer` with a KV cache; weights via ``load_params``.
+    """Continuous-batching sampling from a :class:`Transformer`; weights via ``load_params``.
 
-    ``generate(prompts, key)`` left-pads the prompts to a bucketed length P (``prompt_buckets``
-    as in ``jaxrl.data.packing.pick_bucket``: None = next power of two) and decodes up to
-    ``max_new_tokens`` tokens per row. The key is split once per decode step, so a key fixes
-    the result, on any mesh. Compiles once per (B, P), B padded to a multiple of the mesh's row
-    ranks; ``compiles`` counts them. ``mesh``: split the prompts over its batch axes (None: run
-    where the parameters are).
+    ``max_slots``: decode slots (0 = one per request of the call, bucketed). ``refill_every``:
+    empty slots take waiting requests every k decode steps. ``stop``: stop strings
+    (:class:`StopStrings`, built over the tokenizer's vocabulary). ``prefill_chunk``: prefill
+    prompts C tokens at a time (0 = whole). ``attention_block``: decode-attention block (the
+    cache length is a multiple of it). ``copy_params``: see the module doc. ``mesh``: split the
+    slots over its batch axes (None: run where the parameters are).
     """
 
     def __init__(
@@ -231,18 +109,31 @@ class Sampler:
         sampling: SamplingParams | None = None,
         prompt_buckets: BucketSpec = None,
         mesh: Mesh | None = None,
+        max_slots: int = 0,
+        refill_every: int = 1,
+        stop: StopStrings | None = None,
+        prefill_chunk: int = 0,
+        attention_block: int = DECODE_BLOCK,
+        copy_params: bool = True,
     ):
-        if mesh is not None and not jax.config.jax_threefry_partitionable:
-            raise ValueError(
-                "Sampler(mesh=...) needs jax_threefry_partitionable=True (the default), so that "
-                "the random bits do not depend on how the batch is split over devices"
-            )
         eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
         for name, ids in (("eos_id", eos_ids), ("pad_id", [pad_id])):
             if not ids or any(not 0 <= int(i) < config.vocab_size for i in ids):
                 raise ValueError(f"Sampler: {name}={ids} must be in [0, {config.vocab_size})")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"Sampler: max_new_tokens={max_new_tokens} must be a positive int")
+        for name, value, low in (
+            ("max_new_tokens", max_new_tokens, 1),
+            ("max_slots", max_slots, 0),
+            ("refill_every", refill_every, 1),
+            ("prefill_chunk", prefill_chunk, 0),
+            ("attention_block", attention_block, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"Sampler: {name}={value!r} must be an int >= {low}")
+        if stop is not None and stop.transitions.shape[1] != config.vocab_size:
+            raise ValueError(
+                f"Sampler: stop strings built over {stop.transitions.shape[1]} tokens, the "
+                f"model has {config.vocab_size}: build them from the model's tokenizer"
+            )
         # the sampler holds its weights in the compute dtype: one cast per weight sync, never
         # an fp32 master copy (docs/precision.md)
         config = dataclasses.replace(config, param_dtype=config.dtype)
@@ -253,92 +144,117 @@ class Sampler:
         self.sampling = sampling or SamplingParams()
         self.prompt_buckets = prompt_buckets
         self.mesh = mesh
+        self.max_slots = max_slots
+        self.refill_every = refill_every
+        self.stop = stop
+        self.prefill_chunk = prefill_chunk
+        self.attention_block = attention_block
+        self.copy_params = copy_params
         self.compiles = 0
         abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-        self._graphdef, self._abstract_params = nnx.split(abstract, nnx.Param)
-        self._params: Any = None
-        self._jitted = jax.jit(self._program, static_argnames="key_impl")
-        self._copy = jax.jit(self._cast_copy)
+        self._graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        self.weights = SamplerWeights(abstract_params, mesh)
+        self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
 
-    def load_params(self, params: Any) -> None:
-        """Copy a trainer's parameters in (the only way weights enter the sampler).
+    # -- weights ------------------------------------------------------------------------------
+    def load_params(self, params: Any, *, copy: bool | None = None) -> None:
+        """Load a trainer's parameters (a :class:`Transformer` or its ``nnx.State``): a
+        compute-dtype copy, or with ``copy=False`` (default: ``copy_params``) the arrays
+        themselves where they are in the compute dtype (``sampler_weights.py``)."""
+        self.weights.load(params, copy=self.copy_params if copy is None else copy)
 
-        ``params``: a :class:`Transformer` or its ``nnx.State`` of parameters (e.g.
-        ``TrainState.params``). Each leaf is copied and cast to the compute dtype (``dtype``)
-        where it lies (a jitted copy keeps every leaf's sharding, so a sharded state is never
-        gathered onto one device); with a mesh, leaves not on its devices are first replicated
-        over it. The architecture must match the sampler's config.
-        """
-        if isinstance(params, nnx.Module):
-            params = nnx.split(params, nnx.Param)[1]
-        want = jax.tree.structure(self._abstract_params)
-        if jax.tree.structure(params) != want:
-            raise ValueError(
-                "Sampler.load_params: parameter tree does not match the sampler's architecture; "
-                f"build the sampler from the trainer's ModelConfig.\n got:  "
-                f"{jax.tree.structure(params)}\n want: {want}"
-            )
+    def release(self) -> None:
+        """Drop the loaded weights (and any reference to a trainer's arrays)."""
+        self.weights.release()
 
-        wrong = [
-            f"{jax.tree_util.keystr(path)}: {tuple(src.shape)}, expected {tuple(dst.shape)}"
-            for (path, dst), src in zip(
-                jax.tree.leaves_with_path(self._abstract_params),
-                jax.tree.leaves(params),
-                strict=True,
-            )
-            if tuple(src.shape) != tuple(dst.shape)
-        ]
-        if wrong:
-            raise ValueError("Sampler.load_params: parameter shape mismatch: " + "; ".join(wrong))
-        if self.mesh is not None:  # leaves elsewhere: replicated over the mesh, from the host
-            replicated = NamedSharding(self.mesh, P())
-            placed = lambda x: on_mesh_devices(x, self.mesh)  # noqa: E731
-            params = jax.tree.map(
-                lambda x: x if placed(x) else put_global(to_host(x), replicated), params
-            )
-        self._params = self._copy(params)
+    @property
+    def _params(self) -> Any:
+        return self.weights.params
 
-    def _cast_copy(self, params: Any) -> Any:
-        # jnp.array(copy=True) is a real copy (jit would forward an unchanged input), and the
-        # outputs keep the inputs' shardings
-        return jax.tree.map(
-            lambda dst, src: jnp.array(src, dtype=dst.dtype, copy=True),
-            self._abstract_params,
-            params,
-        )
+    # -- shapes -------------------------------------------------------------------------------
+    def slots_for(self, num_requests: int) -> int:
+        """Decode slots of a call with ``num_requests`` requests: ``max_slots`` (0: one per
+        request of the batch bucket), at most the bucket, a multiple of the row ranks."""
+        return decode_slots(num_requests, self.max_slots, row_ranks(self.mesh))
 
+    def cache_length(self, prompt_length: int) -> int:
+        """L: entries per slot for prompts padded to ``prompt_length`` (P + N, in blocks)."""
+        b = self.attention_block
+        return -(-(prompt_length + self.max_new_tokens) // b) * b
+
+    # -- generation ---------------------------------------------------------------------------
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         key: jax.Array,
         sampling: SamplingParams | None = None,
+        *,
+        max_tokens: Sequence[int] | np.ndarray | None = None,
     ) -> SampleResult:
-        """Sample a completion for every prompt (token-id sequences, each non-empty)."""
-        if self._params is None:
-            raise RuntimeError("Sampler has no weights: call sampler.load_params(params) first")
-        if not len(prompts) or any(len(p) == 0 for p in prompts):
-            raise ValueError("Sampler.generate: need at least one prompt, each with >= 1 token")
-        s = sampling or self.sampling
-        length = pick_bucket(max(len(p) for p in prompts), self.prompt_buckets, "prompt length P")
+        """One completion per prompt row (token-id sequences, each non-empty).
+
+        ``max_tokens``: each row's own limit (``1..max_new_tokens``; default
+        ``max_new_tokens``); a row that reaches it without eos or a stop string is truncated.
+        """
+        params = self.weights.get()
         b = len(prompts)
-        ranks = row_ranks(self.mesh)
-        padded = -(-batch_bucket(b) // ranks) * ranks  # one program per batch bucket
-        rows = list(prompts) + [[]] * (padded - b)  # empty rows: stopped from the start
-        tokens_BP, lengths_B = left_pad(rows, pad_id=self.pad_id, length=length)
+        if not b or any(len(p) == 0 for p in prompts):
+            raise ValueError("Sampler.generate: need at least one prompt, each with >= 1 token")
+        n = self.max_new_tokens
+        limits = np.full(b, n, np.int32) if max_tokens is None else np.asarray(max_tokens)
+        if limits.shape != (b,) or not ((limits >= 1) & (limits <= n)).all():
+            raise ValueError(
+                f"Sampler.generate: max_tokens must give one limit in [1, {n}] per prompt "
+                f"({b}), got {np.asarray(max_tokens).tolist()}"
+            )
+        s = sampling or self.sampling
+        groups: dict[tuple[int, ...], int] = {}
+        group_R = [groups.setdefault(tuple(int(t) for t in p), len(groups)) for p in prompts]
+        unique = list(groups)
+        longest = max(len(p) for p in unique)
+        if self.prompt_buckets is None:  # 1, 2, 3, 4, 6, 8, ..., 32, 48, 64, 96, ...
+            length = batch_bucket(longest)
+        else:
+            length = pick_bucket(longest, self.prompt_buckets, "prompt length P")
+        if self.prefill_chunk and length > self.prefill_chunk:
+            length = -(-length // self.prefill_chunk) * self.prefill_chunk
+        ranks = row_ranks(self.mesh)  # the groups' prefill is split over the row ranks
+        r_pad, q_pad = batch_bucket(b), -(-batch_bucket(len(unique)) // ranks) * ranks
+        prompts_QP = np.full((q_pad, length), self.pad_id, np.int32)
+        lengths_Q = np.zeros(q_pad, np.int32)
+        for q, p in enumerate(unique):
+            prompts_QP[q, : len(p)], lengths_Q[q] = p, len(p)
+        pad_R = np.zeros(r_pad - b, np.int32)
+        shape = EngineShape(
+            slots=self.slots_for(b),
+            max_new_tokens=n,
+            cache_length=self.cache_length(length),
+            block=self.attention_block,
+            refill_every=self.refill_every,
+            prefill_chunk=self.prefill_chunk,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+        )
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key_impl, key_data = str(jax.random.key_impl(key)), jax.random.key_data(key)
         else:  # a raw uint32 key (jax.random.PRNGKey)
             key_impl, key_data = None, key
         rep = lambda x: put_replicated(x, self.mesh)  # noqa: E731
+        stop = None if self.stop is None else rep(self.stop.transitions)
         with on_mesh(self.mesh):
             out = self._jitted(
-                self._params,
-                put_rows(tokens_BP, self.mesh),
-                put_rows(lengths_B, self.mesh),
+                params,
+                put_rows(prompts_QP, self.mesh),
+                put_rows(lengths_Q, self.mesh),
+                rep(np.concatenate([np.asarray(group_R, np.int32), pad_R])),
+                rep(np.concatenate([limits.astype(np.int32), pad_R])),
+                rep(np.int32(b)),
                 rep(np.asarray(key_data)),
                 rep(np.float32(s.temperature)),
                 rep(np.int32(s.top_k)),
                 rep(np.float32(s.top_p)),
+                stop,
+                shape=shape,
                 key_impl=key_impl,
             )
         tokens, logprobs, lengths, truncated, steps = to_host(out)
@@ -347,54 +263,31 @@ class Sampler:
             logprobs=logprobs[:b],
             lengths=lengths[:b],
             truncated=truncated[:b],
-            prompt_lengths=lengths_B[:b],
+            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
             num_steps=int(steps),
         )
 
     __call__ = generate
 
-    def _program(self, params, tokens_BP, prompt_lengths_B, key_data, *sampling, key_impl):
+    def _program(
+        self, params, prompts_QP, lengths_Q, group_R, max_tokens_R, num_requests, key_data,
+        temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
+    ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
-        key = key_data
-        if key_impl is not None:
-            key = jax.random.wrap_key_data(key_data, impl=key_impl)
-        return self._generate(params, tokens_BP, prompt_lengths_B, key, *sampling)
-
-    def _generate(self, params, tokens_BP, prompt_lengths_B, key, temperature, top_k, top_p):
-        model = nnx.merge(self._graphdef, params)
-        b, p = tokens_BP.shape
-        n = self.max_new_tokens
-        eos_E = jnp.asarray(self.eos_ids, jnp.int32)
-        logits_BV, cache = prefill(model, tokens_BP, prompt_lengths_B, p + n)
-
-        def cond(carry):
-            i, done_B = carry[0], carry[6]
-            return (i < n) & ~jnp.all(done_B)
-
-        def body(carry):
-            i, cache, logits_BV, key, tokens_BN, logprobs_BN, done_B, lengths_B = carry
-            key, step_key = jax.random.split(key)
-            token_B, logp_B = sample_tokens(step_key, logits_BV, temperature, top_k, top_p)
-            token_B = jnp.where(done_B, self.pad_id, token_B)
-            logp_B = jnp.where(done_B, 0.0, logp_B)
-            tokens_BN = lax.dynamic_update_slice(tokens_BN, token_B[:, None], (0, i))
-            logprobs_BN = lax.dynamic_update_slice(logprobs_BN, logp_B[:, None], (0, i))
-            lengths_B = lengths_B + (~done_B).astype(jnp.int32)
-            done_B = done_B | jnp.any(token_B[:, None] == eos_E[None, :], axis=-1)
-            logits_BV, cache = decode_step(model, token_B, prompt_lengths_B + i, cache)
-            return i + 1, cache, logits_BV, key, tokens_BN, logprobs_BN, done_B, lengths_B
-
-        carry = (
-            jnp.zeros((), jnp.int32),
-            cache,
-            logits_BV,
-            key,
-            jnp.full((b, n), self.pad_id, jnp.int32),
-            jnp.zeros((b, n), jnp.float32),
-            prompt_lengths_B == 0,  # padding rows (empty prompts) are done from the start
-            jnp.zeros((b,), jnp.int32),
+        impl = {} if key_impl is None else {"impl": key_impl}  # None: a raw uint32 key
+        key = jax.random.wrap_key_data(key_data, **impl)
+        return decode_requests(
+            nnx.merge(self._graphdef, params),
+            shape,
+            prompts_QP=prompts_QP,
+            prompt_lengths_Q=lengths_Q,
+            group_R=group_R,
+            max_tokens_R=max_tokens_R,
+            num_requests=num_requests,
+            key=key,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ZV=stop_ZV,
+            mesh=self.mesh,
         )
-        steps, _, _, _, tokens_BN, logprobs_BN, done_B, lengths_B = lax.while_loop(
-            cond, body, carry
-        )
-        return tokens_BN, logprobs_BN, lengths_B, ~done_B, steps

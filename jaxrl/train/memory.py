@@ -32,7 +32,16 @@ Numbers are bytes on the largest device:
 - ``compute_copy_bytes``: the compute-dtype (``model.dtype``) copies held between steps: GRPO's
   sampler copy and, with β > 0, its frozen reference (0 for SFT and DPO: the step casts each
   weight where it is used, inside its temporaries; DPO's reference is a cache of log-probs).
-- ``total_bytes`` = params + optimizer + grads + compute copies + temp: the peak on the device
+  A synchronous GRPO run (``rollout.max_staleness=0``) whose master weights are already in the
+  compute dtype holds no sampler copy: the sampler reads the trainer's arrays in place.
+- ``kv_cache_bytes``: GRPO's sampler KV caches (docs/rollout.md): the decode slots' cache
+  ``[Nl, S, L, K, Dh]`` (keys and values; S = ``rollout.max_slots`` or one per completion of a
+  generation batch, split over the batch ranks; L = the prompt bucket of
+  ``grpo.max_prompt_length`` plus ``grpo.max_completion_length``, in decode-attention blocks)
+  plus the prompt groups' prefill cache ``[Nl, Q, P, K, Dh]`` (replicated). Both live while a
+  generation runs, which is not while the train step runs; they are counted on top anyway.
+- ``total_bytes`` = params + optimizer + grads + compute copies + KV caches + temp: the peak on
+  the device
   (the arguments stay live throughout, the temporaries peak on top). The batch (a few int32
   rows of ``max_tokens``) is left out, and so are the outputs: the state is donated, so the new
   state is written over the old one (``output_bytes`` / ``alias_bytes`` give XLA's view).
@@ -40,7 +49,7 @@ Numbers are bytes on the largest device:
 Every algorithm is planned with the SFT objective (``loss: "sft"``; ``jaxrl.train.objectives``):
 GRPO and DPO run the same forward and backward through the same engine and only add a few
 per-token / per-document fp32 fields. What the plan does not cover is reported in ``notes``
-(e.g. GRPO's generation: the sampler's KV cache). The compiler's temporaries are the CPU
+(e.g. the scorer's temporaries). The compiler's temporaries are the CPU
 backend's: a GPU or TPU compile fuses and schedules differently, so treat ``temp_bytes`` as an
 estimate and leave headroom.
 
@@ -66,9 +75,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.batch_buckets import batch_bucket, decode_slots
 from jaxrl.data.step_plan import DEVICE_FIELDS
 from jaxrl.models.lora import dense_config
+from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings
+from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
 from jaxrl.train.build import RunParts, build_run, build_task
@@ -147,7 +159,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     num_params = sum(math.prod(p.shape) for p in leaves)
     unsharded = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in leaves)
 
-    copies = _compute_copies(cfg)
+    copies = _compute_copies(cfg, config)
     compute_dtype = jnp.dtype(config.dtype)  # ModelConfig resolves None to param_dtype
     dense, dense_shardings = state.params, shardings.params
     if run.frozen is not None:  # the sampler's copy is the merged dense model
@@ -155,10 +167,13 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
             nnx.eval_shape(lambda: Transformer(dense_config(config), rngs=nnx.Rngs(0)))
         )
         dense_shardings = state_shardings(dense, mesh)
-        copies = min(copies, 1)  # the reference is the base itself (adapters disabled)
+        # GRPO's sampler holds the merged weights (a copy even when synchronous); the reference
+        # is the base itself (adapters disabled)
+        copies = 1 if cfg.algorithm == "grpo" else 0
     compute_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), dense)
     compute_copy_bytes = copies * bytes_per_device(compute_shapes, dense_shardings)
     params_bytes += frozen_bytes
+    kv_cache_bytes = _kv_cache_bytes(cfg, config, batch_ranks(mesh))
 
     analysis, lower_s, compile_s = _compile_step(cfg, run)
     compiled_temp = int(analysis.temp_size_in_bytes)
@@ -181,9 +196,15 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "grads_bytes": int(grads_bytes),
         "compute_copy_bytes": int(compute_copy_bytes),
         "compute_copies": copies,
+        "kv_cache_bytes": int(kv_cache_bytes),
         "temp_bytes": int(temp_bytes),
         "total_bytes": int(
-            params_bytes + optimizer_bytes + grads_bytes + compute_copy_bytes + temp_bytes
+            params_bytes
+            + optimizer_bytes
+            + grads_bytes
+            + compute_copy_bytes
+            + kv_cache_bytes
+            + temp_bytes
         ),
         "compiled_temp_bytes": compiled_temp,
         "argument_bytes": int(analysis.argument_size_in_bytes),
@@ -227,12 +248,30 @@ def _lora_fields(config: Any, adapters: Any, frozen_bytes: int) -> dict[str, Any
     }
 
 
-def _compute_copies(cfg: RunConfig) -> int:
-    """Compute-dtype copies of the weights a run holds between steps: GRPO's sampler, plus its
-    frozen reference when β > 0."""
+def _compute_copies(cfg: RunConfig, config: ModelConfig) -> int:
+    """Compute-dtype copies of the weights a run holds between steps: GRPO's sampler (none when
+    synchronous with masters in the compute dtype: it reads them in place), plus its frozen
+    reference when β > 0."""
     if cfg.algorithm != "grpo":
         return 0
-    return 2 if cfg.grpo.beta != 0.0 else 1
+    in_place = cfg.rollout.max_staleness == 0 and config.dtype == config.param_dtype
+    return (0 if in_place else 1) + (1 if cfg.grpo.beta != 0.0 else 0)
+
+
+def _kv_cache_bytes(cfg: RunConfig, config: ModelConfig, ranks: int) -> int:
+    """Bytes on the largest device of GRPO's sampler KV caches (module doc); 0 otherwise."""
+    if cfg.algorithm != "grpo":
+        return 0
+    g = cfg.grpo
+    requests = g.generation_batch_size
+    prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
+    p = batch_bucket(prompt)  # the sampler's prompt bucket
+    slots = decode_slots(requests, cfg.rollout.max_slots, ranks) // ranks
+    length = p + g.max_completion_length
+    groups = batch_bucket(max(requests // g.num_generations, 1))
+    return SlotKVCache.nbytes(config, slots, length, DECODE_BLOCK) + SlotKVCache.nbytes(
+        config, groups, p, 1
+    )
 
 
 _MODEL_FIELDS = (
@@ -281,7 +320,8 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
         )
     if cfg.algorithm == "grpo":
         notes.append(
-            "grpo generation also needs a KV cache for its batch share, on top of the total"
+            "grpo: kv_cache_bytes sizes the prompts at the bucket of grpo.max_prompt_length; "
+            "rollout.max_slots shrinks the decode cache"
         )
     if platform == "cpu":
         notes.append(
@@ -349,6 +389,7 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
             if copies
             else f"none kept: the step casts to {compute} where used",
         ),
+        ("KV caches", "kv_cache_bytes", "sampler decode slots + prompt prefill"),
         ("temporaries", "temp_bytes", "activations, gathered weights, ..."),
     )
     for name, key, what in rows:

@@ -156,6 +156,10 @@ class GRPOTrainer:
             ref_params=ref_params,
             mesh=self.generation_mesh,
             episodes=episodes,
+            max_slots=cfg.rollout.max_slots,
+            # synchronous: the sampler reads the trainer's weights in place (no copy) when
+            # they are in the compute dtype; generation overlapping training needs its copy
+            copy_params=cfg.rollout.max_staleness > 0,
         )
         # the entropy pre-pass scores the trainer's own parameters, on the trainer's devices
         self.scorer = self.generator.scorer

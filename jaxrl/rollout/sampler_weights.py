@@ -1,0 +1,105 @@
+"""The weights a sampler decodes with: a compute-dtype copy, or the trainer's own arrays.
+
+``load(params, copy=True)`` copies each leaf and casts it to the compute dtype
+(``ModelConfig.dtype``; fp32 masters are never copied as fp32) where it lies: a jitted copy keeps
+every leaf's sharding, so a sharded state is never gathered onto one device. A trainer that
+donates its buffers cannot invalidate such a copy, so generation may run concurrently with
+training (asynchronous GRPO).
+
+``load(params, copy=False)`` is the synchronous path: leaves already in the compute dtype (and,
+with a mesh, on its devices) are used as they are, no copy; only leaves in another dtype are
+cast (one cast per weight sync, where they lie). The sampler then holds references to the
+trainer's arrays until :meth:`SamplerWeights.release` or the next ``load``; a train step that
+donates them deletes them, and a ``generate`` on deleted weights is an error that says to load
+again, never a read of freed memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.runtime.mesh import put_global, to_host
+from jaxrl.runtime.spmd import on_mesh_devices
+
+__all__ = ["SamplerWeights"]
+
+
+class SamplerWeights:
+    """Holds the parameters a sampler reads, checked against its architecture."""
+
+    def __init__(self, abstract_params: Any, mesh: Mesh | None, owner: str = "Sampler"):
+        self.abstract = abstract_params  # nnx.State of ShapeDtypeStructs in the compute dtype
+        self.mesh = mesh
+        self.owner = owner
+        self.params: Any = None
+        self.copied = True  # whether ``params`` is the sampler's own copy
+        self._copy = jax.jit(self._cast_copy)
+
+    def load(self, params: Any, *, copy: bool = True) -> None:
+        """Take a :class:`Transformer` or its ``nnx.State`` of parameters (see module doc)."""
+        if isinstance(params, nnx.Module):
+            params = nnx.split(params, nnx.Param)[1]
+        want = jax.tree.structure(self.abstract)
+        if jax.tree.structure(params) != want:
+            raise ValueError(
+                f"{self.owner}.load_params: parameter tree does not match the sampler's "
+                "architecture; build the sampler from the trainer's ModelConfig.\n got:  "
+                f"{jax.tree.structure(params)}\n want: {want}"
+            )
+        wrong = [
+            f"{jax.tree_util.keystr(path)}: {tuple(src.shape)}, expected {tuple(dst.shape)}"
+            for (path, dst), src in zip(
+                jax.tree.leaves_with_path(self.abstract), jax.tree.leaves(params), strict=True
+            )
+            if tuple(src.shape) != tuple(dst.shape)
+        ]
+        if wrong:
+            raise ValueError(
+                f"{self.owner}.load_params: parameter shape mismatch: " + "; ".join(wrong)
+            )
+        if self.mesh is not None:  # leaves elsewhere: replicated over the mesh, from the host
+            replicated = NamedSharding(self.mesh, P())
+            placed = lambda x: on_mesh_devices(x, self.mesh)  # noqa: E731
+            params = jax.tree.map(
+                lambda x: x if placed(x) else put_global(to_host(x), replicated), params
+            )
+        if copy:
+            self.params, self.copied = self._copy(params), True
+            return
+        # no copy: the trainer's arrays where the dtype already matches, a cast elsewhere
+        self.params = jax.tree.map(
+            lambda dst, src: src if src.dtype == dst.dtype else jnp.asarray(src, dst.dtype),
+            self.abstract,
+            params,
+        )
+        self.copied = False
+
+    def release(self) -> None:
+        """Drop the weights (references to a trainer's arrays included)."""
+        self.params = None
+
+    def get(self) -> Any:
+        """The loaded parameters; a clear error when none are loaded or they were donated."""
+        if self.params is None:
+            raise RuntimeError(
+                f"{self.owner} has no weights: call sampler.load_params(params) first"
+            )
+        if any(x.is_deleted() for x in jax.tree.leaves(self.params) if isinstance(x, jax.Array)):
+            raise RuntimeError(
+                f"{self.owner}: the weights loaded without a copy were donated by a train step; "
+                "call sampler.load_params(params) again with the current parameters"
+            )
+        return self.params
+
+    def _cast_copy(self, params: Any) -> Any:
+        # jnp.array(copy=True) is a real copy (jit would forward an unchanged input), and the
+        # outputs keep the inputs' shardings
+        return jax.tree.map(
+            lambda dst, src: jnp.array(src, dtype=dst.dtype, copy=True), self.abstract, params
+        )

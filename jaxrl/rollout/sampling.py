@@ -1,0 +1,110 @@
+"""How a token is drawn from next-token logits: temperature, top-k / top-p, and the random bits.
+
+The reported log-prob of a drawn token is ``z[tok] - logsumexp(z)`` with
+``z = logits.astype(f32) / T`` over the FULL vocabulary, the quantity ``token_logprobs`` computes
+in training (docs/algorithms/accumulation.md §5 and §7). top-k / top-p only decide which token is
+drawn; they do not renormalise the reported log-prob.
+
+Random bits. The continuous-batching engine (``engine.py``) draws token t of request r with
+:func:`token_key` ``(key, r, t)``, a fold-in chain of the call's key, so the bits do not depend on
+which decode slot the request occupies, when it was admitted, how many slots there are, how the
+batch was padded, or how the slots are split over devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["SampleResult", "SamplingParams", "filter_logits", "sample_tokens", "token_key"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is drawn; none of these fields triggers a recompile."""
+
+    temperature: float = 1.0  # logits are divided by it; 0 = greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest top set with mass >= top_p (after top-k); 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be an int >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1] (1 = off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    """Completions of one ``generate`` call (host numpy), one row per request."""
+
+    tokens: np.ndarray  # int32 [B, N]: generated ids, eos included, pad_id after it
+    logprobs: np.ndarray  # float32 [B, N]: log-softmax(logits / T) at the token; 0 after the end
+    lengths: np.ndarray  # int32 [B]: generated tokens including the eos / stop token
+    truncated: np.ndarray  # bool [B]: stopped by its token limit, without eos or stop string
+    prompt_lengths: np.ndarray  # int32 [B]
+    num_steps: int  # decode steps run
+
+    def completions(self) -> list[np.ndarray]:
+        """Row b's generated ids, ``tokens[b, :lengths[b]]``."""
+        return [self.tokens[b, :n] for b, n in enumerate(self.lengths)]
+
+
+def token_key(key: jax.Array, request: jax.Array, token: jax.Array) -> jax.Array:
+    """The key of token ``token`` of request ``request``: ``fold_in(fold_in(key, r), t)``."""
+    return jax.random.fold_in(jax.random.fold_in(key, request), token)
+
+
+def filter_logits(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``logits`` with ``-inf`` outside the top-k, then top-p (nucleus), set of each row.
+
+    top-k keeps the k largest logits (``top_k <= 0``: all). top-p then keeps, in decreasing
+    order, every token whose preceding mass under the renormalised top-k distribution is
+    ``< top_p`` (the first token always stays). Tokens tied with the last kept logit are kept
+    too. Works for traced ``top_k`` and ``top_p``.
+    """
+    v = logits_BV.shape[-1]
+    sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_top_k_BV = jnp.arange(v)[None, :] < k
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    num_kept_B = jnp.sum(in_top_k_BV & (mass_before_BV < top_p), axis=-1)
+    cutoff_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(num_kept_B, 1)[:, None] - 1, axis=-1)
+    return jnp.where(logits_BV >= cutoff_B1, logits_BV, -jnp.inf)
+
+
+def sample_tokens(
+    key: jax.Array,
+    logits_BV: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """``(tokens_B, logprobs_B)``: one draw per row and its full-vocabulary log-prob.
+
+    ``key``: one key for the whole batch (shape ``()``), or one key per row (shape ``[B]``,
+    e.g. from :func:`token_key`). ``z = logits.astype(f32) / temperature``; the token is drawn
+    from ``softmax(z)`` restricted by :func:`filter_logits`, and its log-prob is
+    ``z[tok] - logsumexp(z)`` over the full vocabulary (as the trainer computes it).
+    ``temperature == 0`` is greedy: the argmax of the logits, with the log-prob at temperature 1.
+    """
+    greedy = temperature == 0
+    z_BV = logits_BV.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
+    filtering = (top_k > 0) | (top_p < 1)
+    filtered_BV = lax.cond(
+        filtering & ~greedy, lambda z: filter_logits(z, top_k, top_p), lambda z: z, z_BV
+    )
+    if key.ndim == 1 and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        drawn_B = jax.vmap(jax.random.categorical)(key, filtered_BV)
+    else:
+        drawn_B = jax.random.categorical(key, filtered_BV, axis=-1)
+    tokens_B = jnp.where(greedy, jnp.argmax(z_BV, axis=-1), drawn_B).astype(jnp.int32)
+    token_logit_B = jnp.take_along_axis(z_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, token_logit_B - jax.nn.logsumexp(z_BV, axis=-1)
