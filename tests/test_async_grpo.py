@@ -9,15 +9,13 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_grpo_e2e import CONFIG, TINY, _external_rollouts
+from test_grpo_e2e import CONFIG, TINY, _external_rollouts, straight_and_resumed
 
-from jaxrl.cli import main
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config
 from jaxrl.rollout.pipeline import generation_device_count, load_steps
 from jaxrl.runtime.mesh import use_devices
-from jaxrl.train.metrics import read_metrics, reproducible
+from jaxrl.train.metrics import reproducible
 from jaxrl.trainers.grpo import GRPOTrainer
-from jaxrl.trainers.session import Session
 
 
 def _loads(n: int, docs_per_step: int = 0, **grpo) -> list[int]:
@@ -107,37 +105,12 @@ def test_staleness_two_and_a_shared_device_generate_the_same_batches(tmp_path):
     shared.pipeline.close()
 
 
-class _Crash(Exception):
-    pass
-
-
 def test_async_run_resumes_bit_for_bit_with_generations_in_flight(tmp_path, monkeypatch):
     """A checkpoint taken while generations are made ahead stores them (they already advanced
     the prompt order): the resumed run trains exactly the rows the uninterrupted one did."""
-    monkeypatch.setenv("JAXRL_DEBUG", "1")
     settings = [*ASYNC, "max_steps=4", "checkpoint.every=2", "rollout.max_staleness=2"]
-
-    def run(name: str) -> list[dict]:
-        out = tmp_path / name
-        args = ["train", CONFIG, "--set", f"output_dir={out}"]
-        for o in settings:
-            args += ["--set", o]
-        assert main(args) == 0
-        return read_metrics(out / "metrics.jsonl")
-
-    straight = run("straight")
-    original = Session.run_step
-
-    def crashing(self, *args, **kwargs):
-        if self.step == 3:  # after the step-2 checkpoint, two generations ahead
-            raise _Crash
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(Session, "run_step", crashing)
-    with pytest.raises(_Crash):
-        run("resumed")
-    monkeypatch.setattr(Session, "run_step", original)
-    resumed = run("resumed")
+    # crash after the step-2 checkpoint, two generations ahead
+    straight, resumed = straight_and_resumed(tmp_path, monkeypatch, settings, crash_at=3)
     assert [reproducible(r) for r in resumed] == [reproducible(r) for r in straight]
     assert [r["rollout/staleness_max"] for r in resumed] == [0, 1, 2, 2]
 

@@ -267,17 +267,11 @@ class _Crash(Exception):
     pass
 
 
-def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
-    """Checkpoint mid-buffer (S=2, μ=2, g=1): buffer, rollouts, sampler and RNG state resume."""
+def straight_and_resumed(tmp_path, monkeypatch, settings: list[str], crash_at: int):
+    """Metrics rows of the CLI run with ``settings`` straight through, and of the same run
+    crashed when ``Session.step`` reaches ``crash_at`` and started again (it resumes from its
+    newest checkpoint)."""
     monkeypatch.setenv("JAXRL_DEBUG", "1")  # the injected crash propagates out of main
-    settings = [
-        *TINY,
-        "max_steps=5",
-        "checkpoint.every=2",
-        "grpo.steps_per_generation=2",
-        "grpo.num_iterations=2",
-        "logging.eval_every=2",
-    ]
 
     def run(name: str) -> list[dict]:
         out = tmp_path / name
@@ -291,7 +285,7 @@ def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
     original = Session.run_step
 
     def crashing(self, *args, **kwargs):
-        if self.step == 3:  # after the step-2 checkpoint, mid-buffer
+        if self.step == crash_at:
             raise _Crash
         return original(self, *args, **kwargs)
 
@@ -299,7 +293,21 @@ def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
     with pytest.raises(_Crash):
         run("resumed")
     monkeypatch.setattr(Session, "run_step", original)
-    resumed = run("resumed")
+    return straight, run("resumed")
+
+
+def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
+    """Checkpoint mid-buffer (S=2, μ=2, g=1): buffer, rollouts, sampler and RNG state resume."""
+    settings = [
+        *TINY,
+        "max_steps=5",
+        "checkpoint.every=2",
+        "grpo.steps_per_generation=2",
+        "grpo.num_iterations=2",
+        "logging.eval_every=2",
+    ]
+    # crash after the step-2 checkpoint, mid-buffer
+    straight, resumed = straight_and_resumed(tmp_path, monkeypatch, settings, crash_at=3)
     assert [reproducible(r) for r in resumed] == [reproducible(r) for r in straight]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in resumed if "eval/accuracy" in r] == [2, 4, 5]
