@@ -251,16 +251,14 @@ def test_grpo_run_reruns_bit_for_bit_and_slot_count_changes_no_completion(tmp_pa
     from test_grpo_e2e import CONFIG, TINY
 
     from jaxrl.cli import main
-    from jaxrl.train.metrics import read_metrics
+    from jaxrl.train.metrics import read_metrics, reproducible
 
     def run(name: str, *sets: str) -> list[dict]:
         args = ["train", CONFIG, "--set", f"output_dir={tmp_path / name}"]
         for o in (*TINY, "max_steps=2", "logging.eval_samples=0", *sets):
             args += ["--set", o]
         assert main(args) == 0
-        drop = {"elapsed_s", "compiles"}
-        rows = read_metrics(tmp_path / name / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+        return [reproducible(r) for r in read_metrics(tmp_path / name / "metrics.jsonl")]
 
     first, again = run("a"), run("b")
     assert first == again
