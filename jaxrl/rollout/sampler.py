@@ -43,7 +43,6 @@ baseline; this module re-exports its building blocks.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,14 +56,14 @@ from jaxrl.data.batch_buckets import batch_bucket, decode_slots
 from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.slot_kv_cache import DECODE_BLOCK
-from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.engine import EngineShape, decode_requests
-from jaxrl.rollout.sampler_weights import SamplerWeights
+from jaxrl.rollout.sampler_weights import SamplerWeights, sampler_model
 from jaxrl.rollout.sampling import (
     SampleResult,
     SamplingParams,
     filter_logits,
     sample_tokens,
+    stop_token_ids,
     token_key,
 )
 from jaxrl.rollout.static_sampler import StaticSampler, decode_step, left_pad, prefill
@@ -116,10 +115,7 @@ class Sampler:
         attention_block: int = DECODE_BLOCK,
         copy_params: bool = True,
     ):
-        eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
-        for name, ids in (("eos_id", eos_ids), ("pad_id", [pad_id])):
-            if not ids or any(not 0 <= int(i) < config.vocab_size for i in ids):
-                raise ValueError(f"Sampler: {name}={ids} must be in [0, {config.vocab_size})")
+        eos_ids = stop_token_ids("Sampler", config.vocab_size, eos_id, pad_id)
         for name, value, low in (
             ("max_new_tokens", max_new_tokens, 1),
             ("max_slots", max_slots, 0),
@@ -134,12 +130,10 @@ class Sampler:
                 f"Sampler: stop strings built over {stop.transitions.shape[1]} tokens, the "
                 f"model has {config.vocab_size}: build them from the model's tokenizer"
             )
-        # the sampler holds its weights in the compute dtype: one cast per weight sync, never
-        # an fp32 master copy (docs/precision.md)
-        config = dataclasses.replace(config, param_dtype=config.dtype)
+        config, self._graphdef, abstract_params = sampler_model(config)
         self.config = config
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.eos_ids = eos_ids
         self.pad_id = int(pad_id)
         self.sampling = sampling or SamplingParams()
         self.prompt_buckets = prompt_buckets
@@ -151,8 +145,6 @@ class Sampler:
         self.attention_block = attention_block
         self.copy_params = copy_params
         self.compiles = 0
-        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-        self._graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self.weights = SamplerWeights(abstract_params, mesh)
         self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
 

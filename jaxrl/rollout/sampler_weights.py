@@ -16,6 +16,7 @@ again, never a read of freed memory.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -24,10 +25,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import put_global, to_host
 from jaxrl.runtime.spmd import on_mesh_devices
 
-__all__ = ["SamplerWeights"]
+__all__ = ["SamplerWeights", "sampler_model"]
+
+
+def sampler_model(config: ModelConfig) -> tuple[ModelConfig, Any, Any]:
+    """``(config, graphdef, abstract_params)`` of the model a sampler runs: its parameters in
+    the compute dtype (one cast per weight sync, never an fp32 master copy: docs/precision.md),
+    built abstractly (no weight is allocated)."""
+    config = dataclasses.replace(config, param_dtype=config.dtype)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+    return config, graphdef, abstract_params
 
 
 class SamplerWeights:

@@ -14,13 +14,21 @@ batch was padded, or how the slots are split over devices.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["SampleResult", "SamplingParams", "filter_logits", "sample_tokens", "token_key"]
+__all__ = [
+    "SampleResult",
+    "SamplingParams",
+    "filter_logits",
+    "sample_tokens",
+    "stop_token_ids",
+    "token_key",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +62,16 @@ class SampleResult:
     def completions(self) -> list[np.ndarray]:
         """Row b's generated ids, ``tokens[b, :lengths[b]]``."""
         return [self.tokens[b, :n] for b, n in enumerate(self.lengths)]
+
+
+def stop_token_ids(owner: str, vocab_size: int, eos_id: Any, pad_id: int) -> tuple[int, ...]:
+    """The eos ids (one id or several) as a tuple, after checking them and ``pad_id`` against
+    the vocabulary; ``ValueError`` naming ``owner`` (the sampler class) otherwise."""
+    eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
+    for name, ids in (("eos_id", eos_ids), ("pad_id", [pad_id])):
+        if not ids or any(not 0 <= int(i) < vocab_size for i in ids):
+            raise ValueError(f"{owner}: {name}={ids} must be in [0, {vocab_size})")
+    return tuple(int(i) for i in eos_ids)
 
 
 def token_key(key: jax.Array, request: jax.Array, token: jax.Array) -> jax.Array:

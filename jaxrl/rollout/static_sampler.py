@@ -44,7 +44,6 @@ Weights enter only through :meth:`StaticSampler.load_params` (``sampler_weights.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +59,8 @@ from jaxrl.data.packing import BucketSpec, pick_bucket
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from jaxrl.rollout.sampler_weights import SamplerWeights
-from jaxrl.rollout.sampling import SampleResult, SamplingParams, sample_tokens
+from jaxrl.rollout.sampler_weights import SamplerWeights, sampler_model
+from jaxrl.rollout.sampling import SampleResult, SamplingParams, sample_tokens, stop_token_ids
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
@@ -134,27 +133,20 @@ class StaticSampler:
                 "StaticSampler(mesh=...) needs jax_threefry_partitionable=True (the default), so "
                 "that the random bits do not depend on how the batch is split over devices"
             )
-        eos_ids = [eos_id] if isinstance(eos_id, int | np.integer) else list(eos_id)
-        for name, ids in (("eos_id", eos_ids), ("pad_id", [pad_id])):
-            if not ids or any(not 0 <= int(i) < config.vocab_size for i in ids):
-                raise ValueError(f"StaticSampler: {name}={ids} must be in [0, {config.vocab_size})")
+        eos_ids = stop_token_ids("StaticSampler", config.vocab_size, eos_id, pad_id)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(
                 f"StaticSampler: max_new_tokens={max_new_tokens} must be a positive int"
             )
-        # the sampler holds its weights in the compute dtype: one cast per weight sync, never
-        # an fp32 master copy (docs/precision.md)
-        config = dataclasses.replace(config, param_dtype=config.dtype)
+        config, self._graphdef, abstract_params = sampler_model(config)
         self.config = config
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.eos_ids = eos_ids
         self.pad_id = int(pad_id)
         self.sampling = sampling or SamplingParams()
         self.prompt_buckets = prompt_buckets
         self.mesh = mesh
         self.compiles = 0
-        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-        self._graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self.weights = SamplerWeights(abstract_params, mesh, owner="StaticSampler")
         self._jitted = jax.jit(self._program, static_argnames="key_impl")
 
