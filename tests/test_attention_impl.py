@@ -22,7 +22,7 @@ from jaxrl.models.attention import attention, positions_from_segments
 from jaxrl.models.attention_dispatch import attention_fn, resolve_attention_impl
 from jaxrl.models.flash_attention import block_visibility, flash_attention
 from jaxrl.models.pallas_attention import index_causal_matches
-from jaxrl.rollout.sampler import decode_step, left_pad, prefill
+from jaxrl.rollout.dense_decode import decode_step, left_pad, prefill
 from jaxrl.train.metrics import read_metrics
 
 H, DH, T, BLOCK = 4, 8, 40, 16  # T is not a multiple of BLOCK (nor of the Pallas blocks)

@@ -18,13 +18,11 @@ from jaxrl.data.documents import completion_field, prompt_completion_document
 from jaxrl.data.packing import pack_sequences
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.sharding import state_shardings
+from jaxrl.rollout.dense_decode import decode_step, left_pad, prefill
 from jaxrl.rollout.sampler import (
     Sampler,
     SamplingParams,
-    decode_step,
     filter_logits,
-    left_pad,
-    prefill,
     sample_tokens,
 )
 from jaxrl.runtime.mesh import make_mesh

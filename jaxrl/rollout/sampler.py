@@ -37,8 +37,8 @@ compute dtype by default (``copy_params=True``: generation may run while the tra
 donates its buffers); ``copy_params=False`` reads arrays already in the compute dtype in place
 (the synchronous case), so the run holds no second copy of the model.
 
-``static_sampler.StaticSampler`` is the previous static-batch sampler, kept as the benchmark
-baseline; this module re-exports its building blocks.
+The previous static-batch sampler is ``benchmarks/static_sampler.py`` (the benchmark baseline);
+its dense-cache building blocks are ``dense_decode.py``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ from jaxrl.rollout.sampling import (
     stop_token_ids,
     token_key,
 )
-from jaxrl.rollout.static_sampler import StaticSampler, decode_step, left_pad, prefill
 from jaxrl.rollout.stop import StopStrings
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
@@ -75,13 +74,9 @@ __all__ = [
     "SampleResult",
     "Sampler",
     "SamplingParams",
-    "StaticSampler",
     "StopStrings",
     "batch_bucket",
-    "decode_step",
     "filter_logits",
-    "left_pad",
-    "prefill",
     "sample_tokens",
     "token_key",
 ]

@@ -1,9 +1,9 @@
 """The static-batch sampler: jitted prefill plus a ``lax.while_loop`` decode over a dense cache.
 
-Kept next to the continuous-batching engine (``sampler.py``, ``engine.py``) as its baseline
-(``benchmarks/sampler_bench.py``) and for its building blocks (:func:`prefill`,
-:func:`decode_step`, :func:`left_pad`, :func:`batch_bucket`). Every row decodes until the
-longest row stops, in a cache ``[B, P + N]`` sized for the whole batch.
+The baseline of the continuous-batching engine (``sampler.py``, ``engine.py``) in
+``benchmarks/sampler_bench.py``, built from ``dense_decode.py``'s :func:`prefill`,
+:func:`decode_step` and :func:`left_pad`. Every row decodes until the longest row stops, in a
+cache ``[B, P + N]`` sized for the whole batch.
 
 Layout. A batch of B prompts of different lengths is left-padded to a bucketed length P (padding
 is segment 0, real tokens segment 1, positions 0.. from each row's first real token), so every
@@ -56,54 +56,14 @@ from jax.sharding import Mesh
 
 from jaxrl.data.batch_buckets import batch_bucket
 from jaxrl.data.packing import BucketSpec, pick_bucket
-from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.transformer import Transformer
+from jaxrl.rollout.dense_decode import decode_step, left_pad, prefill
 from jaxrl.rollout.sampler_weights import SamplerWeights, sampler_model
 from jaxrl.rollout.sampling import SampleResult, SamplingParams, sample_tokens, stop_token_ids
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
-__all__ = ["StaticSampler", "batch_bucket", "decode_step", "left_pad", "prefill"]
-
-
-def left_pad(
-    prompts: Sequence[Sequence[int]], *, pad_id: int, length: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens_BP, prompt_lengths_B)``: prompts right-aligned in int32 rows of ``length``."""
-    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    tokens_BP = np.full((len(prompts), length), pad_id, np.int32)
-    for b, prompt in enumerate(prompts):
-        if len(prompt):
-            tokens_BP[b, length - len(prompt) :] = np.asarray(prompt)
-    return tokens_BP, lengths_B
-
-
-def prefill(
-    model: Transformer, tokens_BP: jax.Array, prompt_lengths_B: jax.Array, cache_length: int
-) -> tuple[jax.Array, KVCache]:
-    """Run left-padded prompts into a fresh cache of ``cache_length`` slots.
-
-    Returns the logits of each row's last prompt token ``[B, V]`` (the next-token
-    distribution) and the cache with index P.
-    """
-    b, p = tokens_BP.shape
-    pad_B1 = (p - prompt_lengths_B)[:, None]
-    idx_1P = jnp.arange(p, dtype=jnp.int32)[None, :]
-    segment_ids_BP = (idx_1P >= pad_B1).astype(jnp.int32)
-    positions_BP = jnp.maximum(idx_1P - pad_B1, 0)
-    cache = KVCache.empty(model.config, b, cache_length)
-    hidden_BPD, cache = model.decode(tokens_BP, positions_BP, segment_ids_BP, cache)
-    return model.logits(hidden_BPD[:, -1:])[:, 0], cache
-
-
-def decode_step(
-    model: Transformer, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache
-) -> tuple[jax.Array, KVCache]:
-    """One token per row at the cache's index (segment 1): ``(next logits [B, V], cache)``."""
-    ones_B1 = jnp.ones((tokens_B.shape[0], 1), jnp.int32)
-    hidden_B1D, cache = model.decode(tokens_B[:, None], positions_B[:, None], ones_B1, cache)
-    return model.logits(hidden_B1D)[:, 0], cache
+__all__ = ["StaticSampler"]
 
 
 class StaticSampler:
