@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.models.attention import attention, positions_from_segments
-from jaxrl.models.flash_attention import block_visibility, flash_attention
+from jaxrl.models.attention.dense import attention, positions_from_segments
+from jaxrl.models.attention.flash import block_visibility, flash_attention
 
 H, K, DH = 4, 2, 32
 

@@ -5,7 +5,7 @@ abstract shapes (``jax.ShapeDtypeStruct``), as ``jaxrl memory`` does.
 1. Compile time: ``jax.jit(value_and_grad(loss)).lower(...).compile()`` of the model's forward
    and backward (a Qwen2.5-1.5B shape, bf16, one row of ``--tokens``), default XLA options,
    unrolled vs scanned side by side.
-2. Memory: ``jaxrl.train.memory.plan_memory`` (the real train step: shard_map accumulation,
+2. Memory: ``jaxrl.train.run_io.memory.plan_memory`` (the real train step: shard_map accumulation,
    clipping, AdamW) of the same shape at ``--memory-tokens`` tokens per row, one device, remat
    none vs block, unrolled and scanned; then the same on fsdp=8.
 
@@ -35,7 +35,7 @@ from jaxrl.config import load_run_config  # noqa: E402
 from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
 from jaxrl.runtime.mesh import use_devices  # noqa: E402
-from jaxrl.train.memory import plan_memory  # noqa: E402
+from jaxrl.train.run_io.memory import plan_memory  # noqa: E402
 
 QWEN25_1_5B = dict(  # Qwen/Qwen2.5-1.5B config.json
     model_type="qwen2",

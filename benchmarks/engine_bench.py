@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jaxrl.config import SFTConfig  # noqa: E402
-from jaxrl.data.packing import pack_sequences  # noqa: E402
+from jaxrl.data.batching.packing import pack_sequences  # noqa: E402
 from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
 from jaxrl.train.objectives import on_params, sft_objective  # noqa: E402

@@ -6,7 +6,7 @@
 Variants (``model.lora.*`` overrides of one SFT config): ``full`` (fp32 masters, AdamW on every
 weight), ``lora`` (rank 16 on all seven projections, base frozen in the compute dtype),
 ``qlora-int8`` and ``qlora-nf4`` (the same adapters on an int8 / nf4 base). Memory comes from
-``jaxrl.train.memory.plan_memory`` (abstract: nothing is allocated, so the 7B plan runs on a
+``jaxrl.train.run_io.memory.plan_memory`` (abstract: nothing is allocated, so the 7B plan runs on a
 laptop; CPU compiler temporaries). Step time runs the real ``Session`` SFT step (as
 ``train_bench.py``) on the same random documents for every variant, the variants taking their
 steps round-robin so load drift hits all alike; each variant reports the median and the spread
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import SHAPES, JaxrlVariant, documents  # noqa: E402
 
 from jaxrl.config import load_run_config  # noqa: E402
-from jaxrl.train.memory import plan_memory  # noqa: E402
+from jaxrl.train.run_io.memory import plan_memory  # noqa: E402
 
 VARIANTS = {
     "full": [],

@@ -83,10 +83,10 @@ def stage_jaxrl(job: dict[str, Any]) -> dict[str, Any]:
     import dataclasses
 
     from jaxrl.config import load_run_config, to_dict
-    from jaxrl.rollout.reward_specs import resolve_reward_funcs
-    from jaxrl.rollout.rewards import reward_name
-    from jaxrl.train.metrics import read_metrics
+    from jaxrl.rollout.rewards.compute import reward_name
+    from jaxrl.rollout.rewards.specs import resolve_reward_funcs
     from jaxrl.train.optimizer import learning_rate_schedule
+    from jaxrl.train.run_io.metrics import read_metrics
     from jaxrl.trainers.grpo import DEFAULT_REWARD_FUNCS, GRPOTrainer
     from jaxrl.trainers.warm_start import warm_start
 
@@ -177,7 +177,7 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from jaxrl.rollout.reward_specs import resolve_reward_funcs
+    from jaxrl.rollout.rewards.specs import resolve_reward_funcs
 
     jx = json.loads((Path(job["seed_dir"]) / "jaxrl.json").read_text())
     s, g = jx["settings"], jx["settings"]["grpo"]
@@ -225,9 +225,9 @@ def stage_trl(job: dict[str, Any]) -> dict[str, Any]:
 # -- stage 3: one evaluator for every model ------------------------------------------------------
 def stage_eval(job: dict[str, Any]) -> dict[str, Any]:
     from jaxrl.data.tokenizer import load_tokenizer
+    from jaxrl.generate.sampler import SamplingParams
     from jaxrl.models import from_pretrained
     from jaxrl.rollout.heldout import HeldoutEvaluator
-    from jaxrl.rollout.sampler import SamplingParams
 
     seed_dir = Path(job["seed_dir"])
     jx = json.loads((seed_dir / "jaxrl.json").read_text())

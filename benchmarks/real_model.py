@@ -23,7 +23,7 @@ Stages (``all`` runs them in this order; each later stage runs ``convert`` first
     jaxrl (``jaxrl.models.hf.from_pretrained``, fp32) against transformers (fp32, eager
     attention) on a few chat prompts: the chat-template ids (jaxrl's tokenizer vs
     ``AutoTokenizer.apply_chat_template``), the max abs difference of the logits over every
-    position, and greedy completions (``jaxrl.rollout.sampler.Sampler`` at temperature 0 vs
+    position, and greedy completions (``jaxrl.generate.sampler.Sampler`` at temperature 0 vs
     ``model.generate(do_sample=False)``), token for token.
 ``sft`` / ``dpo`` / ``grpo``
     The shipped real-model configs (``configs/sft_qwen.yaml``, ``configs/dpo_qwen.yaml``,
@@ -170,8 +170,8 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jaxrl.data.tokenizer import load_tokenizer
+    from jaxrl.generate.sampler import Sampler, SamplingParams
     from jaxrl.models.hf import from_pretrained
-    from jaxrl.rollout.sampler import Sampler, SamplingParams
 
     torch.manual_seed(0)
     hf_tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
@@ -436,7 +436,7 @@ def worker_train(job: dict[str, Any]) -> dict[str, Any]:
     """One (stage, seed) run in this process, as ``jaxrl train CONFIG --set ...`` runs it; the
     SFT stage also evaluates before the first step (its trainer logs no step-0 evaluation)."""
     from jaxrl.config import load_run_config, to_dict
-    from jaxrl.train.metrics import read_metrics
+    from jaxrl.train.run_io.metrics import read_metrics
     from jaxrl.trainers.warm_start import warm_start
 
     stage = job["stage"]
@@ -668,7 +668,7 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxrl.rollout.reward_specs import resolve_reward_funcs
+    from jaxrl.rollout.rewards.specs import resolve_reward_funcs
 
     jx = grpo_settings(job["sets"])  # what the jaxrl GRPO run with these --set resolves
     g, opt, lr = jx["grpo"], jx["optimizer"], jx["lr"]

@@ -45,12 +45,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from machine import machine  # noqa: E402
+from static_sampler import StaticSampler  # noqa: E402
 
+from jaxrl.generate.sampler import Sampler, SamplingParams  # noqa: E402
 from jaxrl.models.hf import save_pretrained  # noqa: E402
 from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
-from jaxrl.rollout.sampler import Sampler, SamplingParams  # noqa: E402
-from jaxrl.rollout.static_sampler import StaticSampler  # noqa: E402
 
 SHAPES = {
     "tiny": dict(

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from jaxrl.data.schedule import DPSchedule, build_dp_schedule
+from jaxrl.data.batching.schedule import DPSchedule, build_dp_schedule
 
 # (samples, dp, max_tokens, rollouts_per_step or None = one step, group size, length distribution)
 CONFIGS = [

@@ -70,7 +70,7 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(e, 2)
     from jaxrl.runtime.mesh import is_primary
-    from jaxrl.train.metrics import json_safe
+    from jaxrl.train.run_io.metrics import json_safe
     from jaxrl.trainers import run
 
     hint = DEBUG_HINT
@@ -147,7 +147,7 @@ def _memory(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices < 1:
             raise ConfigError(f"--devices={args.devices} is invalid: use a positive device count")
         cfg = _load_config(args, distributed=False, devices=args.devices)
-        from jaxrl.train.memory import plan_memory
+        from jaxrl.train.run_io.memory import plan_memory
 
         plan = plan_memory(cfg)
     except ConfigError as e:
@@ -156,7 +156,7 @@ def _memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
-        from jaxrl.train.memory import print_plan
+        from jaxrl.train.run_io.memory import print_plan
 
         print_plan(plan, title=args.config)
     return 0
@@ -165,7 +165,7 @@ def _memory(args: argparse.Namespace) -> int:
 def _schedule(args: argparse.Namespace) -> int:
     """``jaxrl schedule``: exit 2 with one line for a bad lengths file or a sample over the
     budget, 1 when a mode cannot align its micro-batches."""
-    from jaxrl.data.schedule_report import run_from_args
+    from jaxrl.data.batching.schedule_report import run_from_args
 
     try:
         return run_from_args(args)
@@ -244,8 +244,8 @@ def _main(argv: list[str] | None) -> int:
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=_memory)
-    from jaxrl.data.schedule_report import DESCRIPTION as SCHEDULE
-    from jaxrl.data.schedule_report import add_schedule_arguments
+    from jaxrl.data.batching.schedule_report import DESCRIPTION as SCHEDULE
+    from jaxrl.data.batching.schedule_report import add_schedule_arguments
 
     sched = sub.add_parser(
         "schedule", help="show the DP micro-batch plan for a lengths file", description=SCHEDULE

@@ -2,7 +2,7 @@
 ``calc`` (so episodes go on whatever the model writes); the reward counts the assistant's
 characters."""
 
-from jaxrl.rollout.tool_calls import ParsedTurn, ToolCall
+from jaxrl.rollout.tools.calls import ParsedTurn, ToolCall
 
 
 class AlwaysCall:

@@ -22,10 +22,10 @@ def run(cache_dir: str | Path) -> dict:
     from jaxrl.data.documents import dpo_documents, prompt_completion_document
     from jaxrl.data.tasks import ArithmeticTask
     from jaxrl.data.tokenizer import char_tokenizer
+    from jaxrl.generate.sampler import Sampler, SamplingParams
     from jaxrl.models.model_config import ModelConfig
     from jaxrl.models.sharding import state_shardings
     from jaxrl.models.transformer import Transformer
-    from jaxrl.rollout.sampler import Sampler, SamplingParams
     from jaxrl.runtime.mesh import make_mesh
     from jaxrl.train import ref_cache
     from jaxrl.train.score import Scorer

@@ -14,7 +14,7 @@ from test_grpo_e2e import CONFIG, TINY, _external_rollouts, straight_and_resumed
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config
 from jaxrl.rollout.pipeline import generation_device_count, load_steps
 from jaxrl.runtime.mesh import use_devices
-from jaxrl.train.metrics import reproducible
+from jaxrl.train.run_io.metrics import reproducible
 from jaxrl.trainers.grpo import GRPOTrainer
 
 

@@ -17,13 +17,13 @@ from flax import nnx
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, ModelSection, from_dict
+from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
 from jaxrl.models import ModelConfig, Transformer, save_pretrained
-from jaxrl.models.attention import attention, positions_from_segments
-from jaxrl.models.attention_dispatch import attention_fn, resolve_attention_impl
-from jaxrl.models.flash_attention import block_visibility, flash_attention
-from jaxrl.models.pallas_attention import index_causal_matches
-from jaxrl.rollout.dense_decode import decode_step, left_pad, prefill
-from jaxrl.train.metrics import read_metrics
+from jaxrl.models.attention.dense import attention, positions_from_segments
+from jaxrl.models.attention.dispatch import attention_fn, resolve_attention_impl
+from jaxrl.models.attention.flash import block_visibility, flash_attention
+from jaxrl.models.attention.pallas import index_causal_matches
+from jaxrl.train.run_io.metrics import read_metrics
 
 H, DH, T, BLOCK = 4, 8, 40, 16  # T is not a multiple of BLOCK (nor of the Pallas blocks)
 

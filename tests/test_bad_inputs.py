@@ -181,8 +181,8 @@ def test_train_on_rollouts_inputs_are_checked_row_by_row(change, message):
 
 
 def test_a_reward_function_that_hangs_stops_at_its_deadline():
-    from jaxrl.rollout.rewards import RewardTimeoutError, score_completions
-    from jaxrl.rollout.timeout import call_with_deadline
+    from jaxrl.rollout.rewards.compute import RewardTimeoutError, score_completions
+    from jaxrl.runtime.timeout import call_with_deadline
 
     release = threading.Event()
 

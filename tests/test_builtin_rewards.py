@@ -9,8 +9,8 @@ import pytest
 
 from jaxrl.config import ConfigError
 from jaxrl.data.tasks import ArithmeticTask, Example
-from jaxrl.rollout.answers import extract_answer, parse_number
-from jaxrl.rollout.builtin_rewards import (
+from jaxrl.rollout.rewards.answers import extract_answer, parse_number
+from jaxrl.rollout.rewards.builtin import (
     ExactAnswer,
     FormatReward,
     LengthPenalty,

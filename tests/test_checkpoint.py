@@ -10,8 +10,8 @@ import numpy as np
 from jaxrl.config.run import OptimizerConfig
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from jaxrl.train.checkpoint import Checkpointer
 from jaxrl.train.optimizer import make_optimizer
+from jaxrl.train.run_io.checkpoint import Checkpointer
 from jaxrl.train.state import TrainState
 
 

@@ -177,7 +177,7 @@ def test_help_is_plain_text_and_version_is_the_package_version(capsys):
 
 @pytest.mark.parametrize("dp", [2, 5, 64])
 def test_schedule_plot_has_integer_rank_ticks_and_titles_that_fit(dp):
-    from jaxrl.data.schedule_report import compare_schedules, schedule_figure
+    from jaxrl.data.batching.schedule_report import compare_schedules, schedule_figure
 
     lengths = np.random.default_rng(0).integers(1, 513, 8 * dp)
     fig = schedule_figure(compare_schedules(lengths, dp=dp, max_tokens=512), lengths)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 
 QUIET = ["logging.progress=false"]
 

@@ -14,13 +14,13 @@ import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, DPOConfig, load_run_config
-from jaxrl.data.packing import pack_micro_batches
-from jaxrl.data.preference import PairDocuments, pair_micro_batches
+from jaxrl.data.batching.packing import pack_micro_batches
+from jaxrl.data.batching.preference import PairDocuments, pair_micro_batches
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.accumulate import make_accumulate
-from jaxrl.train.metrics import read_metrics, reproducible
 from jaxrl.train.objectives import dpo_objective, on_params
+from jaxrl.train.run_io.metrics import read_metrics, reproducible
 from jaxrl.train.step import make_mesh
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.session import Session

@@ -232,7 +232,7 @@ def test_policy_loss_docs_per_step_equals_one_pass(level, loss_type):
     """docs/algorithms/accumulation.md §6 case 2: counts [3,1,2,4], target 5 → 3 rounds;
     GSPO / DAPO gradient equals one pass over the consumed documents with the step-global
     divisor (D = 6 for GSPO)."""
-    from jaxrl.data.packing import pack_micro_batches
+    from jaxrl.data.batching.packing import pack_micro_batches
     from jaxrl.losses.policy import policy_loss_terms
 
     rng = np.random.default_rng(8)

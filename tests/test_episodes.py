@@ -17,14 +17,14 @@ from flax import nnx
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
 from jaxrl.data.tool_task import CalculatorTask, calc
+from jaxrl.generate.sampler import Sampler, SampleResult, SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.rollout_queue import RolloutBatch
-from jaxrl.rollout.sampler import Sampler, SampleResult, SamplingParams
-from jaxrl.rollout.tools import Toolbox
+from jaxrl.rollout.tools.toolbox import Toolbox
 from jaxrl.runtime.mesh import make_mesh
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.grpo import GRPOTrainer
 

@@ -15,7 +15,7 @@ import transformers
 from hf_fixtures import write_chat_checkpoint
 
 from jaxrl.config import load_run_config
-from jaxrl.rollout.sampler import Sampler, SamplingParams
+from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.train.build import build_task
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.grpo import GRPOTrainer

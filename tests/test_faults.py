@@ -17,7 +17,7 @@ import pytest
 from test_reliability import SMALL as RELIABILITY_SMALL
 
 from jaxrl.cli import main
-from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.train.run_io.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [*RELIABILITY_SMALL, "mesh.data=1"]  # a one-layer D=32 model, 16 documents per step
@@ -162,7 +162,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path, capsys, monkeypatch)
 
 KILLER = """
 import os, signal, sys
-from jaxrl.train.checkpoint import Checkpointer
+from jaxrl.train.run_io.checkpoint import Checkpointer
 kill_at = int(os.environ["KILL_AT_STEP"])
 save = Checkpointer.save
 def dying(self, step, state, host):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.data.datasets import DataError, read_dataset
-from jaxrl.rollout.reward_specs import resolve_reward_funcs
+from jaxrl.rollout.rewards.specs import resolve_reward_funcs
 
 # (imported here, not inside a test: an import below reward_specs raises the recursion limit,
 # which hypothesis would warn about mid-test)
@@ -233,7 +233,7 @@ SPECS = (
             "math:sqrt",
             "json.loads",
             "os.path:nope",
-            "jaxrl.rollout.builtin_rewards:BUILTIN_REWARDS",
+            "jaxrl.rollout.rewards.builtin:BUILTIN_REWARDS",
             "missing_file.py:f",
             "rewards.py:good",
             "rewards.py:nope",

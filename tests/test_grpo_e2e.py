@@ -12,7 +12,7 @@ import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.train.metrics import read_metrics, reproducible
+from jaxrl.train.run_io.metrics import read_metrics, reproducible
 from jaxrl.trainers.grpo import PLOT_NAME, GRPOTrainer
 from jaxrl.trainers.session import Session
 

@@ -12,7 +12,7 @@ import yaml
 from jaxrl.cli import main
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 
 TINY = [
     "max_steps=2",

@@ -11,12 +11,12 @@ from flax import nnx
 
 from jaxrl.config import load_run_config
 from jaxrl.data.tokenizer import char_tokenizer
+from jaxrl.generate.sampler import SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.heldout import HeldoutEvaluator
-from jaxrl.rollout.sampler import SamplingParams
-from jaxrl.train.metrics import read_metrics
 from jaxrl.train.optimizer import learning_rate_schedule
+from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.trainers.sft import SFTTrainer
 from jaxrl.trainers.warm_start import SUMMARY, warm_start
 

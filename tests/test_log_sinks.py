@@ -13,7 +13,7 @@ from tensorboard.util import tensor_util
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, LoggingConfig, load_run_config
-from jaxrl.train.metrics import MetricsWriter, read_metrics
+from jaxrl.train.run_io.metrics import MetricsWriter, read_metrics
 
 
 def read_events(directory) -> dict[tuple[str, int], float]:

@@ -20,12 +20,12 @@ from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models import LoraSpec, from_pretrained, save_adapters, save_pretrained, with_adapters
 from jaxrl.models import lora as L
+from jaxrl.models.adapters.peft import load_adapters, read_lora_spec
+from jaxrl.models.adapters.quantize import NF4_BLOCK
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.peft import load_adapters, read_lora_spec
-from jaxrl.models.quantize import NF4_BLOCK
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.build import fresh_model
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.sft import SFTTrainer
 

@@ -12,12 +12,12 @@ import pytest
 
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
-from jaxrl.data.batch_buckets import batch_bucket
 from jaxrl.data.tokenizer import char_tokenizer
+from jaxrl.generate.cache_geometry import batch_bucket
 from jaxrl.runtime.mesh import mesh_from_config, use_devices
 from jaxrl.train.build import build_model, build_task
-from jaxrl.train.memory import _compute_copies, _kv_cache_bytes, plan_memory, plan_run
 from jaxrl.train.optimizer import make_optimizer
+from jaxrl.train.run_io.memory import _compute_copies, _kv_cache_bytes, plan_memory, plan_run
 from jaxrl.train.state import create_state
 
 TINY = "configs/sft_tiny.yaml"

@@ -14,7 +14,7 @@ from hf_fixtures import CASES, LLAMA3_SCALING, hf_logits, write_case
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
-from jaxrl.models.attention import attention, positions_from_segments
+from jaxrl.models.attention.dense import attention, positions_from_segments
 from jaxrl.models.sharding import logical_to_spec, state_shardings
 from jaxrl.runtime.mesh import make_mesh
 

@@ -1,4 +1,4 @@
-"""Packed device batches (jaxrl.data.packing): layout, shifts, buckets, padding and errors."""
+"""Packed device batches (jaxrl.data.batching.packing): layout, shifts, buckets, padding, errors."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxrl.data.packing import (
+from jaxrl.data.batching.packing import (
     PackingError,
     document_index,
     pack_micro_batches,
     pack_sequences,
     pick_bucket,
 )
-from jaxrl.data.schedule import build_dp_schedule
+from jaxrl.data.batching.schedule import build_dp_schedule
 
 
 def test_document_index_fast_llm_clamp_example():
@@ -225,7 +225,7 @@ def test_packed_equals_unpacked(case, packing):
 
 
 def test_row_buckets_follow_the_budget():
-    from jaxrl.data.packing import row_buckets
+    from jaxrl.data.batching.packing import row_buckets
 
     assert row_buckets(256) == (64, 128, 256)
     assert row_buckets(300) == (64, 128, 256, 300)

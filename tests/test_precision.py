@@ -15,8 +15,8 @@ from test_grpo_e2e import TINY
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.train.metrics import read_metrics
 from jaxrl.train.precision import lost_update_fraction, stochastic_round
+from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.sft import SFTTrainer
 

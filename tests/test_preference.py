@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from jaxrl.data.batching.packing import PackingError, pack_micro_batches
+from jaxrl.data.batching.preference import pair_micro_batches, preference_accuracy
 from jaxrl.data.datasets import DataError, read_dataset, rows_dataset
 from jaxrl.data.documents import dpo_documents
-from jaxrl.data.packing import PackingError, pack_micro_batches
-from jaxrl.data.preference import pair_micro_batches, preference_accuracy
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.losses.dpo import pair_documents

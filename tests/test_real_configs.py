@@ -15,7 +15,7 @@ from hf_fixtures import write_chat_checkpoint
 from test_log_sinks import assert_events_match_jsonl
 
 from jaxrl.cli import main
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QA = [

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from jaxrl.config import DPOConfig, load_run_config
+from jaxrl.data.batching.packing import pack_micro_batches
+from jaxrl.data.batching.preference import pair_micro_batches
 from jaxrl.data.documents import dpo_documents
-from jaxrl.data.packing import pack_micro_batches
-from jaxrl.data.preference import pair_micro_batches
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tokenizer import char_tokenizer
 from jaxrl.models.model_config import ModelConfig

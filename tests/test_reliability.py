@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.train.metrics import json_safe
+from jaxrl.train.run_io.metrics import json_safe
 from jaxrl.trainers.session import NonFiniteError
 from jaxrl.trainers.sft import SFTTrainer
 
@@ -74,7 +74,7 @@ def _reject(name: str):
 def test_an_infinite_reward_names_the_function_and_the_row():
     import numpy as np
 
-    from jaxrl.rollout.rewards import score_completions
+    from jaxrl.rollout.rewards.compute import score_completions
 
     def shaped(prompts, completions, **_):
         return [1.0, float("-inf"), None]

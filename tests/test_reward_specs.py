@@ -14,14 +14,14 @@ import pytest
 from jaxrl.config import ConfigError, GRPOConfig, load_run_config, to_dict
 from jaxrl.config.reward_entries import BUILTIN_REWARD_NAMES
 from jaxrl.losses.advantages import compute_advantages
-from jaxrl.rollout.builtin_rewards import (
+from jaxrl.rollout.rewards.builtin import (
     BUILTIN_REWARDS,
     ExactAnswer,
     FormatReward,
     LengthPenalty,
     format_reward,
 )
-from jaxrl.rollout.rewards import (
+from jaxrl.rollout.rewards.compute import (
     RewardFunctionError,
     TrainingProgress,
     reward_inputs,

@@ -7,9 +7,9 @@ import pytest
 
 from jaxrl.config import ConfigError
 from jaxrl.losses.advantages import compute_advantages, reward_metrics
-from jaxrl.rollout.builtin_rewards import exact_answer_reward, format_reward
-from jaxrl.rollout.reward_specs import resolve_reward_funcs
-from jaxrl.rollout.rewards import reward_name, score_completions
+from jaxrl.rollout.rewards.builtin import exact_answer_reward, format_reward
+from jaxrl.rollout.rewards.compute import reward_name, score_completions
+from jaxrl.rollout.rewards.specs import resolve_reward_funcs
 
 PROMPTS = ["12+39=", "12+39=", "05+05=", "05+05="]
 COMPLETIONS = ["15", " 15 ", "01", "x1"]

@@ -1,4 +1,4 @@
-"""The continuous-batching engine (``jaxrl.rollout.engine`` via ``Sampler``): HF greedy parity
+"""The continuous-batching engine (``jaxrl.generate.engine`` via ``Sampler``): HF greedy parity
 with per-request limits and refilled slots, samples independent of slots / refill interval /
 mesh, log-probs equal a scoring forward, shared prompt prefill, stop strings, weights."""
 
@@ -14,9 +14,9 @@ import torch
 from flax import nnx
 from hf_fixtures import write_case
 
+from jaxrl.generate.sampler import Sampler, SamplingParams, StopStrings
+from jaxrl.generate.stop import MATCHED
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
-from jaxrl.rollout.sampler import Sampler, SamplingParams, StopStrings
-from jaxrl.rollout.stop import MATCHED
 from jaxrl.runtime.mesh import make_mesh
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -251,7 +251,7 @@ def test_grpo_run_reruns_bit_for_bit_and_slot_count_changes_no_completion(tmp_pa
     from test_grpo_e2e import CONFIG, TINY
 
     from jaxrl.cli import main
-    from jaxrl.train.metrics import read_metrics, reproducible
+    from jaxrl.train.run_io.metrics import read_metrics, reproducible
 
     def run(name: str, *sets: str) -> list[dict]:
         args = ["train", CONFIG, "--set", f"output_dir={tmp_path / name}"]

@@ -14,17 +14,17 @@ from hf_fixtures import write_case
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.data.documents import completion_field, prompt_completion_document
-from jaxrl.data.packing import pack_sequences
-from jaxrl.models import ModelConfig, Transformer, from_pretrained
-from jaxrl.models.sharding import state_shardings
-from jaxrl.rollout.dense_decode import decode_step, left_pad, prefill
-from jaxrl.rollout.sampler import (
+from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
+from jaxrl.generate.sampler import (
     Sampler,
     SamplingParams,
     filter_logits,
     sample_tokens,
 )
+from jaxrl.models import ModelConfig, Transformer, from_pretrained
+from jaxrl.models.sharding import state_shardings
 from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.forward import micro_batch_logprobs
 
@@ -282,7 +282,7 @@ def test_compiles_once_per_batch_group_and_prompt_bucket(tiny):
 
 
 def test_batch_sizes_share_a_bucket_and_padding_changes_no_completion(tiny):
-    from jaxrl.rollout.sampler import batch_bucket
+    from jaxrl.generate.sampler import batch_bucket
 
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 7, 9, 13, 60, 64, 65)] == [
         1, 2, 3, 4, 6, 8, 12, 16, 64, 64, 96,

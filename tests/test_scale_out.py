@@ -13,7 +13,7 @@ from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.models.sharding import bytes_per_device
 from jaxrl.runtime.mesh import make_mesh, resolve_shape, use_devices
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.trainers.sft import SFTTrainer
 
 MESHES = {  # name → (--set overrides, data-parallel ranks); (data=8) is the reference

@@ -21,12 +21,12 @@ from safetensors.numpy import load_file
 
 from jaxrl.cli import main
 from jaxrl.config import ConfigError, load_run_config
+from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models import ModelConfig, Transformer, from_pretrained, save_pretrained
 from jaxrl.models.layer_stack import remat_policy_names, unstack_blocks
 from jaxrl.models.sharding import state_partition_specs
-from jaxrl.rollout.sampler import Sampler, SamplingParams
 from jaxrl.runtime.mesh import make_mesh
-from jaxrl.train.metrics import read_metrics
+from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.trainers.sft import SFTTrainer
 
 V = 64

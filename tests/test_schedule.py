@@ -1,4 +1,5 @@
-"""Worked examples and error messages of jaxrl.data.schedule (slime PR #2065's build_dp_schedule).
+"""Worked examples and error messages of jaxrl.data.batching.schedule (slime PR #2065's
+build_dp_schedule).
 
 Property tests (docs/algorithms/schedule.md §5.9) live in test_schedule_properties.py.
 """
@@ -11,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 
-from jaxrl.data.binpack import (
+from jaxrl.data.batching.binpack import (
     cost_balanced_ranks,
     expand_bins,
     first_fit,
@@ -21,7 +22,7 @@ from jaxrl.data.binpack import (
     strided_ranks,
     swap_refine,
 )
-from jaxrl.data.schedule import DPSchedule, ScheduleError, build_dp_schedule
+from jaxrl.data.batching.schedule import DPSchedule, ScheduleError, build_dp_schedule
 
 SLIME = {"packing": "first_fit", "balance": "strided"}
 
@@ -466,7 +467,7 @@ def _console():
 
 
 def test_cli_table_and_png(tmp_path):
-    from jaxrl.data.schedule_report import run_schedule_cli
+    from jaxrl.data.batching.schedule_report import run_schedule_cli
 
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(4.0, 1.0, 400), 1, 256).astype(int)
@@ -490,7 +491,11 @@ def test_cli_table_and_png(tmp_path):
 def test_cli_parser_npy_single_mode_and_errors(tmp_path, capsys):
     import argparse
 
-    from jaxrl.data.schedule_report import add_schedule_arguments, main_schedule, run_from_args
+    from jaxrl.data.batching.schedule_report import (
+        add_schedule_arguments,
+        main_schedule,
+        run_from_args,
+    )
 
     path = tmp_path / "lengths.npy"
     np.save(path, np.array([30] * 6))
@@ -509,7 +514,7 @@ def test_cli_parser_npy_single_mode_and_errors(tmp_path, capsys):
 
 
 def test_load_lengths_reports_bad_lines(tmp_path):
-    from jaxrl.data.schedule_report import load_lengths
+    from jaxrl.data.batching.schedule_report import load_lengths
 
     path = tmp_path / "bad.txt"
     path.write_text("12\n7 # ok\nseven\n")

@@ -1,4 +1,5 @@
-"""Property tests of jaxrl.data.schedule: every invariant of slime's schedule (PR #2065) and ours.
+"""Property tests of jaxrl.data.batching.schedule: every invariant of slime's schedule (PR #2065)
+and ours.
 
 Each ``test_invariant_NN_*`` checks invariant NN on random configurations drawn as 5.9 says:
 dp in {1,2,4,8}, micro_batch_group in {1,2,4}, 1-60 rollouts of 1-3 samples (sometimes
@@ -22,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxrl.data.binpack import first_fit, first_fit_decreasing
-from jaxrl.data.schedule import DPSchedule, ScheduleError, build_dp_schedule
+from jaxrl.data.batching.binpack import first_fit, first_fit_decreasing
+from jaxrl.data.batching.schedule import DPSchedule, ScheduleError, build_dp_schedule
 
 # JAXRL_SCHEDULE_EXAMPLES=5000 for a long soak; the default keeps this file near 30 s on 2 cores.
 EXAMPLES = int(os.environ.get("JAXRL_SCHEDULE_EXAMPLES", "300"))

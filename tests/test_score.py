@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.data.packing import pack_sequences
+from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer

@@ -8,7 +8,7 @@ import pytest
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.train.metrics import read_metrics, reproducible
+from jaxrl.train.run_io.metrics import read_metrics, reproducible
 from jaxrl.trainers.session import Session
 from jaxrl.trainers.sft import SFTTrainer
 

@@ -20,9 +20,9 @@ from jaxrl.config import ConfigError, GRPOConfig, load_run_config
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.data.tool_task import CalculatorTask, calc
 from jaxrl.rollout.episodes import EpisodeRunner
-from jaxrl.rollout.tool_calls import HermesToolParser, ToolCall
-from jaxrl.rollout.tool_schema import SchemaError, get_json_schema
-from jaxrl.rollout.tools import (
+from jaxrl.rollout.tools.calls import HermesToolParser, ToolCall
+from jaxrl.rollout.tools.schema import SchemaError, get_json_schema
+from jaxrl.rollout.tools.toolbox import (
     Toolbox,
     load_environment,
     load_tools,

@@ -9,7 +9,7 @@ checks (``jaxrl.losses.loss_types``, ``jaxrl.losses.advantages``), imported, not
 
 ``reward_funcs`` holds the entries as written (names, mappings, ``"pkg.module:function"``,
 ``"file.py:function"``, or callables from Python), checked for their shape only: the trainer
-imports and checks the functions (``jaxrl.rollout.reward_specs``), so building a config runs no
+imports and checks the functions (``jaxrl.rollout.rewards.specs``), so building a config runs no
 user code (``jaxrl.config.reward_entries``).
 """
 

@@ -3,7 +3,7 @@
 An entry is a built-in name, a mapping ``{name: <built-in>, <parameter>: ...}``,
 ``"package.module:function"`` (or TRL's ``"package.module.function"``),
 ``"path/to/file.py:function"``, or (from Python) a callable (docs/rewards.md). The config checks
-this much when it is built; the trainer loads the functions (``jaxrl.rollout.reward_specs``),
+this much when it is built; the trainer loads the functions (``jaxrl.rollout.rewards.specs``),
 with the same errors for what it finds wrong.
 """
 
@@ -23,7 +23,7 @@ __all__ = [
     "reward_file_spec",
 ]
 
-# Names of the built-in reward functions (``jaxrl.rollout.builtin_rewards`` maps each to its class)
+# Names of the built-in reward functions (``jaxrl.rollout.rewards.builtin`` maps each to its class)
 BUILTIN_REWARD_NAMES = ("exact_answer", "format", "length_penalty")
 
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.data.batching.preference import PairDocuments
 from jaxrl.data.chat_template import ChatTemplateError
 from jaxrl.data.datasets import DataError, Dataset
-from jaxrl.data.preference import PairDocuments
 from jaxrl.data.tokenizer import TextTokenizer, UnknownTextError
 
 __all__ = [
@@ -57,7 +57,7 @@ def prompt_completion_document(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, loss_mask)`` of one prompt + completion document: int32 ids, and a float32
     token-aligned mask that is ``prompt_loss`` on the prompt's tokens and ``completion_loss`` on
-    the completion's (``jaxrl.data.packing`` shifts it into target alignment)."""
+    the completion's (``jaxrl.data.batching.packing`` shifts it into target alignment)."""
     p, c = np.asarray(prompt, np.int32), np.asarray(completion, np.int32)
     ids = np.concatenate([p.reshape(-1), c.reshape(-1)])
     mask = np.concatenate(

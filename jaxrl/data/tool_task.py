@@ -9,9 +9,9 @@ the problem into a tool call and the tool's answer out of the tool response (doc
 ``<tool_call>``, ``</tool_call>``, ``<tool_response>`` and ``</tool_response>`` are single tokens
 of the task's character tokenizer (:func:`tool_char_tokenizer`), whose chat template
 (:data:`TOOL_CHAT_TEMPLATE`) writes an assistant turn as its content, then its calls in the
-Hermes format ``jaxrl.rollout.tools.HermesToolParser`` reads, then ``<eos>``, and a tool message
-as ``<tool_response>...</tool_response>``. The template ignores ``tools=`` (the tiny model needs
-no tool descriptions); real models' templates list them.
+Hermes format ``jaxrl.rollout.tools.calls.HermesToolParser`` reads, then ``<eos>``, and a tool
+message as ``<tool_response>...</tool_response>``. The template ignores ``tools=`` (the tiny
+model needs no tool descriptions); real models' templates list them.
 
 Rows (TRL formats): ``grpo`` → a one-message conversation and its ``answer``; ``sft`` →
 ``messages`` transcripts, a ``tool_transcripts`` fraction of them calling ``calc`` and the rest

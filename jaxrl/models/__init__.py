@@ -13,7 +13,7 @@ _EXPORTS = {
     "Transformer": "transformer",
     "from_pretrained": "hf",
     "lm_head": "head",
-    "save_adapters": "peft",
+    "save_adapters": "adapters.peft",
     "save_pretrained": "hf",
     "token_logprobs": "head",
     "with_adapters": "lora",

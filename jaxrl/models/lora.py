@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.lora_layer import ADAPTERS, quantize_base
+from jaxrl.models.adapters.lora_layer import ADAPTERS, quantize_base
+from jaxrl.models.adapters.quantize import QuantizedParam
 from jaxrl.models.model_config import LoraSpec, ModelConfig
-from jaxrl.models.quantize import QuantizedParam
 from jaxrl.models.transformer import Transformer
 
 

@@ -17,7 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # LoRA (models/lora.py): the projections an adapter may target, by their HF module names
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every projection above (never the LM head)
-QUANTIZE_MODES = ("none", "int8", "nf4")  # the frozen base of QLoRA (models/quantize.py)
+QUANTIZE_MODES = ("none", "int8", "nf4")  # the frozen base of QLoRA (models/adapters/quantize.py)
 
 
 def _fail(field: str, value: Any, fix: str) -> None:

@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models.attention import apply_rope, positions_from_segments, rope_inv_freq
-from jaxrl.models.attention_dispatch import attention_fn
+from jaxrl.models.adapters.lora_layer import adapt, adapter, lora_rngs, quantize_base
+from jaxrl.models.attention.dense import apply_rope, positions_from_segments, rope_inv_freq
+from jaxrl.models.attention.dispatch import attention_fn
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
-from jaxrl.models.lora_layer import adapt, adapter, lora_rngs, quantize_base
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.slot_kv_cache import SlotKVCache
 

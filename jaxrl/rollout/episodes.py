@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.rollout.tools import Toolbox, ToolResult
+from jaxrl.rollout.tools.toolbox import Toolbox, ToolResult
 
 __all__ = [
     "Episode",

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.losses.advantages import (
     aggregate_rewards,
     compute_advantages,
@@ -28,7 +29,7 @@ from jaxrl.losses.advantages import (
 from jaxrl.models import lora
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.episodes import EpisodeRows, EpisodeRunner, episode_metrics
-from jaxrl.rollout.rewards import (
+from jaxrl.rollout.rewards.compute import (
     RewardFunc,
     TrainingProgress,
     reward_inputs,
@@ -36,7 +37,6 @@ from jaxrl.rollout.rewards import (
     score_completions,
 )
 from jaxrl.rollout.rollout_queue import RolloutBatch
-from jaxrl.rollout.sampler import Sampler, SamplingParams
 from jaxrl.train.score import Scorer
 
 __all__ = ["RolloutGenerator"]
@@ -98,7 +98,7 @@ class RolloutGenerator:
         max_slots: int = 0,
         copy_params: bool = True,
     ):
-        """``reward_funcs``: the loaded functions (``jaxrl.rollout.reward_specs``);
+        """``reward_funcs``: the loaded functions (``jaxrl.rollout.rewards.specs``);
         ``old_logprobs``: score every batch under the generating parameters
         (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
         β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
@@ -224,7 +224,7 @@ class RolloutGenerator:
 
         ``prompts`` (text, or lists of messages) and ``columns`` (the dataset's other fields,
         one value per row) reach the reward functions as TRL passes them
-        (``jaxrl.rollout.rewards``), with the completions' ids and ``trainer_state``.
+        (``jaxrl.rollout.rewards.compute``), with the completions' ids and ``trainer_state``.
         """
         self.sampler.load_params(self.sampler_params(params))  # the one weight sync
         if self.episodes is not None:  # multi-turn episodes with tools (docs/tools.md)

@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 
 from jaxrl.data.documents import prompt_ids as prompt_ids_of
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.rollout.builtin_rewards import exact_answer_reward
-from jaxrl.rollout.rewards import RewardFunc, reward_inputs
-from jaxrl.rollout.sampler import Sampler, SamplingParams
+from jaxrl.rollout.rewards.builtin import exact_answer_reward
+from jaxrl.rollout.rewards.compute import RewardFunc, reward_inputs
 
 GREEDY = SamplingParams(temperature=0.0)
 

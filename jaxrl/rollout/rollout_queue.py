@@ -4,8 +4,8 @@ A row is one completion of one prompt. :class:`RolloutBatch` is one generation b
 row order (rows kG … kG+G−1 share a prompt) with the training document of every row, built once
 when the batch is made (``jaxrl.data.documents.prompt_completion_document``): ``prompt +
 completion`` ids (the prompt as the sampler saw it, e.g. with BOS) and token-aligned per-token
-fields (value i belongs to token i, 0 on the prompt; ``jaxrl.data.packing`` shifts them into
-target alignment):
+fields (value i belongs to token i, 0 on the prompt; ``jaxrl.data.batching.packing`` shifts them
+into target alignment):
 
 - ``loss_mask``: 1 on completion tokens, the EOS included; a completion stops at its EOS, so
   nothing after it exists. In a tool episode (``jaxrl.rollout.episodes``) the completion holds

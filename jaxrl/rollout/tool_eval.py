@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.generate.sampler import SamplingParams
 from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.heldout import GREEDY, HeldoutEvaluator, HeldoutResult
-from jaxrl.rollout.sampler import SamplingParams
 
 __all__ = ["EpisodeEvaluator", "EpisodeHeldoutResult"]
 

@@ -22,11 +22,11 @@ from jaxrl.config import ConfigError, RunConfig
 from jaxrl.config.run import MODEL_SECTION_KEYS, ModelSection
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tool_task import CalculatorTask
-from jaxrl.models.attention_dispatch import resolve_attention_impl
+from jaxrl.models.adapters.peft import load_adapters, read_lora_spec
+from jaxrl.models.attention.dispatch import resolve_attention_impl
 from jaxrl.models.hf import load_pretrained, read_config
 from jaxrl.models.lora import dense_config, frozen_copy, quantize_base, split_adapters
 from jaxrl.models.model_config import LoraSpec, ModelConfig
-from jaxrl.models.peft import load_adapters, read_lora_spec
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config

@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrl.data.packing import PackedBatch, pack_micro_batches, pick_bucket
-from jaxrl.data.preference import PairDocuments, pair_micro_batches
+from jaxrl.data.batching.packing import PackedBatch, pack_micro_batches, pick_bucket
+from jaxrl.data.batching.preference import PairDocuments, pair_micro_batches
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.runtime.mesh import barrier, is_primary, to_host
 from jaxrl.train.score import DocumentScores, Scorer

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.data.packing import PackedBatch, pack_sequences
+from jaxrl.data.batching.packing import PackedBatch, pack_sequences
 from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
 from jaxrl.runtime.mesh import to_host

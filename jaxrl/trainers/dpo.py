@@ -1,9 +1,9 @@
 """DPO trainer: preference pairs → reference cache → packed pairs → exact engine → metrics.
 
-Orchestration only: pairs and their packing live in ``jaxrl.data.preference``, the reference
-cache in ``jaxrl.train.ref_cache``, the no-grad forward it shares with held-out evaluation in
-``jaxrl.train.score`` (every device), the objective in ``jaxrl.train.objectives`` (the loss in
-``jaxrl.losses.dpo``).
+Orchestration only: pairs and their packing live in ``jaxrl.data.batching.preference``, the
+reference cache in ``jaxrl.train.ref_cache``, the no-grad forward it shares with held-out
+evaluation in ``jaxrl.train.score`` (every device), the objective in ``jaxrl.train.objectives``
+(the loss in ``jaxrl.losses.dpo``).
 A step takes ``dpo.pairs_per_step`` pairs (b · g · P) from a seeded feed of pair ids, schedules
 them as ``len_c + len_r`` samples, lays each pair out as adjacent chosen/rejected documents, and
 hands the cached reference values to the loss as per-document fields.
@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.batching.preference import PairDocuments, preference_accuracy
+from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import dpo_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.preference import PairDocuments, preference_accuracy
-from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tasks import TASK_SOURCE, ArithmeticTask
 from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxrl.train.build import build_task

@@ -31,21 +31,21 @@ from jaxrl.data.tasks import Example
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.losses.advantages import informative_groups
 from jaxrl.rollout.buffer import PromptSampler
-from jaxrl.rollout.builtin_rewards import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.generator import RolloutGenerator, Sampled
 from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.pipeline import Generated, RolloutPipeline, load_steps
-from jaxrl.rollout.reward_specs import resolve_reward_funcs
-from jaxrl.rollout.rewards import RewardFunc, TrainingProgress, check_reward
+from jaxrl.rollout.rewards.builtin import ExactAnswer, exact_answer_reward
+from jaxrl.rollout.rewards.compute import RewardFunc, TrainingProgress, check_reward
+from jaxrl.rollout.rewards.specs import resolve_reward_funcs
 from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
 from jaxrl.rollout.tool_eval import EpisodeEvaluator
-from jaxrl.rollout.tools import toolbox_from_config
+from jaxrl.rollout.tools.toolbox import toolbox_from_config
 from jaxrl.runtime.mesh import make_mesh, reserve_devices, run_devices
 from jaxrl.train.build import build_task
-from jaxrl.train.metrics import read_metrics
 from jaxrl.train.objectives import grpo_objective
-from jaxrl.train.plots import plot_reward_and_accuracy
+from jaxrl.train.run_io.metrics import read_metrics
+from jaxrl.train.run_io.plots import plot_reward_and_accuracy
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.run_data import run_datasets
 from jaxrl.trainers.session import Session, generation_devices, with_device_ranks
@@ -59,8 +59,8 @@ class GRPOTrainer:
     or messages, every other column passed to the reward functions); ``run()`` trains
     ``max_steps`` and returns a summary.
 
-    ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards``) or the
-    config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.reward_specs``); when not given,
+    ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards.compute``) or the
+    config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.rewards.specs``); when not given,
     ``grpo.reward_funcs``, and without that the built-in task's ``exact_answer`` and
     ``format`` (``load_reward_funcs``). Weighted by ``grpo.reward_weights``. The task's
     ``answer`` is passed as a column.
@@ -576,7 +576,7 @@ class GRPOTrainer:
 def load_reward_funcs(
     config: GRPOConfig, given: Sequence[str | RewardFunc] | None = None
 ) -> list[RewardFunc]:
-    """The run's reward functions, loaded and checked (``jaxrl.rollout.reward_specs``; user
+    """The run's reward functions, loaded and checked (``jaxrl.rollout.rewards.specs``; user
     modules run here): ``given`` (``GRPOTrainer``'s argument), else ``grpo.reward_funcs``, else
     the built-in task's ``DEFAULT_REWARD_FUNCS``."""
     length = config.max_completion_length

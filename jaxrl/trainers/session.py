@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
-from jaxrl.data.step_plan import StepBatch, plan_device_batch
+from jaxrl.data.batching.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models import lora
+from jaxrl.models.adapters.peft import save_adapters
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
-from jaxrl.models.peft import save_adapters
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
 from jaxrl.runtime.mesh import (
@@ -40,10 +40,10 @@ from jaxrl.runtime.mesh import (
     run_devices,
 )
 from jaxrl.train.build import build_run
-from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
-from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import compute_copy, lost_update_fraction
+from jaxrl.train.run_io.checkpoint import Checkpointer, nonfinite_leaves
+from jaxrl.train.run_io.metrics import MetricsWriter, to_python
 
 __all__ = ["Session", "generation_devices", "with_device_ranks"]
 
@@ -452,8 +452,9 @@ class Session:
         checkpoint go back as bf16 and an fp32 checkpoint stays fp32 whatever the compute
         dtype. generation_config.json (the source's, with the tokenizer's ids) makes
         transformers' ``generate()`` stop where jaxrl's sampler does. A LoRA run also writes
-        its adapters in PEFT's format to ``<output_dir>/adapter`` (``jaxrl.models.peft``) and
-        exports the merged model (``W + scaling · A B``, a quantised base dequantised) as ``hf``.
+        its adapters in PEFT's format to ``<output_dir>/adapter``
+        (``jaxrl.models.adapters.peft``) and exports the merged model (``W + scaling · A B``, a
+        quantised base dequantised) as ``hf``.
         """
         path = self.output_dir / "hf"
         source = self.cfg.model.path

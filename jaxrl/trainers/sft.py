@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.batching.packing import pack_sequences
+from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import sft_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.packing import pack_sequences
-from jaxrl.data.step_plan import StepBatch
 from jaxrl.data.tokenizer import load_tokenizer
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import sft_objective

@@ -6,7 +6,7 @@ or ``[{"role": "assistant", "content": text}]`` for conversational data). In YAM
 takes the defaults; a mapping ``{name: format, pattern: "..."}`` sets parameters.
 
 - ``exact_answer``: 1.0 when the completion's final answer equals the ``answer`` column's
-  (``jaxrl.rollout.answers``: ``\\boxed{}``, ``<answer>``, GSM8K ``####``, numeric
+  (``jaxrl.rollout.rewards.answers``: ``\\boxed{}``, ``<answer>``, GSM8K ``####``, numeric
   normalisation); None (unscored) where the gold is None. ``fallback: last_number`` scores the
   completion's last number when it has no ``\\boxed{}`` / ``<answer>`` / ``####``.
 - ``format``: 1.0 when the whole completion (surrounding whitespace stripped) matches
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from jaxrl.config.base import config_error, require, require_choice
-from jaxrl.rollout.answers import ANSWER_FALLBACKS, answers_match
+from jaxrl.rollout.rewards.answers import ANSWER_FALLBACKS, answers_match
 
 __all__ = [
     "BUILTIN_REWARDS",

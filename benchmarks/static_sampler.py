@@ -54,12 +54,12 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxrl.data.batch_buckets import batch_bucket
-from jaxrl.data.packing import BucketSpec, pick_bucket
+from jaxrl.data.batching.packing import BucketSpec, pick_bucket
+from jaxrl.generate.cache_geometry import batch_bucket
+from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
+from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
+from jaxrl.generate.sampling import SampleResult, SamplingParams, sample_tokens, stop_token_ids
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.rollout.dense_decode import decode_step, left_pad, prefill
-from jaxrl.rollout.sampler_weights import SamplerWeights, sampler_model
-from jaxrl.rollout.sampling import SampleResult, SamplingParams, sample_tokens, stop_token_ids
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
@@ -70,7 +70,7 @@ class StaticSampler:
     """Static-batch sampling from a :class:`Transformer`; weights via ``load_params``.
 
     ``generate(prompts, key)`` left-pads the prompts to a bucketed length P (``prompt_buckets``
-    as in ``jaxrl.data.packing.pick_bucket``: None = next power of two) and decodes up to
+    as in ``jaxrl.data.batching.packing.pick_bucket``: None = next power of two) and decodes up to
     ``max_new_tokens`` tokens per row. The key is split once per decode step, so a key fixes
     the result, on any mesh. Compiles once per (B, P), B padded to a multiple of the mesh's row
     ranks; ``compiles`` counts them. ``mesh``: split the prompts over its batch axes (None: run

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.data.binpack import ScheduleError, StepPlan, plan_step
+from jaxrl.data.batching.binpack import ScheduleError, StepPlan, plan_step
 
 __all__ = ["DPSchedule", "ScheduleError", "StepSchedule", "StepStats", "build_dp_schedule"]
 

@@ -1,6 +1,6 @@
-"""The tool worker process of ``grpo.tool_isolation=subprocess`` (``jaxrl.rollout.tools``).
+"""The tool worker process of ``grpo.tool_isolation=subprocess`` (``jaxrl.rollout.tools.toolbox``).
 
-Run as a script (``python tool_worker.py '{"specs": [...], "memory_limit_mb": N}'``), standard
+Run as a script (``python worker.py '{"specs": [...], "memory_limit_mb": N}'``), standard
 library only, so it starts fast and imports neither jax nor jaxrl. It limits its own address
 space (``RLIMIT_AS``), loads the tool functions the specs name (``"pkg.module:function"``,
 ``"pkg.module.function"``, ``"file.py:function"``; the parent has already checked them), says

@@ -3,7 +3,7 @@
 An entry is one of (docs/rewards.md):
 
 - a built-in name: ``exact_answer``, ``format``, ``length_penalty``
-  (``jaxrl.rollout.builtin_rewards``), with its default parameters;
+  (``jaxrl.rollout.rewards.builtin``), with its default parameters;
 - a mapping ``{name: <built-in>, <parameter>: <value>, ...}``, e.g.
   ``{name: format, pattern: "<think>.*?</think>\\s*<answer>.*?</answer>"}``;
   ``length_penalty``'s ``max_completion_len`` defaults to ``grpo.max_completion_length``;
@@ -39,8 +39,8 @@ from jaxrl.config.reward_entries import (
     did_you_mean,
     reward_file_spec,
 )
-from jaxrl.rollout.builtin_rewards import BUILTIN_REWARDS
-from jaxrl.rollout.rewards import RewardFunc
+from jaxrl.rollout.rewards.builtin import BUILTIN_REWARDS
+from jaxrl.rollout.rewards.compute import RewardFunc
 
 __all__ = ["load_named", "load_reward_func", "resolve_reward_funcs"]
 

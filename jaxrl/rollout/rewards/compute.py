@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.rollout.timeout import CallTimeoutError, call_with_deadline
+from jaxrl.runtime.timeout import CallTimeoutError, call_with_deadline
 
 RewardFunc = Callable[..., Sequence[float | None]]
 MAX_ABS_REWARD = 1e30  # larger finite rewards overflow the float64 group variance
@@ -159,7 +159,7 @@ def score_completions(
 
     ``prompts`` and ``completions`` as the functions receive them (``reward_inputs``); every
     function is called with the keywords of the module docstring, within ``timeout`` seconds
-    per call when given (``jaxrl.rollout.timeout``). Raises ``RewardTimeoutError`` when a
+    per call when given (``jaxrl.runtime.timeout``). Raises ``RewardTimeoutError`` when a
     call takes longer, ``RewardFunctionError`` when a function raises, ``ValueError`` when it
     returns the wrong number of values, ±inf or a magnitude above ``MAX_ABS_REWARD``, and
     ``TypeError`` when a value is not a number (bools included), naming the function and the

@@ -1,6 +1,6 @@
 """Blockwise (flash) attention in plain JAX that skips the blocks nothing in them can see.
 
-Same inputs, visibility rule and numerics contract as :func:`jaxrl.models.attention.attention`
+Same inputs, visibility rule and numerics contract as :func:`jaxrl.models.attention.dense.attention`
 (scores, softmax statistics and accumulators in float32, matmuls in the operands' dtype), but
 the ``[T, L]`` score matrix is never materialised and, more to the point, most of it is never
 computed: the rows are cut into query blocks of ``block_q`` tokens and key blocks of
@@ -322,7 +322,7 @@ def flash_attention(
     *,
     block_size: int = DEFAULT_BLOCK,
 ) -> jax.Array:
-    """:func:`jaxrl.models.attention.attention`, blockwise, visiting only visible blocks.
+    """:func:`jaxrl.models.attention.dense.attention`, blockwise, visiting only visible blocks.
 
     ``block_size`` is clamped to T (query blocks) and L (key blocks); lengths that are not a
     multiple are padded internally with padding tokens (segment 0), which cost nothing.

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl.models import pallas_attention
-from jaxrl.models.attention import attention
-from jaxrl.models.flash_attention import flash_attention
+from jaxrl.models.attention import pallas as pallas_attention
+from jaxrl.models.attention.dense import attention
+from jaxrl.models.attention.flash import flash_attention
 from jaxrl.models.model_config import ATTENTION_IMPLS
 
 _NEEDS_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu"}

@@ -37,11 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxrl.generate.sampling import sample_tokens, token_key
+from jaxrl.generate.stop import MATCHED
 from jaxrl.models.kv_cache import KVCache
 from jaxrl.models.slot_kv_cache import SlotKVCache
 from jaxrl.models.transformer import Transformer
-from jaxrl.rollout.sampling import sample_tokens, token_key
-from jaxrl.rollout.stop import MATCHED
 from jaxrl.runtime.spmd import constrain_rows
 
 __all__ = ["EngineShape", "decode_requests", "prefill_prompts"]

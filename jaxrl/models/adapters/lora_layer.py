@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.adapters.quantize import KERNELS, quantize_kernels
 from jaxrl.models.model_config import LoraSpec, ModelConfig
-from jaxrl.models.quantize import KERNELS, quantize_kernels
 
 ADAPTERS = {  # kernel attribute -> adapter attribute
     name: name.replace("_kernel", "_lora") for name in KERNELS

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.data.batching.packing import PackedBatch, pack_micro_batches, row_buckets
+from jaxrl.data.batching.preference import pair_micro_batches
+from jaxrl.data.batching.schedule import build_dp_schedule
 from jaxrl.data.feed import cut_rounds
-from jaxrl.data.packing import PackedBatch, pack_micro_batches, row_buckets
-from jaxrl.data.preference import pair_micro_batches
-from jaxrl.data.schedule import build_dp_schedule
 
 DEVICE_FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "doc_sample_index")
 

@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxrl.data.schedule import DPSchedule, ScheduleError, build_dp_schedule
+from jaxrl.data.batching.schedule import DPSchedule, ScheduleError, build_dp_schedule
 
 __all__ = [
     "DESCRIPTION",
@@ -386,7 +386,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main_schedule(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point: ``python -m jaxrl.data.schedule_report --lengths F --dp N ...``."""
+    """Standalone entry point:
+    ``python -m jaxrl.data.batching.schedule_report --lengths F --dp N ...``."""
     parser = add_schedule_arguments(
         argparse.ArgumentParser(prog="jaxrl schedule", description=DESCRIPTION)
     )

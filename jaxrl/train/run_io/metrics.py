@@ -30,7 +30,7 @@ class MetricsWriter:
 
     That makes an interrupted and resumed run's file identical to an uninterrupted one. With
     ``tensorboard`` and/or a ``wandb`` project the same rows also go to those sinks
-    (``jaxrl.train.log_sinks``), which replay the kept rows when opened.
+    (``jaxrl.train.run_io.log_sinks``), which replay the kept rows when opened.
     """
 
     def __init__(
@@ -55,7 +55,7 @@ class MetricsWriter:
         else:
             rows = [r for r in rows if r.get("step", 0) <= resume_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        from jaxrl.train.log_sinks import TensorBoardSink, WandbSink
+        from jaxrl.train.run_io.log_sinks import TensorBoardSink, WandbSink
 
         if tensorboard:
             self.sinks.append(TensorBoardSink(self.path.parent / "tensorboard", rows))

@@ -1,7 +1,8 @@
 """Bin packing and bin balancing primitives of the DP schedule (pure Python / numpy, no jax).
 
-These are the exact building blocks of slime's build_dp_schedule (PR #2065); ``jaxrl.data.schedule``
-composes them. Indices are positions into the ``lengths`` list a function is given.
+These are the exact building blocks of slime's build_dp_schedule (PR #2065);
+``jaxrl.data.batching.schedule`` composes them. Indices are positions into the ``lengths`` list a
+function is given.
 
 - ``first_fit``: online first-fit (3.5). A segment tree over the bins' remaining capacities
   finds the leftmost bin that fits in O(log B), which is exactly the bin the naive left-to-right
@@ -11,8 +12,8 @@ composes them. Indices are positions into the ``lengths`` list a function is giv
 - ``strided_ranks`` / ``cost_balanced_ranks`` (greedy, then ``swap_refine``) /
   ``karmarkar_karp``: distribution of bins over ranks (3.8, 5.2, 6).
 - ``plan_step``: one step end to end on step-local indices: packing, the drop loop of slime
-  PR #2065 (3.4), alignment by splitting (3.6) and distribution. ``jaxrl.data.schedule`` wraps it
-  with rollout grouping, global indices and reporting.
+  PR #2065 (3.4), alignment by splitting (3.6) and distribution. ``jaxrl.data.batching.schedule``
+  wraps it with rollout grouping, global indices and reporting.
 
 Packing invariants: every index appears in exactly one bin; bins are non-empty and listed in
 creation order; a bin's token sum is ``<= cap`` unless it holds a single sample longer than
@@ -34,10 +35,10 @@ import numpy as np
 class ScheduleError(ValueError):
     """The DP schedule cannot be built; the message names the cause and the fix.
 
-    Public as ``jaxrl.data.schedule.ScheduleError`` (defined here, the lowest module, so the step
-    planner can raise it; tracebacks and pickles name the public path)."""
+    Public as ``jaxrl.data.batching.schedule.ScheduleError`` (defined here, the lowest module,
+    so the step planner can raise it; tracebacks and pickles name the public path)."""
 
-    __module__ = "jaxrl.data.schedule"
+    __module__ = "jaxrl.data.batching.schedule"
 
 
 def _first_fit_assign(lengths: list[int], cap: int) -> tuple[list[int], int]:

@@ -75,8 +75,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, RunConfig
-from jaxrl.data.batch_buckets import batch_bucket, decode_slots
-from jaxrl.data.step_plan import DEVICE_FIELDS
+from jaxrl.data.batching.step_plan import DEVICE_FIELDS
+from jaxrl.generate.cache_geometry import batch_bucket, decode_slots
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings

@@ -1,7 +1,7 @@
 """Pallas attention kernels behind ``attention_impl``: TPU ``splash`` and GPU ``pallas_gpu``.
 
 Both are JAX's own kernels (``jax.experimental.pallas.ops``) with segment ids; this module
-adapts them to :func:`jaxrl.models.attention.attention`'s signature and visibility rule.
+adapts them to :func:`jaxrl.models.attention.dense.attention`'s signature and visibility rule.
 
 The kernels mask causally by *index* (key index <= query index), the rule by *position*
 (key position <= query position, same document). The two agree on self-attention (T == L,
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxrl.models.attention import attention
+from jaxrl.models.attention.dense import attention
 
 _LANES = 128  # splash blocks are multiples of the TPU lane width
 _WARP_BLOCK = 32  # pallas_gpu blocks are multiples of its backward block (jax's default, 32)

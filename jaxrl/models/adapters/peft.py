@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxrl.models.lora_layer import ADAPTERS
+from jaxrl.models.adapters.lora_layer import ADAPTERS
+from jaxrl.models.adapters.quantize import KERNELS
 from jaxrl.models.model_config import ALL_LINEAR, LORA_TARGETS, LoraSpec, ModelConfig
-from jaxrl.models.quantize import KERNELS
 from jaxrl.runtime.mesh import is_primary, to_host
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"

@@ -1,7 +1,8 @@
 """Packed device batches ``[R, M, T]`` built from a step's schedule (pure numpy, no jax).
 
-Rank r's m-th micro-batch (a list of global sample indices from ``jaxrl.data.schedule``) becomes
-row ``[r, m]``: its documents laid end to end, in micro-batch order, then padding.
+Rank r's m-th micro-batch (a list of global sample indices from
+``jaxrl.data.batching.schedule``) becomes row ``[r, m]``: its documents laid end to end, in
+micro-batch order, then padding.
 
 Per token (``[R, M, T]``):
 - ``tokens``; ``positions`` restart at 0 for every document (0 on padding);
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.data.schedule import build_dp_schedule
+from jaxrl.data.batching.schedule import build_dp_schedule
 
 __all__ = [
     "PackedBatch",

@@ -1,8 +1,8 @@
 """Batch sizes a sampler call is padded to, and the decode slots it runs with.
 
 Sampler programs are compiled per batch shape; padding a call's B rows to a bucket lets calls of
-nearby sizes share one program (``jaxrl.rollout.sampler``). The memory planner
-(``jaxrl.train.memory``) sizes the sampler's KV cache with the same rule.
+nearby sizes share one program (``jaxrl.generate.sampler``). The memory planner
+(``jaxrl.train.run_io.memory``) sizes the sampler's KV cache with the same rule.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 TRL's conventions (docs/tools.md):
 
 - a **tool** is a Python function with type hints and a Google-style docstring; its JSON schema
-  (``jaxrl.rollout.tool_schema``) reaches the chat template's ``tools=`` argument. ``grpo.tools``
+  (``jaxrl.rollout.tools.schema``) reaches the chat template's ``tools=`` argument. ``grpo.tools``
   names them like reward functions: ``"pkg.module:function"`` or ``"path/to/file.py:function"``
   (or callables from Python);
 - an **environment** (``grpo.environment``, TRL's ``environment_factory``) is a class built once
   per episode; ``reset(**row)`` receives the dataset row, and its public methods (not ``reset``,
   not ``get_reward``, not starting with ``_``) are tools bound to that episode's state;
-- a **tool call** is found in the model's text by a parser (``jaxrl.rollout.tool_calls``:
+- a **tool call** is found in the model's text by a parser (``jaxrl.rollout.tools.calls``:
   Qwen2.5 / Hermes ``<tool_call>{...}</tool_call>`` blocks by default, ``grpo.tool_parser``);
 - a tool's **result** is ``str(value)`` (TRL), in a ``{"role": "tool", "name", "content"}``
   message. A malformed call, an unknown tool, arguments that do not fit the signature, an
@@ -17,9 +17,9 @@ TRL's conventions (docs/tools.md):
   (TRL's form), counted as a failure; nothing a tool does stops the run.
 
 Isolation (``grpo.tool_isolation``): ``thread`` (default) calls tools in this process, each
-with ``grpo.tool_timeout`` seconds (``jaxrl.rollout.timeout``: a call past its deadline is
+with ``grpo.tool_timeout`` seconds (``jaxrl.runtime.timeout``: a call past its deadline is
 reported to the model and left running in a daemon thread, which cannot be stopped);
-``subprocess`` runs the ``grpo.tools`` functions in a worker process (``tool_worker.py``) with an
+``subprocess`` runs the ``grpo.tools`` functions in a worker process (``worker.py``) with an
 address-space limit (``grpo.tool_memory_limit_mb``), killed and restarted when a call passes its
 deadline. Environment methods always run in-process (their state lives here).
 """
@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl.config.base import ConfigError, config_error
-from jaxrl.rollout.reward_specs import load_named
-from jaxrl.rollout.timeout import CallTimeoutError, call_with_deadline
-from jaxrl.rollout.tool_calls import TOOL_PARSERS, HermesToolParser, ToolCall, ToolParser
-from jaxrl.rollout.tool_schema import SchemaError, get_json_schema
+from jaxrl.rollout.rewards.specs import load_named
+from jaxrl.rollout.tools.calls import TOOL_PARSERS, HermesToolParser, ToolCall, ToolParser
+from jaxrl.rollout.tools.schema import SchemaError, get_json_schema
+from jaxrl.runtime.timeout import CallTimeoutError, call_with_deadline
 
 __all__ = [
     "FAILURE_KINDS",
@@ -55,7 +55,7 @@ __all__ = [
 
 # why a call failed: a tool message tells the model, the run counts it (tools/failures)
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout", "crashed")
-WORKER = Path(__file__).with_name("tool_worker.py")
+WORKER = Path(__file__).with_name("worker.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ def load_tool_parser(spec: Any, *, field: str = "grpo.tool_parser") -> ToolParse
 
 class _Worker:
     """The ``subprocess`` isolation: one worker process serving the ``grpo.tools`` functions
-    over line-delimited JSON (``tool_worker.py``), restarted after a timeout or a crash."""
+    over line-delimited JSON (``worker.py``), restarted after a timeout or a crash."""
 
     def __init__(self, specs: Sequence[str], memory_limit_mb: int | None):
         self.specs = [str(s) for s in specs]

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxrl.data.packing import PackingError
-from jaxrl.data.schedule import build_dp_schedule
+from jaxrl.data.batching.packing import PackingError
+from jaxrl.data.batching.schedule import build_dp_schedule
 
 # -- tokenised pairs -------------------------------------------------------------------------
 

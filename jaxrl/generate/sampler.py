@@ -8,7 +8,7 @@ any order; results come back in the rows' order.
 
 Shapes and programs. Requests are padded to a batch bucket (:func:`batch_bucket`: 1, 2, 3, 4,
 6, 8, 12, ...), distinct prompts likewise, and the prompts right-padded to a prompt bucket P
-(``prompt_buckets`` as in ``jaxrl.data.packing.pick_bucket``; None = the same ladder). One
+(``prompt_buckets`` as in ``jaxrl.data.batching.packing.pick_bucket``; None = the same ladder). One
 program is compiled per (requests bucket, prompts bucket, P); slots, N = ``max_new_tokens``,
 the refill interval and the stop strings are fixed per sampler. Sampling parameters, the key,
 the prompts' contents and lengths and the per-request limits are traced, so changing them never
@@ -52,13 +52,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.data.batch_buckets import batch_bucket, decode_slots
-from jaxrl.data.packing import BucketSpec, pick_bucket
-from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.slot_kv_cache import DECODE_BLOCK
-from jaxrl.rollout.engine import EngineShape, decode_requests
-from jaxrl.rollout.sampler_weights import SamplerWeights, sampler_model
-from jaxrl.rollout.sampling import (
+from jaxrl.data.batching.packing import BucketSpec, pick_bucket
+from jaxrl.generate.cache_geometry import batch_bucket, decode_slots
+from jaxrl.generate.engine import EngineShape, decode_requests
+from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
+from jaxrl.generate.sampling import (
     SampleResult,
     SamplingParams,
     filter_logits,
@@ -66,7 +64,9 @@ from jaxrl.rollout.sampling import (
     stop_token_ids,
     token_key,
 )
-from jaxrl.rollout.stop import StopStrings
+from jaxrl.generate.stop import StopStrings
+from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.slot_kv_cache import DECODE_BLOCK
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 

@@ -1,0 +1,2 @@
+"""Batching: the step schedule, bin packing, packed micro-batches, preference pairs and the
+schedule report (docs/data.md)."""

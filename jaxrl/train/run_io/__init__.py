@@ -1,0 +1,1 @@
+"""Run I/O: checkpoints, metrics, log sinks, plots and the memory report (``jaxrl memory``)."""
