@@ -7,8 +7,8 @@ cache ``[B, P + N]`` sized for the whole batch.
 
 Layout. A batch of B prompts of different lengths is left-padded to a bucketed length P (padding
 is segment 0, real tokens segment 1, positions 0.. from each row's first real token), so every
-row's next token lands in the same cache slot ``P + step`` (``jaxrl/models/kv_cache.py``). The
-cache has ``P + N`` slots, N = ``max_new_tokens``. One program is compiled per ``(B, P, N)``;
+row's next token lands in the same cache entry ``P + step`` (``jaxrl/models/kv_cache.py``). The
+cache has ``P + N`` entries, N = ``max_new_tokens``. One program is compiled per ``(B, P, N)``;
 the sampling parameters and the PRNG key are traced arguments, so changing them never
 recompiles (``Sampler.compiles`` counts traces).
 

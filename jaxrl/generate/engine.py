@@ -1,20 +1,20 @@
 """Continuous batching: one compiled program that prefills prompt groups and decodes requests in
 a fixed number of slots, refilling a slot as soon as its request stops.
 
-Requests and groups. A call holds R requests (completions to generate) over Q distinct prompts
+Requests and groups. A call holds Rq requests (completions to generate) over Q distinct prompts
 (groups): request r continues prompt ``group[r]``. The Q prompts are prefilled once each, right
 padded to P tokens (chunks of C tokens when ``prefill_chunk`` is set), into a prompt cache
 ``[Nl, Q, P, K, Dh]`` (``kv_cache.KVCache``) together with each prompt's next-token logits; the
 G completions of a prompt share that one prefill.
 
-Slots. S decode slots share a slot-contiguous cache ``[Nl, S, L, K, Dh]``
+Slots. Sl decode slots share a slot-contiguous cache ``[Nl, Sl, L, K, Dh]``
 (``models/slot_kv_cache.py``), L >= P + N. Every ``refill_every`` steps, each empty slot takes
 the next waiting request, in request order: the slot's entries ``[0, P)`` get the group's
 prompt keys and values, its next-token logits the group's, its length the prompt's. A decode
 step then, for every slot holding a request:
 
 1. draws token t of request r with the key :func:`sampling.token_key` ``(key, r, t)``;
-2. records it (tokens / log-probs ``[R, N]``) and stops the request at eos, at a stop string
+2. records it (tokens / log-probs ``[Rq, N]``) and stops the request at eos, at a stop string
    (``stop.py``), or at its own limit ``max_tokens[r]`` (then ``truncated[r]``);
 3. runs the model on the token at entry ``length`` of its slot (one query per slot; attention
    covers the slot's own entries, in blocks up to the longest live slot).
@@ -44,14 +44,14 @@ from jaxrl.models.slot_kv_cache import SlotKVCache
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.spmd import constrain_rows
 
-__all__ = ["EngineShape", "decode_requests", "prefill_prompts"]
+__all__ = ["DecodeState", "EngineShape", "decode_requests", "prefill_prompts"]
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineShape:
     """The static part of an engine program (one compiled program per distinct value)."""
 
-    slots: int  # S decode slots
+    slots: int  # Sl decode slots
     max_new_tokens: int  # N: the longest completion, the width of the outputs
     cache_length: int  # L >= P + N, a multiple of ``block``
     block: int  # entries per decode-attention block
@@ -59,6 +59,25 @@ class EngineShape:
     prefill_chunk: int  # C: prefill this many prompt tokens at a time; 0 = all P at once
     pad_id: int  # written after a request's last token
     eos_ids: tuple[int, ...]  # E stop token ids
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode loop's state (the ``lax.while_loop`` carry): the slots, then the outputs."""
+
+    step: jax.Array  # int32 scalar: decode steps run
+    cache: SlotKVCache  # [Nl, Sl, L, K, Dh] keys and values
+    logits_SlV: jax.Array  # next-token logits of each slot
+    request_Sl: jax.Array  # int32: the request a slot holds; -1 = empty
+    position_Sl: jax.Array  # int32: the cache entry the slot's next token is written to
+    emitted_Sl: jax.Array  # int32: tokens the slot's request has generated (t)
+    stop_state_Sl: jax.Array  # int32: the slot's state in the stop-string automaton
+    next_request: jax.Array  # int32 scalar: the first request no slot has taken yet
+    tokens_RqN: jax.Array  # int32: generated tokens, pad_id after the end
+    logprobs_RqN: jax.Array  # float32: their sampler log-probs, 0 after the end
+    lengths_Rq: jax.Array  # int32: tokens generated, set when a request stops
+    truncated_Rq: jax.Array  # bool: stopped at its limit, without eos or stop string
 
 
 def prefill_prompts(
@@ -100,8 +119,8 @@ def decode_requests(
     *,
     prompts_QP: jax.Array,
     prompt_lengths_Q: jax.Array,
-    group_R: jax.Array,
-    max_tokens_R: jax.Array,
+    group_Rq: jax.Array,
+    max_tokens_Rq: jax.Array,
     num_requests: jax.Array,
     key: jax.Array,
     temperature: jax.Array,
@@ -110,9 +129,9 @@ def decode_requests(
     stop_ZV: jax.Array | None,
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, ...]:
-    """Generate every request (module doc): ``(tokens [R, N], logprobs [R, N], lengths [R],
-    truncated [R], decode steps)``. Requests ``>= num_requests`` are padding, never run."""
-    s, n, r = shape.slots, shape.max_new_tokens, group_R.shape[0]
+    """Generate every request (module doc): ``(tokens [Rq, N], logprobs [Rq, N], lengths [Rq],
+    truncated [Rq], decode steps)``. Requests ``>= num_requests`` are padding, never run."""
+    s, n, r = shape.slots, shape.max_new_tokens, group_Rq.shape[0]
     prompt_logits_QV, prompt_cache = prefill_prompts(
         model, prompts_QP, prompt_lengths_Q, shape.prefill_chunk
     )
@@ -125,90 +144,87 @@ def decode_requests(
     )
     rows = lambda x: constrain_rows(x, mesh)  # noqa: E731  # slot arrays: split like the cache
 
-    def refill(carry):
-        cache, logits_SV, req_S, pos_S, t_S, state_S, next_req = carry
-        free_S = req_S < 0
-        cand_S = next_req + jnp.cumsum(free_S.astype(jnp.int32)) - 1
-        take_S = free_S & (cand_S < num_requests)
-        g_S = jnp.take(group_R, cand_S, mode="clip")
-        cache = cache.fill_prompts(prompt_cache.keys, prompt_cache.values, g_S, take_S)
-        logits_SV = jnp.where(take_S[:, None], prompt_logits_QV[g_S], logits_SV)
-        return (
-            cache,
-            logits_SV,
-            jnp.where(take_S, cand_S, req_S),
-            jnp.where(take_S, prompt_lengths_Q[g_S], pos_S),
-            jnp.where(take_S, 0, t_S),
-            jnp.where(take_S, 0, state_S),
-            next_req + jnp.sum(take_S.astype(jnp.int32)),
+    def refill(state: DecodeState) -> DecodeState:
+        free_Sl = state.request_Sl < 0
+        cand_Sl = state.next_request + jnp.cumsum(free_Sl.astype(jnp.int32)) - 1
+        take_Sl = free_Sl & (cand_Sl < num_requests)
+        g_Sl = jnp.take(group_Rq, cand_Sl, mode="clip")
+        cache = state.cache.fill_prompts(prompt_cache.keys, prompt_cache.values, g_Sl, take_Sl)
+        return dataclasses.replace(
+            state,
+            cache=cache,
+            logits_SlV=jnp.where(take_Sl[:, None], prompt_logits_QV[g_Sl], state.logits_SlV),
+            request_Sl=jnp.where(take_Sl, cand_Sl, state.request_Sl),
+            position_Sl=jnp.where(take_Sl, prompt_lengths_Q[g_Sl], state.position_Sl),
+            emitted_Sl=jnp.where(take_Sl, 0, state.emitted_Sl),
+            stop_state_Sl=jnp.where(take_Sl, 0, state.stop_state_Sl),
+            next_request=state.next_request + jnp.sum(take_Sl.astype(jnp.int32)),
         )
 
-    def cond(carry):
-        req_S, next_req = carry[3], carry[7]
-        return (next_req < num_requests) | jnp.any(req_S >= 0)
+    def cond(state: DecodeState) -> jax.Array:
+        return (state.next_request < num_requests) | jnp.any(state.request_Sl >= 0)
 
-    def body(carry):
-        step, cache, logits_SV, req_S, pos_S, t_S, state_S, next_req, out = carry
-        tokens_RN, logprobs_RN, lengths_R, truncated_R = out
-        slot = (cache, logits_SV, req_S, pos_S, t_S, state_S, next_req)
-        due = (step % shape.refill_every == 0) & jnp.any(req_S < 0) & (next_req < num_requests)
-        cache, logits_SV, req_S, pos_S, t_S, state_S, next_req = lax.cond(
-            due, refill, lambda c: c, slot
+    def body(state: DecodeState) -> DecodeState:
+        due = (
+            (state.step % shape.refill_every == 0)
+            & jnp.any(state.request_Sl < 0)
+            & (state.next_request < num_requests)
         )
-        active_S = req_S >= 0
-        r_S = jnp.maximum(req_S, 0)
-        keys_S = jax.vmap(token_key, in_axes=(None, 0, 0))(key, r_S, t_S)
-        tok_S, logp_S = sample_tokens(keys_S, logits_SV, temperature, top_k, top_p)
-        write_S = jnp.where(active_S, req_S, r)  # row r is out of bounds: dropped
-        tokens_RN = tokens_RN.at[write_S, t_S].set(tok_S, mode="drop")
-        logprobs_RN = logprobs_RN.at[write_S, t_S].set(logp_S, mode="drop")
-        t_S = t_S + 1
-        eos_S = jnp.any(tok_S[:, None] == eos_E[None, :], axis=-1)
+        state = lax.cond(due, refill, lambda st: st, state)
+        req_Sl, t_Sl, stop_state_Sl = state.request_Sl, state.emitted_Sl, state.stop_state_Sl
+        active_Sl = req_Sl >= 0
+        r_Sl = jnp.maximum(req_Sl, 0)
+        keys_Sl = jax.vmap(token_key, in_axes=(None, 0, 0))(key, r_Sl, t_Sl)
+        tok_Sl, logp_Sl = sample_tokens(keys_Sl, state.logits_SlV, temperature, top_k, top_p)
+        write_Sl = jnp.where(active_Sl, req_Sl, r)  # request r is out of bounds: dropped
+        tokens_RqN = state.tokens_RqN.at[write_Sl, t_Sl].set(tok_Sl, mode="drop")
+        logprobs_RqN = state.logprobs_RqN.at[write_Sl, t_Sl].set(logp_Sl, mode="drop")
+        t_Sl = t_Sl + 1
+        eos_Sl = jnp.any(tok_Sl[:, None] == eos_E[None, :], axis=-1)
         if stop_ZV is not None:
-            next_state_S = stop_ZV[state_S, tok_S]
-            eos_S = eos_S | (next_state_S == MATCHED)
-            state_S = jnp.maximum(next_state_S, 0)
-        limit_S = t_S >= jnp.take(max_tokens_R, r_S)
-        finished_S = active_S & (eos_S | limit_S)
-        end_S = jnp.where(finished_S, req_S, r)
-        lengths_R = lengths_R.at[end_S].set(t_S, mode="drop")
-        truncated_R = truncated_R.at[end_S].set(~eos_S, mode="drop")
-        live_S = active_S & ~finished_S
-        feed_S = jnp.where(live_S, pos_S, 0)  # idle slots write entry 0, refilled before use
-        hidden_S1D, cache = model.decode(
-            tok_S[:, None], feed_S[:, None], jnp.ones((s, 1), jnp.int32), cache
+            next_state_Sl = stop_ZV[stop_state_Sl, tok_Sl]
+            eos_Sl = eos_Sl | (next_state_Sl == MATCHED)
+            stop_state_Sl = jnp.maximum(next_state_Sl, 0)
+        limit_Sl = t_Sl >= jnp.take(max_tokens_Rq, r_Sl)
+        finished_Sl = active_Sl & (eos_Sl | limit_Sl)
+        end_Sl = jnp.where(finished_Sl, req_Sl, r)
+        lengths_Rq = state.lengths_Rq.at[end_Sl].set(t_Sl, mode="drop")
+        truncated_Rq = state.truncated_Rq.at[end_Sl].set(~eos_Sl, mode="drop")
+        live_Sl = active_Sl & ~finished_Sl
+        feed_Sl = jnp.where(live_Sl, state.position_Sl, 0)  # idle: entry 0, refilled before use
+        hidden_Sl1D, cache = model.decode(
+            tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache
         )
-        logits_SV = rows(model.logits(hidden_S1D)[:, 0])
-        out = (tokens_RN, logprobs_RN, lengths_R, truncated_R)
-        return (
-            step + 1,
-            cache,
-            logits_SV,
-            jnp.where(finished_S, -1, req_S),
-            jnp.where(live_S, pos_S + 1, pos_S),
-            t_S,
-            state_S,
-            next_req,
-            out,
+        return DecodeState(
+            step=state.step + 1,
+            cache=cache,
+            logits_SlV=rows(model.logits(hidden_Sl1D)[:, 0]),
+            request_Sl=jnp.where(finished_Sl, -1, req_Sl),
+            position_Sl=jnp.where(live_Sl, state.position_Sl + 1, state.position_Sl),
+            emitted_Sl=t_Sl,
+            stop_state_Sl=stop_state_Sl,
+            next_request=state.next_request,
+            tokens_RqN=tokens_RqN,
+            logprobs_RqN=logprobs_RqN,
+            lengths_Rq=lengths_Rq,
+            truncated_Rq=truncated_Rq,
         )
 
     v = prompt_logits_QV.shape[-1]
-    zeros_S = rows(jnp.zeros((s,), jnp.int32))
-    carry = (
-        jnp.zeros((), jnp.int32),
-        cache,
-        rows(jnp.zeros((s, v), prompt_logits_QV.dtype)),
-        zeros_S - 1,  # every slot empty
-        zeros_S,
-        zeros_S,
-        zeros_S,
-        jnp.zeros((), jnp.int32),
-        (
-            jnp.full((r, n), shape.pad_id, jnp.int32),
-            jnp.zeros((r, n), jnp.float32),
-            jnp.zeros((r,), jnp.int32),
-            jnp.zeros((r,), bool),
-        ),
+    zeros_Sl = rows(jnp.zeros((s,), jnp.int32))
+    state = DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits_SlV=rows(jnp.zeros((s, v), prompt_logits_QV.dtype)),
+        request_Sl=zeros_Sl - 1,  # every slot empty
+        position_Sl=zeros_Sl,
+        emitted_Sl=zeros_Sl,
+        stop_state_Sl=zeros_Sl,
+        next_request=jnp.zeros((), jnp.int32),
+        tokens_RqN=jnp.full((r, n), shape.pad_id, jnp.int32),
+        logprobs_RqN=jnp.zeros((r, n), jnp.float32),
+        lengths_Rq=jnp.zeros((r,), jnp.int32),
+        truncated_Rq=jnp.zeros((r,), bool),
     )
-    steps, *_, (tokens_RN, logprobs_RN, lengths_R, truncated_R) = lax.while_loop(cond, body, carry)
-    return tokens_RN, logprobs_RN, lengths_R, truncated_R, steps
+    out = lax.while_loop(cond, body, state)
+    return out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step

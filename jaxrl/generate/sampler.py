@@ -196,7 +196,7 @@ class Sampler:
             )
         s = sampling or self.sampling
         groups: dict[tuple[int, ...], int] = {}
-        group_R = [groups.setdefault(tuple(int(t) for t in p), len(groups)) for p in prompts]
+        group_Rq = [groups.setdefault(tuple(int(t) for t in p), len(groups)) for p in prompts]
         unique = list(groups)
         longest = max(len(p) for p in unique)
         if self.prompt_buckets is None:  # 1, 2, 3, 4, 6, 8, ..., 32, 48, 64, 96, ...
@@ -211,7 +211,7 @@ class Sampler:
         lengths_Q = np.zeros(q_pad, np.int32)
         for q, p in enumerate(unique):
             prompts_QP[q, : len(p)], lengths_Q[q] = p, len(p)
-        pad_R = np.zeros(r_pad - b, np.int32)
+        pad_Rq = np.zeros(r_pad - b, np.int32)
         shape = EngineShape(
             slots=self.slots_for(b),
             max_new_tokens=n,
@@ -233,8 +233,8 @@ class Sampler:
                 params,
                 put_rows(prompts_QP, self.mesh),
                 put_rows(lengths_Q, self.mesh),
-                rep(np.concatenate([np.asarray(group_R, np.int32), pad_R])),
-                rep(np.concatenate([limits.astype(np.int32), pad_R])),
+                rep(np.concatenate([np.asarray(group_Rq, np.int32), pad_Rq])),
+                rep(np.concatenate([limits.astype(np.int32), pad_Rq])),
                 rep(np.int32(b)),
                 rep(np.asarray(key_data)),
                 rep(np.float32(s.temperature)),
@@ -257,7 +257,7 @@ class Sampler:
     __call__ = generate
 
     def _program(
-        self, params, prompts_QP, lengths_Q, group_R, max_tokens_R, num_requests, key_data,
+        self, params, prompts_QP, lengths_Q, group_Rq, max_tokens_Rq, num_requests, key_data,
         temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
     ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
@@ -268,8 +268,8 @@ class Sampler:
             shape,
             prompts_QP=prompts_QP,
             prompt_lengths_Q=lengths_Q,
-            group_R=group_R,
-            max_tokens_R=max_tokens_R,
+            group_Rq=group_Rq,
+            max_tokens_Rq=max_tokens_Rq,
             num_requests=num_requests,
             key=key,
             temperature=temperature,

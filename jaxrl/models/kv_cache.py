@@ -1,21 +1,21 @@
 """Preallocated KV cache for decoding with :meth:`Transformer.decode`.
 
-The cache has a static length L. Every slot carries the segment id and position of the token
+The cache has a static length L. Every entry carries the segment id and position of the token
 written there, so decoding uses the same visibility rule as training (``attention.py``)::
 
     visible[b, t, l] = (q_segment[b, t] == kv_segment[b, l]) and (kv_pos[b, l] <= q_pos[b, t])
 
-Unwritten slots hold segment ``EMPTY = -1``, which equals no query's segment (queries use 0 for
+Unwritten entries hold segment ``EMPTY = -1``, which equals no query's segment (queries use 0 for
 padding and 1.. for documents), so they are invisible to every query without a separate mask.
 
 Keys and values are one stacked buffer per kind, ``[Nl, B, L, K, Dh]`` over the Nl layers, for the
-unrolled and the scanned layer stack alike: layer i writes its T new entries into slot
+unrolled and the scanned layer stack alike: layer i writes its T new entries at
 ``(i, :, index)`` with one ``dynamic_update_slice``, so a decode step updates the cache in place
 whether i is a Python int or the layer scan's counter.
 
-All rows write at the same slot ``index`` (a traced int32 scalar): a batch of prompts of
+All rows write at the same entry ``index`` (a traced int32 scalar): a batch of prompts of
 different lengths is left-padded, with padding in segment 0 (invisible to the real tokens), so
-that every row's next token goes to slot ``P + step``. Writing past ``L`` is a caller error
+that every row's next token goes to entry ``P + step``. Writing past ``L`` is a caller error
 (``lax.dynamic_update_slice`` would clamp the index); ``Transformer.decode`` rejects a step
 longer than the cache, and samplers size the cache as ``P + max_new_tokens``.
 """
@@ -33,20 +33,20 @@ from jax import lax
 if TYPE_CHECKING:
     from jaxrl.models.model_config import ModelConfig
 
-EMPTY = -1  # segment id of an unwritten slot
+EMPTY = -1  # segment id of an unwritten entry
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerKV:
     """Layer ``layer``'s view of the cache: the stacked keys and values of every layer, the
-    shared slot metadata and the layer index (a Python int, or traced inside a layer scan)."""
+    shared entry metadata and the layer index (a Python int, or traced inside a layer scan)."""
 
     keys_NlBLKDh: jax.Array  # every layer's keys, compute dtype, after RoPE (and q/k norm)
     values_NlBLKDh: jax.Array
-    segment_ids_BL: jax.Array  # int32, EMPTY on unwritten slots
+    segment_ids_BL: jax.Array  # int32, EMPTY on unwritten entries
     positions_BL: jax.Array  # int32
-    index: jax.Array  # int32 scalar: first slot of the tokens being written
+    index: jax.Array  # int32 scalar: first entry of the tokens being written
     layer: jax.Array  # int32 scalar: which layer of the stack this view reads and writes
 
     @property
@@ -60,7 +60,7 @@ class LayerKV:
         return lax.dynamic_index_in_dim(self.values_NlBLKDh, self.layer, 0, keepdims=False)
 
     def append(self, k_BTKDh: jax.Array, v_BTKDh: jax.Array) -> LayerKV:
-        """Write T new keys and values at this layer's slots ``[index, index + T)`` (in place:
+        """Write T new keys and values at this layer's entries ``[index, index + T)`` (in place:
         one ``dynamic_update_slice`` into the stacked buffers; index unchanged)."""
         zero = jnp.zeros((), jnp.int32)
         start = (jnp.asarray(self.layer, jnp.int32), zero, self.index, zero, zero)
@@ -83,7 +83,7 @@ class LayerKV:
         positions_BT: jax.Array,
         attention: Callable[..., jax.Array],
     ) -> tuple[jax.Array, LayerKV]:
-        """Append the T new keys/values, then ``attention`` of the queries over all L slots
+        """Append the T new keys/values, then ``attention`` of the queries over all L entries
         under the visibility rule: ``(out_BTHDh, updated view)``."""
         kv = self.append(k_BTKDh, v_BTKDh)
         out_BTHDh = attention(
@@ -102,17 +102,17 @@ class LayerKV:
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys and values of every layer ``[Nl, B, L, K, Dh]`` (one stacked buffer each, for the
-    unrolled and the scanned layer stack alike), slot segments/positions, write index."""
+    unrolled and the scanned layer stack alike), entry segments/positions, write index."""
 
-    keys: jax.Array  # [Nl, B, L, K, Dh]: layer, row, slot, KV head, head dim
+    keys: jax.Array  # [Nl, B, L, K, Dh]: layer, row, entry, KV head, head dim
     values: jax.Array  # [Nl, B, L, K, Dh]
-    segment_ids_BL: jax.Array  # int32, EMPTY on unwritten slots
+    segment_ids_BL: jax.Array  # int32, EMPTY on unwritten entries
     positions_BL: jax.Array  # int32
-    index: jax.Array  # int32 scalar: next slot to write
+    index: jax.Array  # int32 scalar: next entry to write
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
-        """An all-EMPTY cache of ``length`` slots in the model's compute dtype."""
+        """An all-EMPTY cache of ``length`` entries in the model's compute dtype."""
         shape = (
             config.num_hidden_layers,
             batch,
@@ -130,10 +130,10 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """L, the static number of slots."""
+        """L, the static number of entries."""
         return int(self.segment_ids_BL.shape[1])
 
-    def write_slots(self, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> KVCache:
+    def write_entries(self, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> KVCache:
         """Record the segment ids and positions of T tokens at ``[index, index + T)``."""
         start = (0, self.index)
         return dataclasses.replace(
@@ -147,7 +147,7 @@ class KVCache:
         )
 
     def layer(self, i: int | jax.Array) -> LayerKV:
-        """Layer ``i``'s view (call after :meth:`write_slots`)."""
+        """Layer ``i``'s view (call after :meth:`write_entries`)."""
         return LayerKV(
             self.keys,
             self.values,

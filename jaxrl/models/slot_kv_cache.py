@@ -1,6 +1,6 @@
 """Slot-contiguous KV cache for continuous batching: each decode slot has its own length.
 
-``SlotKVCache`` holds keys and values ``[Nl, S, L, K, Dh]`` for S decode slots of L entries
+``SlotKVCache`` holds keys and values ``[Nl, Sl, L, K, Dh]`` for Sl decode slots of L entries
 each. Slot s holds one sequence at a time, its tokens at entries ``0, 1, 2, ...`` in order, so a
 token's position IS its entry index. A decode step writes the new token of slot s at entry
 ``positions[s]`` (one scatter per layer, in place) and attends over entries ``0..positions[s]``
@@ -11,7 +11,7 @@ segment or position metadata is needed.
 
 Decode attention (:func:`decode_attention`) walks the keys in blocks of ``block`` entries and
 stops at the block holding the longest live position: a step's matmuls over keys and values
-cost the live lengths, not L (only a float32 softmax over ``[S, H, L]`` scores spans the whole
+cost the live lengths, not L (only a float32 softmax over ``[Sl, H, L]`` scores spans the whole
 row). Entries past a slot's position are masked exactly as the dense path masks them, so the
 result does not depend on how many blocks the longest slot made the loop run. Only decoding (one
 new token per slot) goes through this cache; prompts are prefilled with ``kv_cache.KVCache`` and
@@ -134,7 +134,7 @@ class SlotLayerKV:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotKVCache:
-    """Keys and values ``[Nl, S, L, K, Dh]`` of S decode slots; L a multiple of ``block``."""
+    """Keys and values ``[Nl, Sl, L, K, Dh]`` of Sl decode slots; L a multiple of ``block``."""
 
     keys: jax.Array
     values: jax.Array
@@ -161,7 +161,7 @@ class SlotKVCache:
         """L, the entries per slot."""
         return int(self.keys.shape[2])
 
-    def write_slots(self, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> SlotKVCache:
+    def write_entries(self, segment_ids_BT: jax.Array, positions_BT: jax.Array) -> SlotKVCache:
         """Nothing to record: an entry's position is its index (``Transformer.decode`` hook)."""
         return self
 

@@ -307,7 +307,7 @@ class Transformer(nnx.Module):
                 f"decode: {input_ids_BT.shape[1]} tokens do not fit a cache of {cache.length} slots"
             )
         segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
-        cache = cache.write_slots(segment_ids_BT, positions_BT)
+        cache = cache.write_entries(segment_ids_BT, positions_BT)
 
         def step(block, carry, i, seg_BT, pos_BT):
             x_BTD, cache = carry

@@ -37,6 +37,7 @@ lists, recomputes each block's probabilities ``exp(s - lse)`` and accumulates
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -197,6 +198,16 @@ def _scores(q_BTKHgDh: jax.Array, k_BLKDh: jax.Array) -> jax.Array:
     return s * scale
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _SoftmaxStats:
+    """Online-softmax state of every query, the forward loop's carry (f32 ``[B, T, K, Hg]``)."""
+
+    m: jax.Array  # running max of the scores
+    denom: jax.Array  # running sum of exp(score - m)
+    acc: jax.Array | None  # [B, T, K, Hg, Dh] running sum of p · v (one pass); None: two passes
+
+
 def _forward(operands, pairs, block_q, block_kv):
     """Forward: ``(out [B, T, K, Hg, Dh] in q's dtype, lse [B, T, K, Hg] f32)``.
 
@@ -215,8 +226,8 @@ def _forward(operands, pairs, block_q, block_kv):
         p_BKHgTL = p_BKHgTL.astype(v_BLKDh.dtype)
         return jnp.einsum("bkgtl,blkd->btkgd", p_BKHgTL, v, preferred_element_type=jnp.float32)
 
-    def online(n, carry):
-        m, denom = carry[0], carry[1]
+    def online(n, stats: _SoftmaxStats) -> _SoftmaxStats:
+        m, denom = stats.m, stats.denom
         q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
         s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
         m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, Hg]
@@ -226,21 +237,23 @@ def _forward(operands, pairs, block_q, block_kv):
         correction = jnp.exp(m_old - m_new)  # [B, bq, K, Hg]
         row_sum = jnp.moveaxis(jnp.sum(p_BKHgTL, axis=-1), 3, 1)
         denom_blk = _gather_block(denom, qs_B, block_q) * correction + row_sum
-        new = (_set_block(m, qs_B, m_new), _set_block(denom, qs_B, denom_blk))
+        m, denom = _set_block(m, qs_B, m_new), _set_block(denom, qs_B, denom_blk)
         if not one_pass:
-            return new
-        acc_blk = _gather_block(carry[2], qs_B, block_q) * correction[..., None]
-        return new + (_set_block(carry[2], qs_B, acc_blk + value_product(p_BKHgTL, v)),)
+            return _SoftmaxStats(m=m, denom=denom, acc=None)
+        acc_blk = _gather_block(stats.acc, qs_B, block_q) * correction[..., None]
+        acc = _set_block(stats.acc, qs_B, acc_blk + value_product(p_BKHgTL, v))
+        return _SoftmaxStats(m=m, denom=denom, acc=acc)
 
     m = jnp.full((b, t, kh, g), _MASKED, jnp.float32)
     denom = jnp.zeros((b, t, kh, g), jnp.float32)
     acc = jnp.zeros((b, t, kh, g, dh), jnp.float32)
-    carry = lax.fori_loop(0, steps, online, (m, denom, acc) if one_pass else (m, denom))
-    m, denom = carry[0], carry[1]
+    init = _SoftmaxStats(m=m, denom=denom, acc=acc if one_pass else None)
+    stats = lax.fori_loop(0, steps, online, init)
+    m, denom = stats.m, stats.denom
     seen = denom > 0  # a query that sees nothing: zero output, lse 0 (its p is masked anyway)
     safe = jnp.where(seen, denom, 1.0)
     if one_pass:
-        acc = carry[2] / safe[..., None]
+        acc = stats.acc / safe[..., None]
     else:
 
         def normalised(n, acc):

@@ -35,7 +35,7 @@ Numbers are bytes on the largest device:
   A synchronous GRPO run (``rollout.max_staleness=0``) whose master weights are already in the
   compute dtype holds no sampler copy: the sampler reads the trainer's arrays in place.
 - ``kv_cache_bytes``: GRPO's sampler KV caches (docs/rollout.md): the decode slots' cache
-  ``[Nl, S, L, K, Dh]`` (keys and values; S = ``rollout.max_slots`` or one per completion of a
+  ``[Nl, Sl, L, K, Dh]`` (keys and values; Sl = ``rollout.max_slots`` or one per completion of a
   generation batch, split over the batch ranks; L = the prompt bucket of
   ``grpo.max_prompt_length`` plus ``grpo.max_completion_length``, in decode-attention blocks)
   plus the prompt groups' prefill cache ``[Nl, Q, P, K, Dh]`` (replicated). Both live while a
