@@ -52,8 +52,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.data.batching.packing import BucketSpec, pick_bucket
-from jaxrl.generate.cache_geometry import batch_bucket, decode_slots
+from jaxrl.data.batching.packing import BucketSpec
+from jaxrl.generate.cache_geometry import CacheGeometry, batch_bucket, cache_geometry
 from jaxrl.generate.engine import EngineShape, decode_requests
 from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
 from jaxrl.generate.sampling import (
@@ -84,6 +84,7 @@ __all__ = [
 
 class Sampler:
     """Continuous-batching sampling from a :class:`Transformer`; weights via ``load_params``.
+    The engine behind the rollout interface (:class:`jaxrl.generate.backend.RolloutBackend`).
 
     ``max_slots``: decode slots (0 = one per request of the call, bucketed). ``refill_every``:
     empty slots take waiting requests every k decode steps. ``stop``: stop strings
@@ -141,14 +142,19 @@ class Sampler:
         self.copy_params = copy_params
         self.compiles = 0
         self.weights = SamplerWeights(abstract_params, mesh)
+        self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
         self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
 
     # -- weights ------------------------------------------------------------------------------
-    def load_params(self, params: Any, *, copy: bool | None = None) -> None:
+    def load_params(
+        self, params: Any, *, copy: bool | None = None, version: int | None = None
+    ) -> None:
         """Load a trainer's parameters (a :class:`Transformer` or its ``nnx.State``): a
         compute-dtype copy, or with ``copy=False`` (default: ``copy_params``) the arrays
-        themselves where they are in the compute dtype (``sampler_weights.py``)."""
+        themselves where they are in the compute dtype (``sampler_weights.py``). ``version``
+        (default: the last + 1) is reported with every result they generate."""
         self.weights.load(params, copy=self.copy_params if copy is None else copy)
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
 
     def release(self) -> None:
         """Drop the loaded weights (and any reference to a trainer's arrays)."""
@@ -159,15 +165,28 @@ class Sampler:
         return self.weights.params
 
     # -- shapes -------------------------------------------------------------------------------
-    def slots_for(self, num_requests: int) -> int:
-        """Decode slots of a call with ``num_requests`` requests: ``max_slots`` (0: one per
-        request of the batch bucket), at most the bucket, a multiple of the row ranks."""
-        return decode_slots(num_requests, self.max_slots, row_ranks(self.mesh))
+    def cache_geometry(
+        self, num_requests: int, num_groups: int, longest_prompt: int
+    ) -> CacheGeometry:
+        """The KV caches of a call of ``num_requests`` requests over ``num_groups`` distinct
+        prompts of at most ``longest_prompt`` tokens (``cache_geometry.py``)."""
+        return cache_geometry(
+            num_requests,
+            num_groups,
+            longest_prompt,
+            max_new_tokens=self.max_new_tokens,
+            max_slots=self.max_slots,
+            ranks=row_ranks(self.mesh),
+            block=self.attention_block,
+            prompt_buckets=self.prompt_buckets,
+            prefill_chunk=self.prefill_chunk,
+        )
 
-    def cache_length(self, prompt_length: int) -> int:
-        """L: entries per slot for prompts padded to ``prompt_length`` (P + N, in blocks)."""
-        b = self.attention_block
-        return -(-(prompt_length + self.max_new_tokens) // b) * b
+    def memory_bytes(self, num_requests: int, num_groups: int, longest_prompt: int) -> int:
+        """Bytes of the KV caches of such a call on the largest device (the slots split over
+        the row ranks, the prompt groups' cache counted whole)."""
+        geometry = self.cache_geometry(num_requests, num_groups, longest_prompt)
+        return geometry.nbytes_per_device(self.config, row_ranks(self.mesh))
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
@@ -198,24 +217,19 @@ class Sampler:
         groups: dict[tuple[int, ...], int] = {}
         group_Rq = [groups.setdefault(tuple(int(t) for t in p), len(groups)) for p in prompts]
         unique = list(groups)
-        longest = max(len(p) for p in unique)
-        if self.prompt_buckets is None:  # 1, 2, 3, 4, 6, 8, ..., 32, 48, 64, 96, ...
-            length = batch_bucket(longest)
-        else:
-            length = pick_bucket(longest, self.prompt_buckets, "prompt length P")
-        if self.prefill_chunk and length > self.prefill_chunk:
-            length = -(-length // self.prefill_chunk) * self.prefill_chunk
+        geometry = self.cache_geometry(b, len(unique), max(len(p) for p in unique))
+        length = geometry.prompt_length
         ranks = row_ranks(self.mesh)  # the groups' prefill is split over the row ranks
-        r_pad, q_pad = batch_bucket(b), -(-batch_bucket(len(unique)) // ranks) * ranks
+        r_pad, q_pad = batch_bucket(b), -(-geometry.groups // ranks) * ranks
         prompts_QP = np.full((q_pad, length), self.pad_id, np.int32)
         lengths_Q = np.zeros(q_pad, np.int32)
         for q, p in enumerate(unique):
             prompts_QP[q, : len(p)], lengths_Q[q] = p, len(p)
         pad_Rq = np.zeros(r_pad - b, np.int32)
         shape = EngineShape(
-            slots=self.slots_for(b),
+            slots=geometry.slots,
             max_new_tokens=n,
-            cache_length=self.cache_length(length),
+            cache_length=geometry.cache_length,
             block=self.attention_block,
             refill_every=self.refill_every,
             prefill_chunk=self.prefill_chunk,
@@ -252,6 +266,7 @@ class Sampler:
             truncated=truncated[:b],
             prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
             num_steps=int(steps),
+            weight_version=self.weight_version,
         )
 
     __call__ = generate

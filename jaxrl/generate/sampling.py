@@ -58,6 +58,13 @@ class SampleResult:
     truncated: np.ndarray  # bool [B]: stopped by its token limit, without eos or stop string
     prompt_lengths: np.ndarray  # int32 [B]
     num_steps: int  # decode steps run
+    weight_version: int = -1  # the version of the weights that generated it (-1: unknown)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Per row, as OpenAI-style APIs say it: ``"length"`` (stopped by its token limit) or
+        ``"stop"`` (eos or a stop string)."""
+        return ["length" if t else "stop" for t in self.truncated.tolist()]
 
     def completions(self) -> list[np.ndarray]:
         """Row b's generated ids, ``tokens[b, :lengths[b]]``."""

@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxrl.config import ConfigError
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.rollout.tools.toolbox import Toolbox, ToolResult
 
 __all__ = [
@@ -209,7 +210,7 @@ class EpisodeRunner:
 
     def run(
         self,
-        sampler: Any,
+        sampler: RolloutBackend,
         prompt_ids: Sequence[np.ndarray],
         prompts: Sequence[Any],
         rows: Sequence[Mapping[str, Any]],
@@ -227,7 +228,7 @@ class EpisodeRunner:
 
     def sample(
         self,
-        sampler: Any,
+        sampler: RolloutBackend,
         prompt_ids: Sequence[np.ndarray],
         prompts: Sequence[Any],
         columns: Mapping[str, Sequence[Any]],
@@ -249,7 +250,9 @@ class EpisodeRunner:
             rows=episode_rows(eps),
         )
 
-    def turn(self, ep: Episode, sampler: Any, key: jax.Array, sampling: Any, turn: int) -> None:
+    def turn(
+        self, ep: Episode, sampler: RolloutBackend, key: jax.Array, sampling: Any, turn: int
+    ) -> None:
         """One assistant turn of ``ep``, then its tool calls (if any)."""
         res = sampler.generate([ep.context], key, sampling)
         n = int(res.lengths[0])

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.losses.advantages import (
     aggregate_rewards,
@@ -122,7 +123,7 @@ class RolloutGenerator:
         self.old_logprobs = old_logprobs
         self.ref_params = ref_params
         self.lora_graphdef = graphdef if model_config.lora is not None else None
-        self.sampler = Sampler(
+        self.sampler: RolloutBackend = Sampler(
             lora.dense_config(model_config),  # LoRA: samples with the merged weights
             max_new_tokens=config.max_completion_length,
             eos_id=tokenizer.eos_id,

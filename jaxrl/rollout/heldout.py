@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from jaxrl.data.documents import prompt_ids as prompt_ids_of
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.rewards.builtin import exact_answer_reward
@@ -77,7 +78,7 @@ class HeldoutEvaluator:
         reward: RewardFunc = exact_answer_reward,
         prompt_ids: Sequence[np.ndarray] | None = None,
         mesh: Mesh | None = None,
-        sampler: Sampler | None = None,
+        sampler: RolloutBackend | None = None,
     ):
         if len(prompts) != len(answers) or not prompts:
             raise ValueError(
@@ -96,7 +97,7 @@ class HeldoutEvaluator:
         self.key = jax.random.key(seed)
         self.reward = reward
         # a GRPO run shares its generation sampler: one compute-dtype copy of the weights
-        self.sampler = sampler or Sampler(
+        self.sampler: RolloutBackend = sampler or Sampler(
             model_config,
             max_new_tokens=max_new_tokens,
             eos_id=tokenizer.eos_id,

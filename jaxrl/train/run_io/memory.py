@@ -76,11 +76,10 @@ from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
-from jaxrl.generate.cache_geometry import batch_bucket, decode_slots
+from jaxrl.generate.cache_geometry import cache_geometry
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings
-from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
 from jaxrl.train.build import RunParts, build_run, build_task
@@ -264,14 +263,15 @@ def _kv_cache_bytes(cfg: RunConfig, config: ModelConfig, ranks: int) -> int:
         return 0
     g = cfg.grpo
     requests = g.generation_batch_size
-    prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
-    p = batch_bucket(prompt)  # the sampler's prompt bucket
-    slots = decode_slots(requests, cfg.rollout.max_slots, ranks) // ranks
-    length = p + g.max_completion_length
-    groups = batch_bucket(max(requests // g.num_generations, 1))
-    return SlotKVCache.nbytes(config, slots, length, DECODE_BLOCK) + SlotKVCache.nbytes(
-        config, groups, p, 1
+    geometry = cache_geometry(  # the sampler's own rule (jaxrl.generate.cache_geometry)
+        requests,
+        max(requests // g.num_generations, 1),
+        g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1),
+        max_new_tokens=g.max_completion_length,
+        max_slots=cfg.rollout.max_slots,
+        ranks=ranks,
     )
+    return geometry.nbytes_per_device(config, ranks)
 
 
 _MODEL_FIELDS = (
