@@ -45,12 +45,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import run_fresh, seconds_per_step
 from machine import machine as describe_machine
 from trl_peer import SHARED_GRPO_FIELDS, cpu_seconds, same_schedule_trainer
 
@@ -260,22 +259,16 @@ STAGES = {"jaxrl": stage_jaxrl, "trl": stage_trl, "eval": stage_eval}
 
 
 def run_stage(name: str, job: dict[str, Any]) -> dict[str, Any]:
-    """Run one stage in a fresh interpreter; its result is ``<seed_dir>/<name>.json``."""
+    """Run one stage in a fresh interpreter (``harness.run_fresh``); its result is
+    ``<seed_dir>/<name>.json``. Both frameworks size their thread pools to the CPUs pinned."""
     seed_dir = Path(job["seed_dir"])
-    job_file = seed_dir / "job.json"
-    job_file.write_text(json.dumps(job, indent=2))
-    t0, load = time.perf_counter(), os.getloadavg()[0]
-    cmd = [sys.executable, __file__, "--stage", name, "--job", str(job_file)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": OMP_WAIT_POLICY}
-    cpus = job["cpus"]  # both frameworks size their thread pools to the affinity mask
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    with open(seed_dir / f"{name}.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
-    if proc.returncode != 0:
-        tail = (seed_dir / f"{name}.log").read_text()[-4000:]
-        raise SystemExit(f"stage {name} failed ({seed_dir / f'{name}.log'}):\n{tail}")
-    wall = time.perf_counter() - t0
-    print(f"  {name}: {wall:.0f} s (load average {load:.1f} before)", flush=True)
+    args = [__file__, "--stage", name, "--job", str(seed_dir / "job.json")]
+    timing = run_fresh(
+        args, job, seed_dir / "job.json", seed_dir / f"{name}.log",
+        env={"OMP_WAIT_POLICY": OMP_WAIT_POLICY}, cpus=job["cpus"] or None,
+    )  # fmt: skip
+    load = timing["load_before"]
+    print(f"  {name}: {timing['wall_s']:.0f} s (load average {load:.1f} before)", flush=True)
     if name == "trl" and load > 1 and OMP_WAIT_POLICY.upper() != "PASSIVE":
         print(f"  warning: {CONTENDED}", flush=True)
     return json.loads((seed_dir / f"{name}.json").read_text()) | {"load_before": load}
@@ -283,9 +276,8 @@ def run_stage(name: str, job: dict[str, Any]) -> dict[str, Any]:
 
 # -- the report ----------------------------------------------------------------------------------
 def per_step(steps: list[dict[str, float]], key: str) -> float | None:
-    """Mean over the steps after the first (compilation / lazy set-up), or the only step."""
-    xs = [s[key] for s in steps[1:]] or [s[key] for s in steps]
-    return statistics.fmean(xs) if xs else None
+    """``harness.seconds_per_step`` of one per-step measurement (median after the first)."""
+    return seconds_per_step([s[key] for s in steps])
 
 
 def framework_numbers(run: dict[str, Any], ev: dict[str, Any], exact_key: str) -> dict[str, Any]:

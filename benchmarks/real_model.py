@@ -58,12 +58,11 @@ import random
 import shlex
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import run_fresh, seconds_per_step
 from machine import machine as describe_machine
 from trl_peer import same_schedule_trainer
 
@@ -512,30 +511,14 @@ def dataclass_dict(obj: Any) -> dict[str, Any]:
 
 
 def run_worker(name: str, job: dict[str, Any], tag: str) -> dict[str, Any]:
-    """Run ``worker_<name>(job)`` in a fresh interpreter (own thread pools, own memory)."""
-    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    """Run ``worker_<name>(job)`` in a fresh interpreter (``harness.run_fresh``)."""
     job_file, out_file = RUNS_DIR / f"{tag}.job.json", RUNS_DIR / f"{tag}.result.json"
-    job_file.write_text(json.dumps(job, indent=1))
     out_file.unlink(missing_ok=True)
-    log_file = RUNS_DIR / f"{tag}.log"
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    env = {**os.environ, "OMP_WAIT_POLICY": OMP_WAIT_POLICY, "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, __file__, "worker", "--worker", name, "--job", str(job_file)]
-    with open(log_file, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{tag} failed ({log_file}):\n{log_file.read_text()[-4000:]}")
-    result = json.loads(out_file.read_text())
-    result["wall_s"] = time.perf_counter() - t0
-    result["load_before"], result["load_after"] = load, os.getloadavg()[0]
-    return result
-
-
-def median_after_first(times: list[float]) -> float | None:
-    rest = times[1:] or times
-    return statistics.median(rest) if rest else None
+    args = [__file__, "worker", "--worker", name, "--job", str(job_file)]
+    timing = run_fresh(
+        args, job, job_file, RUNS_DIR / f"{tag}.log", env={"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
+    )
+    return json.loads(out_file.read_text()) | timing
 
 
 def spread(values: list[float | None]) -> str:
@@ -561,7 +544,7 @@ def numbers(stage: str, run: dict[str, Any]) -> dict[str, Any]:
     last = run["summary"]
     out: dict[str, Any] = {
         "steps": len(rows),
-        "s_per_step": median_after_first(run["step_s"]),
+        "s_per_step": seconds_per_step(run["step_s"]),
         "first_step_s": run["step_s"][0] if run["step_s"] else None,
         "wall_s": run.get("wall_s"),
         "load_before": run.get("load_before"),
@@ -723,7 +706,7 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
         reward = [r.get("reward") for r in run["rows"]]
         t = {
             "steps": len(reward),
-            "s_per_step": median_after_first(run["step_s"]),
+            "s_per_step": seconds_per_step(run["step_s"]),
             "first_step_s": run["step_s"][0] if run["step_s"] else None,
             "reward": reward,
             "reward_first5": mean_window(reward, True),
