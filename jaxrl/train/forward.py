@@ -72,9 +72,7 @@ def _head_logprobs(
     chunk_size: int | None,
     temperature: float | jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    kernel_DV = model.head_kernel()
-    if not model.config.fp32_lm_head:
-        kernel_DV = kernel_DV.astype(hidden_BTD.dtype)
+    kernel_DV = model.head_kernel(model.head_dtype(hidden_BTD))
     return token_logprobs(
         hidden_BTD,
         kernel_DV,

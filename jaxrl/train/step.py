@@ -49,22 +49,24 @@ class TrainStep:
         state_shardings: Any | None = None,
         master_rounding: Rounding | None = None,
         frozen: Any = None,
+        frozen_shardings: Any = None,
     ):
-        """``frozen``: the loss's constant inputs (a LoRA run's frozen base, already placed):
-        ``loss_fn(params, mb, frozen)``; only ``state.params`` are differentiated and updated."""
+        """``frozen``: the loss's constant inputs (a LoRA run's frozen base, already placed in
+        ``frozen_shardings``): ``loss_fn(params, mb, frozen)``; only ``state.params`` are
+        differentiated and updated. With ``state_shardings`` (and ``frozen_shardings``) and
+        ``fsdp > 1``, both enter the accumulation as ZeRO-3 shards (``accumulate.py``)."""
         self.mesh = mesh
         self.frozen = frozen
         self.compiles = 0
         self.state_shardings = state_shardings
-        grad_specs = None
-        if state_shardings is not None:
-            grad_specs = jax.tree.map(
-                lambda s: s.spec,
-                state_shardings.params,
-                is_leaf=lambda x: isinstance(x, NamedSharding),
-            )
+        grad_specs = None if state_shardings is None else _specs(state_shardings.params)
         self._accumulate = make_accumulate(
-            loss_fn, mesh, docs_per_step=docs_per_step, loop=loop, grad_specs=grad_specs
+            loss_fn,
+            mesh,
+            docs_per_step=docs_per_step,
+            loop=loop,
+            grad_specs=grad_specs,
+            frozen_specs=None if frozen_shardings is None else _specs(frozen_shardings),
         )
         self._tx = tx
         self._lr = learning_rate
@@ -136,3 +138,8 @@ class TrainStep:
         for name, (total, count) in sums.metrics.items():
             metrics[name] = total / jnp.maximum(count, 1.0)
         return new_state, metrics
+
+
+def _specs(shardings: Any) -> Any:
+    """The PartitionSpecs of a tree of NamedShardings."""
+    return jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
