@@ -88,6 +88,37 @@ def weight(variable: Any, dtype: Any = None) -> jax.Array:
     return checkpoint_name(gathered, GATHERED_NAME)
 
 
+def vocab_axis(variable: Any, vocab_dim: int) -> str | None:
+    """The mesh axis over which ``variable`` (an embedding ``[V, D]`` or LM head ``[D, V]``) is a
+    ZeRO-3 shard of its vocabulary dimension ``vocab_dim`` (counted from the end); None when it
+    is not marked. Marked over another dimension is an error: the rules split only the
+    vocabulary of these two (``sharding.py``)."""
+    mark = variable.get_metadata().get(GATHER) if _is_variable(variable) else None
+    if mark is None:
+        return None
+    if mark[1] != vocab_dim:
+        raise ValueError(f"{GATHER}={mark}: the vocabulary dimension is {vocab_dim}")
+    return mark[0]
+
+
+def embed(table: Any, ids_BT: jax.Array, dtype: Any) -> jax.Array:
+    """``take(table, ids, mode="clip").astype(dtype)`` for a table marked as a ZeRO-3 shard of its
+    vocabulary (rank r holds rows ``[r Vl, (r + 1) Vl)``), without gathering the table: the
+    ranks' ids are gathered, each rank looks up the rows it holds (zeros elsewhere) and a
+    reduce-scatter returns each rank its own tokens, each the sum of one row and zeros (exact).
+    The lookup reads the stored (fp32) shard, so the backward pass scatter-adds the gradient into
+    it as the unsharded lookup does: the table's gradient is never dense on one device."""
+    axis = vocab_axis(table, -2)
+    value = table.get_value()
+    rank, v_local = jax.lax.axis_index(axis), value.shape[0]
+    ids_BT = jnp.clip(ids_BT, 0, v_local * jax.lax.psum(1, axis) - 1)
+    local_FBT = jax.lax.all_gather(ids_BT, axis, axis=0) - rank * v_local
+    inside_FBT = (local_FBT >= 0) & (local_FBT < v_local)
+    rows_FBTD = jnp.take(value, jnp.clip(local_FBT, 0, v_local - 1), axis=0)
+    rows_FBTD = jnp.where(inside_FBT[..., None], rows_FBTD, 0)
+    return jax.lax.psum_scatter(rows_FBTD, axis, scatter_dimension=0, tiled=True)[0].astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _gather(shard: jax.Array, axis: str, dim: int, dtype: Any, shard_dtype: Any) -> jax.Array:
     return jax.lax.all_gather(shard.astype(dtype), axis, axis=dim, tiled=True)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models import fsdp
 from jaxrl.models.attention import apply_rope, positions_from_segments, rope_inv_freq
 from jaxrl.models.attention_dispatch import attention_fn
 from jaxrl.models.fsdp import is_marked, weight
@@ -216,7 +217,7 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         pd = config.param_dtype
         self.embedding = _param(
-            rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
+            rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "vocab_embed"), pd
         )
         # created one by one in both layouts, so a seed gives the same weights scanned or not
         # (adapters draw from their own stream: a seed gives the same base with or without them)
@@ -232,7 +233,7 @@ class Transformer(nnx.Module):
         )
         if not config.tie_word_embeddings:
             self.lm_head = _param(
-                rngs.params(), (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd
+                rngs.params(), (config.hidden_size, config.vocab_size), ("vocab_embed", "vocab"), pd
             )
         self.config = config
 
@@ -280,9 +281,8 @@ class Transformer(nnx.Module):
 
     def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
         """Embeddings in the compute dtype; ids outside ``[0, V)`` are clamped."""
-        if is_marked(self.embedding):  # a ZeRO-3 shard: gathered in the compute dtype (exact)
-            table_VD = weight(self.embedding, self.config.dtype)
-            return jnp.take(table_VD, input_ids_BT, axis=0, mode="clip")
+        if is_marked(self.embedding):  # a ZeRO-3 shard: looked up without gathering the table
+            return fsdp.embed(self.embedding, input_ids_BT, self.config.dtype)
         return jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
             self.config.dtype
         )
@@ -332,6 +332,16 @@ class Transformer(nnx.Module):
         if self.config.tie_word_embeddings:
             return weight(self.embedding, dtype).T
         return weight(self.lm_head, dtype)
+
+    def head_shard(self) -> tuple[jax.Array, str] | None:
+        """``(kernel_DVl, axis)`` when the LM head is a ZeRO-3 shard of its vocabulary over the
+        mesh axis ``axis`` (this rank's columns, param dtype; ``head.vocab_parallel_scores``);
+        None otherwise."""
+        if self.config.tie_word_embeddings:
+            axis = fsdp.vocab_axis(self.embedding, -2)
+            return None if axis is None else (self.embedding.get_value().T, axis)
+        axis = fsdp.vocab_axis(self.lm_head, -1)
+        return None if axis is None else (self.lm_head.get_value(), axis)
 
     def head_dtype(self, hidden_BTD: jax.Array) -> jax.typing.DTypeLike | None:
         """The dtype the LM head kernel is used in: its own (promoted to fp32 by the head) with
