@@ -85,7 +85,8 @@ class Scorer:
 
     ``mesh``: rows are split over its batch axes (None: wherever ``jit`` puts them with the
     parameters). ``chunk_size``: the head's token chunk (``model.logprob_chunk``; 0 =
-    automatic, ``jaxrl.models.head.auto_chunk``). ``rows_per_call``: rows per compiled call, rounded up to a multiple of the row ranks.
+    automatic, ``jaxrl.models.head.auto_chunk``). ``rows_per_call``: rows per compiled call,
+    rounded up to a multiple of the row ranks.
     ``row_len`` and ``temperature``: defaults of :meth:`token_logprobs` and
     :meth:`step_entropy_threshold` (GRPO scores at its sampling temperature).
     """
