@@ -310,7 +310,8 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype of the forward, the
     # sampler and the scorer; None = param_dtype
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
-    logprob_chunk: int = 0  # token chunk for log-probs (0 = whole row at once)
+    logprob_chunk: int = 0  # token chunk for log-probs (0 = auto: whole rows unless a chunk's
+    # logits would exceed 128M values, as with a 150k vocabulary on rows over 512 tokens)
     attention_impl: AttentionImpl = "auto"  # attention kernel; auto = best for the backend
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
     scan_layers: bool = False  # stack the layers' parameters and run them with one lax.scan

@@ -51,6 +51,71 @@ def _chunk_logprobs(
     return target_logit_BC - lse_BC, entropy_BC
 
 
+AUTO_CHUNK_LOGITS = 1 << 27  # logits values one chunk may hold when the chunk is automatic
+
+
+def auto_chunk(vocab_size: int) -> int:
+    """The token chunk of ``logprob_chunk: 0``: the largest power of two whose ``[chunk, V]``
+    logits hold at most ``AUTO_CHUNK_LOGITS`` values (512 MB in fp32), at least 128 tokens. Rows
+    no longer than that run as one chunk, so small vocabularies never chunk."""
+    return max(128, 1 << max(AUTO_CHUNK_LOGITS // max(vocab_size, 1), 1).bit_length() - 1)
+
+
+def vocab_parallel_scores(
+    hidden_BCD: jax.Array,
+    kernel_DVl: jax.Array,
+    targets_BC: jax.Array,
+    *,
+    fp32: bool,
+    temperature: float | jax.Array,
+    axis: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`_chunk_logprobs` plus the argmax hit (``logp``, ``entropy``, ``correct``) of this
+    rank's tokens, inside a per-rank program where the head is split over its vocabulary across
+    the mesh axis ``axis`` (rank r holds columns ``[r Vl, (r + 1) Vl)``: ``kernel_DVl``).
+
+    Vocabulary-parallel cross-entropy (Megatron's, over ``axis``): the ranks' hidden states
+    are gathered (``[f B, C, D]``, small), each rank computes the logits of every rank's tokens
+    over its columns, and per-token statistics are combined with ``pmax`` / ``psum``:
+    ``lse = M + log Σ_r Σ_v exp(z - M)``, the target logit from the rank that holds it, the
+    entropy's ``Σ p z``, and the first index of the global maximum (``jnp.argmax``'s tie rule).
+    The kernel is never gathered and its gradient is this rank's columns for every token (no
+    reduction over ``axis``); the hidden states' gradient leaves through the gather's transpose
+    (a reduce-scatter). Values equal :func:`_chunk_logprobs` to float rounding (the sums run in
+    another order)."""
+    b, _, _ = hidden_BCD.shape
+    rank, v_local = jax.lax.axis_index(axis), kernel_DVl.shape[1]
+    v_total = v_local * jax.lax.psum(1, axis)
+    # gathered in fp32 (exact), so the hidden states' gradient is reduce-scattered in fp32
+    hidden_FBCD = jax.lax.all_gather(hidden_BCD.astype(jnp.float32), axis, axis=0, tiled=True)
+    hidden_FBCD = hidden_FBCD.astype(hidden_BCD.dtype)
+    raw_FBC = jax.lax.all_gather(targets_BC, axis, axis=0, tiled=True)
+    if not fp32:
+        kernel_DVl = kernel_DVl.astype(hidden_BCD.dtype)
+    logits_FBCV = lm_head(hidden_FBCD, kernel_DVl, fp32=fp32)
+    z_FBCV = logits_FBCV.astype(jnp.float32) / temperature
+    m_FBC = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(z_FBCV, axis=-1)), axis)
+    sum_FBC = jax.lax.psum(jnp.sum(jnp.exp(z_FBCV - m_FBC[..., None]), axis=-1), axis)
+    lse_FBC = m_FBC + jnp.log(sum_FBC)
+    local_FBC = jnp.clip(raw_FBC, 0, v_total - 1) - rank * v_local  # targets clamped to [0, V)
+    inside_FBC = (local_FBC >= 0) & (local_FBC < v_local)
+    at_FBC = jnp.clip(local_FBC, 0, v_local - 1)[..., None]
+    target_FBC = jnp.take_along_axis(z_FBCV, at_FBC, axis=-1)[..., 0]
+    target_FBC = jax.lax.psum(jnp.where(inside_FBC, target_FBC, 0.0), axis)
+    probs_FBCV = jnp.exp(z_FBCV - lse_FBC[..., None])
+    entropy_FBC = lse_FBC - jax.lax.psum(jnp.sum(probs_FBCV * z_FBCV, axis=-1), axis)
+    top_FBC = jax.lax.stop_gradient(jnp.max(logits_FBCV, axis=-1)).astype(jnp.float32)
+    first_FBC = jnp.argmax(logits_FBCV, axis=-1).astype(jnp.int32) + rank * v_local
+    best_FBC = jax.lax.pmax(top_FBC, axis)
+    first_FBC = jax.lax.pmin(jnp.where(top_FBC == best_FBC, first_FBC, v_total), axis)
+
+    def mine(x_FBC: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(x_FBC, rank * b, b, axis=0)
+
+    logp_FBC = target_FBC - lse_FBC
+    return mine(logp_FBC), mine(entropy_FBC), mine(first_FBC == raw_FBC)
+
+
 def token_logprobs(
     hidden_BTD: jax.Array,
     kernel_DV: jax.Array,
@@ -59,6 +124,7 @@ def token_logprobs(
     fp32: bool,
     temperature: float | jax.Array = 1.0,
     chunk_size: int | None = None,
+    vocab_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of each target and the entropy, both float32 [B, T].
 
@@ -72,7 +138,8 @@ def token_logprobs(
     (``None``: one chunk). T need not be a multiple of ``chunk_size``. Targets outside
     ``[0, V)`` are clamped (give such tokens zero loss weight). Without ``fp32`` the head runs
     in the hidden dtype. The kernel's gradient is accumulated over chunks in fp32 and returned
-    in the kernel's dtype.
+    in the kernel's dtype. ``vocab_axis``: inside a per-rank program, the kernel is this rank's
+    columns of a head split over that mesh axis (:func:`vocab_parallel_scores`).
     """
     b, t, d = hidden_BTD.shape
     if kernel_DV.shape[0] != d or targets_BT.shape != (b, t):
@@ -88,6 +155,10 @@ def token_logprobs(
 
     @jax.checkpoint
     def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        if vocab_axis is not None:
+            return vocab_parallel_scores(
+                xs[0], kernel32_DV, xs[1], fp32=fp32, temperature=temperature, axis=vocab_axis
+            )[:2]
         return _chunk_logprobs(xs[0], kernel32_DV, xs[1], fp32=fp32, temperature=temperature)
 
     logp_NcBC, entropy_NcBC = lax.map(body, (hidden_NcBCD, targets_NcBC))

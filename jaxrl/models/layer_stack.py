@@ -14,6 +14,11 @@ Two layouts of the same blocks (``ModelConfig.scan_layers``):
 the same parameters in both layouts; :func:`unstack_blocks` is its inverse. Both layouts run
 through :func:`run_blocks`, which is the only place that knows the difference.
 
+ZeRO-3 (``fsdp.py``): when the blocks' Variables are fsdp shards marked for gathering, each
+block gathers its weights inside its (scan body's) checkpoint, and no remat setting saves a
+gathered weight: ``"none"`` becomes "save every activation but the gathered weights", a policy
+is wrapped by ``fsdp.exclude_gathered``, ``"block"`` saves only the block's input anyway.
+
 Rematerialisation (``ModelConfig.remat``): ``"none"`` keeps every activation the backward
 pass needs; ``"block"`` wraps each block in ``jax.checkpoint`` (only its input is saved, the
 rest recomputed in the backward pass); any policy name of ``jax.checkpoint_policies`` (e.g.
@@ -31,6 +36,8 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxrl.models.fsdp import any_marked, exclude_gathered
 
 LAYER_AXIS = "layers"  # logical name of the stacked layer axis (unsharded)
 REMAT_OFF, REMAT_BLOCK = "none", "block"
@@ -120,10 +127,16 @@ def run_blocks(
     (segment ids, positions). ``remat`` (``"none"``, ``"block"`` or a policy name) wraps each
     step in ``jax.checkpoint``.
     """
-    if remat == REMAT_OFF:
+    zero3 = any_marked(nnx.state(layers))  # ZeRO-3 shards: never save a gathered weight
+    if remat == REMAT_OFF and not zero3:
         checkpoint = lambda f: f  # noqa: E731
     else:
-        policy = remat_policy(remat)
+        if remat == REMAT_OFF:  # save every activation, gather the weights again
+            policy = exclude_gathered(jax.checkpoint_policies.everything_saveable)
+        else:
+            policy = remat_policy(remat)
+            if zero3 and policy is not None:
+                policy = exclude_gathered(policy)
         # inside a scan the loop already keeps XLA from merging the recomputation away
         checkpoint = lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not scanned)  # noqa: E731
     if not scanned:

@@ -2,7 +2,9 @@
 
 Parameters carry logical names in their ``out_sharding`` metadata (``transformer.py``);
 arrays in batches use ``batch``. The default table shards the model dimension (``embed``) over
-``fsdp`` and heads, KV heads, MLP units and the vocabulary over ``tensor``; batches are split
+``fsdp`` and heads, KV heads and MLP units over ``tensor``; the embedding and the LM head are
+split over their vocabulary (``vocab``: fsdp-major over ``fsdp × tensor``), never over their model
+dimension (``vocab_embed``), so a ZeRO-3 step never gathers them (``fsdp.py``); batches are split
 over ``data × fsdp``. The leading ``layers`` axis of a scanned layer stack
 (``layer_stack.py``) is never sharded: each device holds its block of every layer, and the
 scan slices layer i locally. fp32 optimizer moments inherit their parameter's names (optax
@@ -27,7 +29,8 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 LOGICAL_AXIS_RULES: LogicalRules = (
     ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
+    ("vocab", ("fsdp", "tensor")),  # embedding rows and LM head columns (vocabulary-parallel)
+    ("vocab_embed", None),  # the model dimension of the embedding and the LM head
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),

@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models import fsdp
 from jaxrl.models.adapters.lora_layer import adapt, adapter, lora_rngs, quantize_base
 from jaxrl.models.attention.dense import apply_rope, positions_from_segments, rope_inv_freq
 from jaxrl.models.attention.dispatch import attention_fn
+from jaxrl.models.fsdp import is_marked, weight
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
@@ -65,7 +67,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        scale = weight(self.scale, jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
         return (x32 * inv_rms * scale).astype(x.dtype)
 
 
@@ -119,16 +121,16 @@ class Attention(nnx.Module):
         attend to all L cached slots (this step's included) under the same visibility rule.
         """
         cfg, dt = self.config, x_BTD.dtype
-        q_BTHDh = _project(x_BTD, self.q_kernel[...].astype(dt))
-        k_BTKDh = _project(x_BTD, self.k_kernel[...].astype(dt))
-        v_BTKDh = _project(x_BTD, self.v_kernel[...].astype(dt))
+        q_BTHDh = _project(x_BTD, weight(self.q_kernel, dt))
+        k_BTKDh = _project(x_BTD, weight(self.k_kernel, dt))
+        v_BTKDh = _project(x_BTD, weight(self.v_kernel, dt))
         q_BTHDh = adapt(q_BTHDh, self.q_lora, x_BTD, self.scaling)
         k_BTKDh = adapt(k_BTKDh, self.k_lora, x_BTD, self.scaling)
         v_BTKDh = adapt(v_BTKDh, self.v_lora, x_BTD, self.scaling)
         if cfg.attention_bias:
-            q_BTHDh = q_BTHDh + self.q_bias[...].astype(dt)[None, None]
-            k_BTKDh = k_BTKDh + self.k_bias[...].astype(dt)[None, None]
-            v_BTKDh = v_BTKDh + self.v_bias[...].astype(dt)[None, None]
+            q_BTHDh = q_BTHDh + weight(self.q_bias, dt)[None, None]
+            k_BTKDh = k_BTKDh + weight(self.k_bias, dt)[None, None]
+            v_BTKDh = v_BTKDh + weight(self.v_bias, dt)[None, None]
         if cfg.qk_norm:
             q_BTHDh, k_BTKDh = self.q_norm(q_BTHDh), self.k_norm(k_BTKDh)
         scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling is not None else None
@@ -153,7 +155,7 @@ class Attention(nnx.Module):
                 q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention
             )
         b, t, h, dh = out_BTHDh.shape
-        o_kernel_HDhD = self.o_kernel[...].astype(dt)
+        o_kernel_HDhD = weight(self.o_kernel, dt)
         out_BTHDh = out_BTHDh.reshape(b, t, h * dh)
         out_BTD = adapt(
             out_BTHDh @ o_kernel_HDhD.reshape(h * dh, -1), self.o_lora, out_BTHDh, self.scaling
@@ -177,12 +179,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        gate_BTF = adapt(
-            x_BTD @ self.gate_kernel[...].astype(dt), self.gate_lora, x_BTD, self.scaling
-        )
-        up_BTF = adapt(x_BTD @ self.up_kernel[...].astype(dt), self.up_lora, x_BTD, self.scaling)
+        gate_BTF = adapt(x_BTD @ weight(self.gate_kernel, dt), self.gate_lora, x_BTD, self.scaling)
+        up_BTF = adapt(x_BTD @ weight(self.up_kernel, dt), self.up_lora, x_BTD, self.scaling)
         h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-        return adapt(h_BTF @ self.down_kernel[...].astype(dt), self.down_lora, h_BTF, self.scaling)
+        return adapt(h_BTF @ weight(self.down_kernel, dt), self.down_lora, h_BTF, self.scaling)
 
 
 class Block(nnx.Module):
@@ -217,7 +217,7 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         pd = config.param_dtype
         self.embedding = _param(
-            rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "embed"), pd
+            rngs.params(), (config.vocab_size, config.hidden_size), ("vocab", "vocab_embed"), pd
         )
         # created one by one in both layouts, so a seed gives the same weights scanned or not
         # (adapters draw from their own stream: a seed gives the same base with or without them)
@@ -233,7 +233,7 @@ class Transformer(nnx.Module):
         )
         if not config.tie_word_embeddings:
             self.lm_head = _param(
-                rngs.params(), (config.hidden_size, config.vocab_size), ("embed", "vocab"), pd
+                rngs.params(), (config.hidden_size, config.vocab_size), ("vocab_embed", "vocab"), pd
             )
         self.config = config
 
@@ -281,6 +281,8 @@ class Transformer(nnx.Module):
 
     def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
         """Embeddings in the compute dtype; ids outside ``[0, V)`` are clamped."""
+        if is_marked(self.embedding):  # a ZeRO-3 shard: looked up without gathering the table
+            return fsdp.embed(self.embedding, input_ids_BT, self.config.dtype)
         return jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
             self.config.dtype
         )
@@ -324,11 +326,27 @@ class Transformer(nnx.Module):
         )
         return self.final_norm(x_BTD), cache.advance(input_ids_BT.shape[1])
 
-    def head_kernel(self) -> jax.Array:
-        """LM head kernel [D, V] in param dtype; the transposed embedding when tied."""
+    def head_kernel(self, dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
+        """LM head kernel [D, V] in ``dtype`` (None: the param dtype); the transposed embedding
+        when tied. A ZeRO-3 shard is gathered here, in that dtype (``fsdp.py``)."""
         if self.config.tie_word_embeddings:
-            return self.embedding[...].T
-        return self.lm_head[...]
+            return weight(self.embedding, dtype).T
+        return weight(self.lm_head, dtype)
+
+    def head_shard(self) -> tuple[jax.Array, str] | None:
+        """``(kernel_DVl, axis)`` when the LM head is a ZeRO-3 shard of its vocabulary over the
+        mesh axis ``axis`` (this rank's columns, param dtype; ``head.vocab_parallel_scores``);
+        None otherwise."""
+        if self.config.tie_word_embeddings:
+            axis = fsdp.vocab_axis(self.embedding, -2)
+            return None if axis is None else (self.embedding.get_value().T, axis)
+        axis = fsdp.vocab_axis(self.lm_head, -1)
+        return None if axis is None else (self.lm_head.get_value(), axis)
+
+    def head_dtype(self, hidden_BTD: jax.Array) -> jax.typing.DTypeLike | None:
+        """The dtype the LM head kernel is used in: its own (promoted to fp32 by the head) with
+        ``fp32_lm_head``, else the hidden states' compute dtype."""
+        return None if self.config.fp32_lm_head else hidden_BTD.dtype
 
     def __call__(
         self,
@@ -341,7 +359,5 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         """The LM head on final hidden states: fp32 with ``fp32_lm_head``, else compute dtype."""
-        kernel_DV = self.head_kernel()
-        if not self.config.fp32_lm_head:
-            kernel_DV = kernel_DV.astype(hidden_BTD.dtype)
+        kernel_DV = self.head_kernel(self.head_dtype(hidden_BTD))
         return lm_head(hidden_BTD, kernel_DV, fp32=self.config.fp32_lm_head)

@@ -5,13 +5,19 @@ arrays ``[R, M, ...]`` with R = data × fsdp ranks, split over the batch axes
 (``jaxrl.runtime.mesh``). Round i is slot i on every rank.
 
 The ``shard_map`` is manual over the batch axes (``data``, ``fsdp``) only; ``tensor`` stays
-automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary. The
-parameters enter replicated over the batch axes (the fsdp shards are all-gathered once per
-step, at entry); each round's fp32 gradient is reduce-scattered over ``fsdp`` into the
-parameter's own sharding (``psum_scatter``, never an all-reduce followed by a slice), so the
-accumulator holds 1/fsdp of the gradients; a ``psum`` over ``data`` after the loop finishes
-the sum. Axes of size 1 are left out of the manual set (and with none left there is no
-``shard_map``).
+automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary.
+
+ZeRO-3 (``fsdp > 1`` with ``grad_specs``): the parameters enter as their fsdp shards
+(``in_specs`` from their own PartitionSpecs, restricted to the manual axes) and stay sharded
+for the whole step. The loss sees them marked for gathering (``jaxrl.models.fsdp``): the model
+all-gathers each weight at its point of use, in the dtype it computes with — one scanned layer
+at a time inside the layer ``scan``, the embedding and LM head where they are used — and the
+gather's transpose reduce-scatters that weight's fp32 gradient over ``fsdp`` as the backward
+pass produces it. So no device ever holds the whole model or a whole gradient; the accumulator
+holds 1/fsdp of the gradients. Parameters not split over fsdp (a dimension it does not divide)
+enter whole and their round gradients are ``psum``'d over ``fsdp``. A ``psum`` over ``data``
+after the loop finishes the sum. Axes of size 1 are left out of the manual set (and with none
+left there is no ``shard_map``).
 
 Starting at the cursor ``start``, the loop consumes rounds while ``i < stop`` and, when
 ``docs_per_step > 0``, while the psum'd document total is below the target. The round that
@@ -35,6 +41,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.losses.normalize import LossTerms, num_documents
+from jaxrl.models.fsdp import mark_sharded
 from jaxrl.runtime.mesh import DATA_AXIS, FSDP_AXIS
 from jaxrl.runtime.spmd import manual_batch_axes
 
@@ -64,33 +71,64 @@ def fsdp_dim(spec: P) -> int | None:
     return None
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def fsdp_dims(specs: Any) -> list[int | None]:
+    """:func:`fsdp_dim` of every PartitionSpec of a tree, in leaf order."""
+    return [fsdp_dim(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
+
+
+def fsdp_in_specs(specs: Any) -> Any:
+    """``shard_map`` in_specs of ZeRO-3 shards: each spec's ``fsdp`` entry kept, every other
+    axis (``tensor`` is automatic) dropped."""
+    return jax.tree.map(
+        lambda s: P(*(FSDP_AXIS if d == fsdp_dim(s) else None for d in range(len(s)))),
+        specs,
+        is_leaf=_is_spec,
+    )
+
+
+def as_shards(specs: Any | None, manual: tuple[str, ...]) -> bool:
+    """Whether a tree with these PartitionSpecs enters a per-rank program as its fsdp shards
+    (ZeRO-3): fsdp is a manual axis and the specs are known."""
+    return FSDP_AXIS in manual and specs is not None
+
+
+def marked(tree: Any, specs: Any | None, manual: tuple[str, ...]) -> Any:
+    """Inside a per-rank program: ``tree``'s fsdp shards marked for the model to gather
+    (``jaxrl.models.fsdp``); ``tree`` itself when it enters whole."""
+    if tree is None or not as_shards(specs, manual):
+        return tree
+    return mark_sharded(tree, fsdp_dims(specs), FSDP_AXIS)
+
+
 class _Collectives:
     """Sums over the manual batch axes (identity for axes left out of the manual set)."""
 
     def __init__(self, manual: tuple[str, ...], grad_specs: Any | None):
         self.manual = manual
         self.grad_specs = grad_specs
-        self.scatter = FSDP_AXIS in manual and grad_specs is not None
+        self.scatter = as_shards(grad_specs, manual)
 
     def psum(self, tree: Any, axes: tuple[str, ...] | None = None) -> Any:
         axes = tuple(a for a in (axes or self.manual) if a in self.manual)
         return jax.lax.psum(tree, axes) if axes else tree
 
     def grads_over_fsdp(self, grads: Any) -> Any:
-        """A round's gradients summed over fsdp: reduce-scattered into each parameter's fsdp
-        shard (psum for parameters that are not split over fsdp)."""
+        """A round's gradients summed over fsdp. A ZeRO-3 shard's gradient already is: the
+        gather's transpose reduce-scattered it (``jaxrl.models.fsdp``); parameters that enter
+        whole are ``psum``'d."""
         if FSDP_AXIS not in self.manual:
             return grads
         if not self.scatter:
             return jax.lax.psum(grads, FSDP_AXIS)
 
         def one(g: jax.Array, spec: P) -> jax.Array:
-            dim = fsdp_dim(spec)
-            if dim is None:
-                return jax.lax.psum(g, FSDP_AXIS)
-            return jax.lax.psum_scatter(g, FSDP_AXIS, scatter_dimension=dim, tiled=True)
+            return jax.lax.psum(g, FSDP_AXIS) if fsdp_dim(spec) is None else g
 
-        return jax.tree.map(one, grads, self.grad_specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(one, grads, self.grad_specs, is_leaf=_is_spec)
 
 
 def _zeros_like_terms(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]) -> LossTerms:
@@ -108,12 +146,17 @@ def _rank_sums(
     loop: Literal["while", "scan"],
     comm: _Collectives,
     frozen: Any = None,
+    frozen_specs: Any = None,
 ) -> StepSums:
     """One rank's accumulation (inside shard_map); returns sums over every rank. ``frozen``:
     constant inputs of the loss (a LoRA run's base), passed as ``loss_fn(params, mb, frozen)``
-    and not differentiated."""
+    and not differentiated. ZeRO-3 shards (of ``params``, and of ``frozen`` by ``frozen_specs``)
+    reach the loss marked for gathering; the gradients are taken of the unmarked shards."""
     if frozen is not None:
+        frozen = marked(frozen, frozen_specs, comm.manual)
         loss_fn = functools.partial(_with_frozen, loss_fn, frozen=frozen)
+    if comm.scatter:
+        loss_fn = functools.partial(_on_marked, loss_fn, comm=comm)
     docs_M = num_documents(batch_MT["segment_ids"]).astype(jnp.int32)
     global_docs_M = comm.psum(docs_M)
     real_MT = batch_MT["segment_ids"] > 0
@@ -181,6 +224,12 @@ def _with_frozen(
     return loss_fn(params, mb, frozen)
 
 
+def _on_marked(
+    loss_fn: LossFn, params: Any, mb: dict[str, jax.Array], *, comm: _Collectives
+) -> LossTerms:
+    return loss_fn(marked(params, comm.grad_specs, comm.manual), mb)
+
+
 def _numerator(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]):
     terms = loss_fn(params, mb)
     return terms.numerator, terms
@@ -193,6 +242,7 @@ def make_accumulate(
     docs_per_step: int = 0,
     loop: Literal["while", "scan"] = "while",
     grad_specs: Any | None = None,
+    frozen_specs: Any | None = None,
 ) -> Callable[..., StepSums]:
     """``(params, batch[R,M,...], bounds[2], frozen=None) -> StepSums``, manual over the batch
     axes. ``frozen`` (e.g. a LoRA run's base) enters the loss as ``loss_fn(params, mb, frozen)``
@@ -201,8 +251,10 @@ def make_accumulate(
     ``bounds = [start, stop]`` selects the slots this step may consume (data, not static), so
     one compiled program serves every step of a bucket and a cursor can carry over between
     steps that share one device buffer. ``grad_specs``: the parameters' PartitionSpecs
-    (``state_partition_specs(params, mesh=mesh)``); gradients come back split over fsdp as the
-    parameters are (without it they come back whole).
+    (``state_partition_specs(params, mesh=mesh)``); with ``fsdp > 1`` the parameters then enter
+    as their fsdp shards (ZeRO-3, above) and the gradients come back split over fsdp as the
+    parameters are (without it the parameters enter whole and the gradients come back whole).
+    ``frozen_specs``: the same for ``frozen`` (without them it enters whole).
     """
     manual = manual_batch_axes(mesh)
     comm = _Collectives(manual, grad_specs)
@@ -218,22 +270,18 @@ def make_accumulate(
             loop=loop,
             comm=comm,
             frozen=frozen,
+            frozen_specs=frozen_specs,
         )
 
     if not manual:  # one rank over several tensor devices: XLA partitions the whole loop
         return per_rank
-    grads_spec = P()
-    if comm.scatter:
-        grads_spec = jax.tree.map(
-            lambda s: P(*(FSDP_AXIS if d == fsdp_dim(s) else None for d in range(len(s)))),
-            grad_specs,
-            is_leaf=lambda x: isinstance(x, P),
-        )
-    out_specs = StepSums(grads_spec, P(), P(), P(), P(), P(), P(), P(), P())
+    params_spec = fsdp_in_specs(grad_specs) if comm.scatter else P()
+    frozen_spec = fsdp_in_specs(frozen_specs) if as_shards(frozen_specs, manual) else P()
+    out_specs = StepSums(params_spec, P(), P(), P(), P(), P(), P(), P(), P())
     mapped = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(), P(manual), P(), P()),
+        in_specs=(params_spec, P(manual), P(), frozen_spec),
         out_specs=out_specs,
         axis_names=set(manual),
         check_vma=False,

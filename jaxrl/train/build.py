@@ -199,6 +199,7 @@ def build_run(
         state_shardings=shardings,
         master_rounding=cfg.optimizer.master_rounding,
         frozen=frozen,
+        frozen_shardings=frozen_shardings,
     )
     return RunParts(mesh, config, graphdef, state, shardings, step, frozen, frozen_shardings)
 

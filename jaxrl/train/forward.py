@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl.models.head import join_chunks, split_chunks, token_logprobs
+from jaxrl.models.head import (
+    auto_chunk,
+    join_chunks,
+    split_chunks,
+    token_logprobs,
+    vocab_parallel_scores,
+)
 from jaxrl.models.transformer import Transformer
 
 
@@ -49,10 +55,22 @@ def micro_batch_scores(
     """
     hidden_BTD = _hidden_states(model, mb)
     t = hidden_BTD.shape[1]
-    hidden_NBCD, targets_NBC = split_chunks(hidden_BTD, mb["targets"], chunk_size or t)
+    chunk = chunk_size or auto_chunk(model.config.vocab_size)
+    hidden_NBCD, targets_NBC = split_chunks(hidden_BTD, mb["targets"], chunk)
 
     def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         hidden_BCD, targets_BC = xs
+        shard = model.head_shard()
+        if shard is not None:  # ZeRO-3: vocabulary-parallel, never gathered
+            kernel_DVl, axis = shard
+            return vocab_parallel_scores(
+                hidden_BCD,
+                kernel_DVl.astype(jnp.float32),
+                targets_BC,
+                fp32=model.config.fp32_lm_head,
+                temperature=temperature,
+                axis=axis,
+            )
         logp_BC, entropy_BC = _head_logprobs(model, hidden_BCD, targets_BC, None, temperature)
         correct_BC = jnp.argmax(model.logits(hidden_BCD), axis=-1) == targets_BC
         return logp_BC, entropy_BC, correct_BC
@@ -72,14 +90,14 @@ def _head_logprobs(
     chunk_size: int | None,
     temperature: float | jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    kernel_DV = model.head_kernel()
-    if not model.config.fp32_lm_head:
-        kernel_DV = kernel_DV.astype(hidden_BTD.dtype)
+    shard = model.head_shard()  # ZeRO-3: vocabulary-parallel, never gathered
+    kernel_DV, axis = shard if shard else (model.head_kernel(model.head_dtype(hidden_BTD)), None)
     return token_logprobs(
         hidden_BTD,
         kernel_DV,
         targets_BT,
         fp32=model.config.fp32_lm_head,
         temperature=temperature,
-        chunk_size=chunk_size or None,
+        chunk_size=chunk_size or auto_chunk(model.config.vocab_size),
+        vocab_axis=axis,
     )

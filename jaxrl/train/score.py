@@ -14,9 +14,12 @@ consumers:
 Layout. The rows are cut into calls of a fixed ``rows_per_call`` C (a multiple of the mesh's
 row ranks R = data × fsdp; the last call is padded with empty rows), split over the batch axes,
 so every device holds C / R rows. The program has the train step's structure
-(``jaxrl.train.accumulate``): ``shard_map`` manual over the batch axes, parameters replicated
-over them (``tensor`` stays automatic), and ``lax.map`` over the rank's rows, one ``[1, T]``
-row at a time, the shape of a micro-batch. Values therefore equal the train step's forward bit
+(``jaxrl.train.accumulate``): ``shard_map`` manual over the batch axes (``tensor`` stays
+automatic), parameters replicated over them unless they are split over ``fsdp``, and ``lax.map``
+over the rank's rows, one ``[1, T]`` row at a time, the shape of a micro-batch. With
+``fsdp > 1`` the parameters enter as their fsdp shards and the model gathers each weight where
+it uses it, one scanned layer at a time (ZeRO-3, ``jaxrl.models.fsdp``), as in the train step.
+Values therefore equal the train step's forward bit
 for bit, in bf16 compute too (a GSPMD-partitioned program rounds differently): a DPO reference
 equals the policy at step 1, and a GRPO ratio against scored old log-probs starts at exactly
 1. The temperature is a traced argument: one compiled program per
@@ -27,13 +30,14 @@ bucket padding slots) are not run; their values are 0 (``correct`` False).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.nnx as nnx
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.batching.packing import PackedBatch, pack_sequences
@@ -41,6 +45,7 @@ from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import manual_batch_axes, on_mesh, put_replicated, put_rows, row_ranks
+from jaxrl.train.accumulate import as_shards, fsdp_in_specs, marked
 from jaxrl.train.forward import micro_batch_scores
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
@@ -79,8 +84,9 @@ class Scorer:
     """Per-token log-probs, entropies and argmax hits of packed rows under given parameters.
 
     ``mesh``: rows are split over its batch axes (None: wherever ``jit`` puts them with the
-    parameters). ``chunk_size``: the head's token chunk (``model.logprob_chunk``; 0 = whole
-    rows). ``rows_per_call``: rows per compiled call, rounded up to a multiple of the row ranks.
+    parameters). ``chunk_size``: the head's token chunk (``model.logprob_chunk``; 0 =
+    automatic, ``jaxrl.models.head.auto_chunk``). ``rows_per_call``: rows per compiled call,
+    rounded up to a multiple of the row ranks.
     ``row_len`` and ``temperature``: defaults of :meth:`token_logprobs` and
     :meth:`step_entropy_threshold` (GRPO scores at its sampling temperature).
     """
@@ -105,17 +111,25 @@ class Scorer:
         self.row_len = row_len
         self.temperature = float(temperature)
         self.compiles = 0
-        self._jitted = jax.jit(self._program)
+        self._programs: dict[tuple, Any] = {}  # by the parameters' PartitionSpecs
 
     # -- the program --------------------------------------------------------------------------
-    def _program(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array):
+    def _jitted(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array):
+        """The program for ``params``' placement: their fsdp shards enter as such (ZeRO-3)."""
+        specs = _param_specs(params, self.mesh)
+        key = tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+        if key not in self._programs:
+            self._programs[key] = jax.jit(functools.partial(self._program, specs=specs))
+        return self._programs[key](params, rows_BT, temperature)
+
+    def _program(self, params, rows_BT, temperature, *, specs):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
-        return self._rows(params, rows_BT, temperature)
+        return self._rows(params, rows_BT, temperature, specs)
 
-    def _rows(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array):
-        model = nnx.merge(self.graphdef, params)
+    def _rows(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array, specs):
+        def per_rank(params: Any, rows_MT: dict[str, jax.Array]):  # this rank's rows in turn
+            model = nnx.merge(self.graphdef, marked(params, specs, manual))
 
-        def per_rank(rows_MT: dict[str, jax.Array]):  # this rank's rows, one at a time
             def one(row_T: dict[str, jax.Array]):
                 mb_1T = {k: v[None] for k, v in row_T.items()}
                 scores = micro_batch_scores(
@@ -125,22 +139,21 @@ class Scorer:
 
             return jax.lax.map(one, rows_MT)
 
-        if self.mesh is None:
-            return per_rank(rows_BT)
-        manual = manual_batch_axes(self.mesh)
-        if not manual:  # one rank over several tensor devices: XLA partitions the program
-            return per_rank(rows_BT)
+        manual = () if self.mesh is None else manual_batch_axes(self.mesh)
+        if not manual:  # no mesh, or one rank over several tensor devices: XLA partitions it
+            return per_rank(params, rows_BT)
         # the train step's structure (jaxrl.train.accumulate): manual over the batch axes,
-        # parameters replicated over them, one [1, T] row per rank at a time; the same
-        # program shape gives the same values as the train step's forward, also in bf16
+        # parameters replicated over them or as their fsdp shards, one [1, T] row per rank at
+        # a time; the same program shape gives the train step's forward values, also in bf16
+        params_spec = fsdp_in_specs(specs) if as_shards(specs, manual) else P()
         return jax.shard_map(
             per_rank,
             mesh=self.mesh,
-            in_specs=(P(manual),),
+            in_specs=(params_spec, P(manual)),
             out_specs=P(manual),
             axis_names=set(manual),
             check_vma=False,
-        )(rows_BT)
+        )(params, rows_BT)
 
     # -- rows -------------------------------------------------------------------------------
     def score(
@@ -254,6 +267,18 @@ class Scorer:
         entropy = self.score(params, arrays, temperature=temperature).entropy
         tau = _entropy_threshold(entropy, np.asarray(arrays["loss_mask"]), top_entropy_quantile)
         return float(tau)
+
+
+def _param_specs(params: Any, mesh: Mesh | None) -> Any:
+    """The PartitionSpecs of ``params`` on ``mesh`` (None when they are not all placed on it
+    by NamedShardings: they then enter the program whole)."""
+    if mesh is None:
+        return None
+    leaves = jax.tree.leaves(params)
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    if not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
+        return None
+    return jax.tree.unflatten(jax.tree.structure(params), [s.spec for s in shardings])
 
 
 def _rows_of(packed: PackedBatch) -> dict[str, np.ndarray]:

@@ -13,7 +13,6 @@ accumulated in the parameters' sharding. One compiled program per batch bucket.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -49,22 +48,24 @@ class TrainStep:
         state_shardings: Any | None = None,
         master_rounding: Rounding | None = None,
         frozen: Any = None,
+        frozen_shardings: Any = None,
     ):
-        """``frozen``: the loss's constant inputs (a LoRA run's frozen base, already placed):
-        ``loss_fn(params, mb, frozen)``; only ``state.params`` are differentiated and updated."""
+        """``frozen``: the loss's constant inputs (a LoRA run's frozen base, already placed in
+        ``frozen_shardings``): ``loss_fn(params, mb, frozen)``; only ``state.params`` are
+        differentiated and updated. With ``state_shardings`` (and ``frozen_shardings``) and
+        ``fsdp > 1``, both enter the accumulation as ZeRO-3 shards (``accumulate.py``)."""
         self.mesh = mesh
         self.frozen = frozen
         self.compiles = 0
         self.state_shardings = state_shardings
-        grad_specs = None
-        if state_shardings is not None:
-            grad_specs = jax.tree.map(
-                lambda s: s.spec,
-                state_shardings.params,
-                is_leaf=lambda x: isinstance(x, NamedSharding),
-            )
+        grad_specs = None if state_shardings is None else _specs(state_shardings.params)
         self._accumulate = make_accumulate(
-            loss_fn, mesh, docs_per_step=docs_per_step, loop=loop, grad_specs=grad_specs
+            loss_fn,
+            mesh,
+            docs_per_step=docs_per_step,
+            loop=loop,
+            grad_specs=grad_specs,
+            frozen_specs=None if frozen_shardings is None else _specs(frozen_shardings),
         )
         self._tx = tx
         self._lr = learning_rate
@@ -101,22 +102,36 @@ class TrainStep:
     def _step(self, state: TrainState, batch, bounds, frozen):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
         sums = self._accumulate(state.params, batch, bounds, frozen)
-        grads = jax.tree.map(lambda g: finalize(g, sums.denominator), sums.grads)
         loss = finalize(sums.numerator, sums.denominator)
-        grad_norm = optax.tree.norm(grads)
+
+        def finalized(sum_grads: Any) -> Any:  # the gradient of the loss: one division
+            return jax.tree.map(lambda g: finalize(g, sums.denominator), sum_grads)
+
+        grad_norm = optax.tree.norm(finalized(sums.grads))
+        scale = jnp.float32(1.0)
         if self._max_grad_norm > 0:
             scale = jnp.minimum(1.0, self._max_grad_norm / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        params32 = jax.tree.map(lambda p: p.astype(jnp.float32), state.params)
-        updates, opt_state = self._tx.update(grads, state.opt_state, params32)
-        new32 = jax.tree.map(jnp.add, params32, updates)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        new_params = write_master(state.params, new32, key, self._rounding)
+
+        def update(params: Any, opt_state: Any, sum_grads: Any) -> tuple[Any, Any]:
+            # divided (and clipped) here, fused into the update, never held as another tree
+            grads = finalized(sum_grads)
+            if self._max_grad_norm > 0:
+                grads = jax.tree.map(lambda g: g * scale, grads)
+            params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+            updates, opt_state = self._tx.update(grads, opt_state, params32)
+            new32 = jax.tree.map(jnp.add, params32, updates)
+            return write_master(params, new32, key, self._rounding), opt_state
+
+        # a conditional, not a select of new and old: the update then runs in place on the
+        # (donated) shards instead of holding new parameters and moments beside the old
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+        new_params, opt_state = jax.lax.cond(
+            finite, update, lambda p, o, g: (p, o), state.params, state.opt_state, sums.grads
+        )
         new_state = state.replace(
-            params=keep(new_params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
+            params=new_params,
+            opt_state=opt_state,
             step=state.step + 1,
             documents_seen=state.documents_seen + sums.documents,
         )
@@ -136,3 +151,8 @@ class TrainStep:
         for name, (total, count) in sums.metrics.items():
             metrics[name] = total / jnp.maximum(count, 1.0)
         return new_state, metrics
+
+
+def _specs(shardings: Any) -> Any:
+    """The PartitionSpecs of a tree of NamedShardings."""
+    return jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))

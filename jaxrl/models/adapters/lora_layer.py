@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.adapters.quantize import KERNELS, quantize_kernels
+from jaxrl.models.fsdp import weight
 from jaxrl.models.model_config import LoraSpec, ModelConfig
 
 ADAPTERS = {  # kernel attribute -> adapter attribute
@@ -53,7 +54,11 @@ def adapt(y: jax.Array, lora: nnx.LoRA | None, x: jax.Array, scaling: float) -> 
     ``y`` may be the multi-head view of the flat adapter output."""
     if lora is None:
         return y
-    return y + (lora(x) * scaling).reshape(y.shape).astype(y.dtype)
+    # nnx.LoRA.__call__ (promote to its dtype, x @ A @ B) with A and B read through
+    # fsdp.weight, so ZeRO-3 shards are gathered
+    a, b = weight(lora.lora_a, lora.dtype), weight(lora.lora_b, lora.dtype)
+    out = x.astype(lora.dtype) @ a @ b
+    return y + (out * scaling).reshape(y.shape).astype(y.dtype)
 
 
 def lora_rngs(rngs: nnx.Rngs, config: ModelConfig) -> nnx.Rngs | None:

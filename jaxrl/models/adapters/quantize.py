@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
+from jaxrl.models.fsdp import weight
+
 NF4_BLOCK = 64  # inputs per nf4 scale (bitsandbytes' default blocksize)
 QTYPES = {"int8": jnp.int8, "nf4": "nf4"}
 
@@ -85,6 +87,13 @@ class QuantizedKernel(nnx.Module):
     def __getitem__(self, index):
         q = qwix.QArray(self.qvalue[...], self.scale[...], None, QTYPES[self.mode])
         return qwix.dequantize(q)[index]
+
+    def gathered(self, dtype) -> jax.Array:
+        """The dequantised kernel in ``dtype`` (``fsdp.weight``): codes and scales are gathered
+        over fsdp when they are ZeRO-3 shards, then dequantised."""
+        q = qwix.QArray(weight(self.qvalue), weight(self.scale), None, QTYPES[self.mode])
+        value = qwix.dequantize(q)
+        return value if dtype is None else value.astype(dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:

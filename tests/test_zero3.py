@@ -1,0 +1,166 @@
+"""ZeRO-3 on 8 host devices: with fsdp > 1 the train step and the scorer keep the parameters
+as fsdp shards and gather one scanned layer at a time inside the layer scan (jaxrl/models/fsdp.py,
+jaxrl/train/accumulate.py). Checked here: where the gathers are in the step's jaxpr, that the
+compiled temporaries do not grow by a gathered layer per layer, and that the numbers — loss,
+grad norm and the updated parameters — are those of data parallelism, for SFT, DPO and GRPO,
+with full fine-tuning and with LoRA."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxrl.cli import main
+from jaxrl.config import load_run_config
+from jaxrl.runtime.mesh import use_devices
+from jaxrl.train.run_io.memory import abstract_batch, plan_memory, plan_run
+from jaxrl.train.run_io.metrics import read_metrics
+
+SCANNED = ["model.scan_layers=true", "model.remat=block"]
+WIDTH = (  # a model whose every dimension fsdp=8 divides
+    "model.init={hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 2, intermediate_size: 128}"
+)
+# Adam's first step is lr · g / (|g| + eps): sign(g) · lr wherever |g| >> eps, which turns the
+# last-bit rounding of a near-zero gradient into a ±lr flip. eps = 1 makes the step linear in the
+# gradient (about lr · g), so the updated parameters carry the gradient's rounding.
+ONE_STEP = ["max_steps=1", "optimizer.warmup_steps=0", "optimizer.eps=1.0"]
+JOBS = {  # one optimizer step of each trainer, fp32 (the configs' model.dtype)
+    "sft": (
+        "configs/sft_tiny.yaml",
+        ["sft.batch_size=32", "optimizer.learning_rate=1.0", "task.eval_size=16"],
+    ),
+    "dpo": (
+        "configs/dpo_tiny.yaml",
+        ["sft_warmup_steps=0", "task.train_size=64", "task.eval_size=8",
+         "dpo.learning_rate=1.0", "dpo.per_device_train_batch_size={per16}"],
+    ),
+    "grpo": (
+        "configs/grpo_tiny.yaml",
+        ["sft_warmup_steps=0", "grpo.warmup_steps=0", "grpo.learning_rate=1.0",
+         "grpo.num_generations=4", "grpo.max_completion_length=4", "task.train_size=64",
+         "task.eval_size=8", "logging.eval_samples=0", "schedule.max_tokens=32",
+         "grpo.per_device_train_batch_size={per16}"],
+    ),
+}  # fmt: skip
+MESHES = {  # name → (overrides, batch ranks); data=8 is the reference
+    "data8": (["mesh.data=8"], 8),
+    "fsdp8": (["mesh.data=1", "mesh.fsdp=8"], 8),
+    "d2f2t2": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], 4),
+}
+RTOL = 1e-6
+
+
+def _train(out, config, sets):
+    args = ["train", config, "--set", f"output_dir={out}", "--set", "logging.progress=false"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    weights = {}
+    for f in sorted((out / "hf").glob("*.safetensors")):
+        weights.update(load_file(f))
+    return rows, weights
+
+
+def _assert_same_step(runs, ref_name):
+    ref_rows, ref_w = runs[ref_name]
+    for name, (rows, weights) in runs.items():
+        assert len(rows) == len(ref_rows) == 1, name
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(rows[0][key], ref_rows[0][key], rtol=RTOL, err_msg=name)
+        assert rows[0]["num_tokens"] == ref_rows[0]["num_tokens"]
+        assert sorted(weights) == sorted(ref_w)
+        for k, w in weights.items():
+            w, r = w.astype(np.float64), ref_w[k].astype(np.float64)
+            rel = np.linalg.norm(w - r) / max(np.linalg.norm(r), 1e-30)
+            assert rel <= RTOL, f"{name}: {k} differs by {rel:.2e} (relative norm)"
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_zero3_step_equals_data_parallel(tmp_path, job):
+    """fsdp=8 (ZeRO-3) and (data 2, fsdp 2, tensor 2) give data=8's loss, grad norm and updated
+    parameters to 1e-6 relative after one step, scanned with block remat, fp32."""
+    config, sets = JOBS[job]
+    runs = {}
+    for name, (mesh, ranks) in MESHES.items():
+        job_sets = [s.format(per16=16 // ranks) for s in sets]
+        runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *job_sets, *mesh])
+    _assert_same_step(runs, "data8")
+
+
+def test_zero3_lora_equals_one_device(tmp_path):
+    """LoRA on fsdp=4 (a frozen base and adapters, both as fsdp shards) equals one device."""
+    config, sets = JOBS["sft"]
+    lora = ["model.lora.rank=4", "model.lora.alpha=8"]
+    runs = {}
+    for name, mesh in {"data1": ["mesh.data=1"], "fsdp4": ["mesh.data=1", "mesh.fsdp=4"]}.items():
+        with use_devices(jax.devices()[: 4 if name == "fsdp4" else 1]):
+            runs[name] = _train(
+                tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *sets, *lora, *mesh]
+            )
+    _assert_same_step(runs, "data1")
+
+
+def _walk(jaxpr, ancestors=()):
+    """(primitive name, enclosing primitive names, outvars) of every equation, recursively."""
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name, ancestors, eqn.outvars
+        for sub in _sub_jaxprs(eqn.params):
+            yield from _walk(sub, (*ancestors, eqn.primitive.name))
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def test_zero3_gathers_each_layer_inside_the_layer_scan():
+    """In the fsdp=8 step, every layer weight is all-gathered inside the layer scan (and again
+    in its backward scan); outside it only the final norm's scale is: the embedding and the LM
+    head are vocabulary-parallel and never gathered."""
+    sets = ["mesh.data=1", "mesh.fsdp=8", "schedule.max_tokens=32"]
+    cfg = load_run_config("configs/sft_tiny.yaml", [WIDTH, *SCANNED, *sets])
+    run = plan_run(cfg)
+    batch = abstract_batch(run.mesh, 32)
+    bounds = jax.ShapeDtypeStruct((2,), np.int32)
+    jaxpr = jax.make_jaxpr(run.step._step)(run.state, batch, bounds, None).jaxpr
+    gathers = [(anc, outs) for name, anc, outs in _walk(jaxpr) if name == "all_gather"]
+    in_scan = [outs for anc, outs in gathers if "scan" in anc[anc.index("shard_map") :]]
+    outside = [outs for anc, outs in gathers if "scan" not in anc[anc.index("shard_map") :]]
+    assert all("shard_map" in anc for anc, _ in gathers)
+    d, v = cfg.model.init["hidden_size"], run.model_config.vocab_size
+    layer_weights = 7 + 2  # q, k, v, o, gate, up, down kernels; two norm scales
+    assert len(in_scan) >= 2 * layer_weights  # forward and the recomputing backward
+    shapes = sorted(tuple(o.aval.shape) for outs in outside for o in outs)
+    assert set(shapes) == {(d,)}, shapes  # the final norm's scale; never the embedding or head
+    assert (v, d) not in [tuple(o.aval.shape) for outs in in_scan for o in outs]
+
+
+def _temp(layers):
+    sets = ["mesh.data=1", "mesh.fsdp=8", "schedule.max_tokens=1024", "model.dtype=bfloat16"]
+    width = WIDTH.replace("num_hidden_layers: 2", f"num_hidden_layers: {layers}")
+    width = width.replace("hidden_size: 64", "hidden_size: 256").replace(
+        "intermediate_size: 128", "intermediate_size: 2048"
+    )
+    cfg = load_run_config("configs/sft_tiny.yaml", [width, *SCANNED, *sets])
+    return plan_memory(cfg)
+
+
+def test_zero3_temporaries_grow_by_activations_not_by_gathered_layers():
+    """Four more layers add at most their saved block inputs and their share of the sharded
+    fp32 gradient and optimizer temporaries — far less than one gathered layer each."""
+    small, big = _temp(4), _temp(8)
+    grew = big["temp_bytes"] - small["temp_bytes"]
+    per_layer_params = (big["num_params"] - small["num_params"]) / 4
+    gathered_layer_bf16 = 2 * per_layer_params
+    saved_input = 1024 * 256 * 2  # block remat keeps one [T, D] bf16 input per layer
+    sharded_fp32 = 4 * per_layer_params / 8
+    assert grew <= 4 * (saved_input + 3 * sharded_fp32), (grew, per_layer_params)
+    assert grew < 4 * gathered_layer_bf16  # before ZeRO-3: more than a gathered layer each
