@@ -112,11 +112,11 @@ def embed(table: Any, ids_BT: jax.Array, dtype: Any) -> jax.Array:
     value = table.get_value()
     rank, v_local = jax.lax.axis_index(axis), value.shape[0]
     ids_BT = jnp.clip(ids_BT, 0, v_local * jax.lax.psum(1, axis) - 1)
-    local_FBT = jax.lax.all_gather(ids_BT, axis, axis=0) - rank * v_local
-    inside_FBT = (local_FBT >= 0) & (local_FBT < v_local)
-    rows_FBTD = jnp.take(value, jnp.clip(local_FBT, 0, v_local - 1), axis=0)
-    rows_FBTD = jnp.where(inside_FBT[..., None], rows_FBTD, 0)
-    return jax.lax.psum_scatter(rows_FBTD, axis, scatter_dimension=0, tiled=True)[0].astype(dtype)
+    local_RfBT = jax.lax.all_gather(ids_BT, axis, axis=0) - rank * v_local
+    inside_RfBT = (local_RfBT >= 0) & (local_RfBT < v_local)
+    rows_RfBTD = jnp.take(value, jnp.clip(local_RfBT, 0, v_local - 1), axis=0)
+    rows_RfBTD = jnp.where(inside_RfBT[..., None], rows_RfBTD, 0)
+    return jax.lax.psum_scatter(rows_RfBTD, axis, scatter_dimension=0, tiled=True)[0].astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

@@ -75,7 +75,7 @@ def vocab_parallel_scores(
     the mesh axis ``axis`` (rank r holds columns ``[r Vl, (r + 1) Vl)``: ``kernel_DVl``).
 
     Vocabulary-parallel cross-entropy (Megatron's, over ``axis``): the ranks' hidden states
-    are gathered (``[f B, C, D]``, small), each rank computes the logits of every rank's tokens
+    are gathered (``[Rf · B, C, D]``, small), each rank computes the logits of every rank's tokens
     over its columns, and per-token statistics are combined with ``pmax`` / ``psum``:
     ``lse = M + log Σ_r Σ_v exp(z - M)``, the target logit from the rank that holds it, the
     entropy's ``Σ p z``, and the first index of the global maximum (``jnp.argmax``'s tie rule).
@@ -87,33 +87,33 @@ def vocab_parallel_scores(
     rank, v_local = jax.lax.axis_index(axis), kernel_DVl.shape[1]
     v_total = v_local * jax.lax.psum(1, axis)
     # gathered in fp32 (exact), so the hidden states' gradient is reduce-scattered in fp32
-    hidden_FBCD = jax.lax.all_gather(hidden_BCD.astype(jnp.float32), axis, axis=0, tiled=True)
-    hidden_FBCD = hidden_FBCD.astype(hidden_BCD.dtype)
-    raw_FBC = jax.lax.all_gather(targets_BC, axis, axis=0, tiled=True)
+    hidden_RfBCD = jax.lax.all_gather(hidden_BCD.astype(jnp.float32), axis, axis=0, tiled=True)
+    hidden_RfBCD = hidden_RfBCD.astype(hidden_BCD.dtype)
+    raw_RfBC = jax.lax.all_gather(targets_BC, axis, axis=0, tiled=True)
     if not fp32:
         kernel_DVl = kernel_DVl.astype(hidden_BCD.dtype)
-    logits_FBCV = lm_head(hidden_FBCD, kernel_DVl, fp32=fp32)
-    z_FBCV = logits_FBCV.astype(jnp.float32) / temperature
-    m_FBC = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(z_FBCV, axis=-1)), axis)
-    sum_FBC = jax.lax.psum(jnp.sum(jnp.exp(z_FBCV - m_FBC[..., None]), axis=-1), axis)
-    lse_FBC = m_FBC + jnp.log(sum_FBC)
-    local_FBC = jnp.clip(raw_FBC, 0, v_total - 1) - rank * v_local  # targets clamped to [0, V)
-    inside_FBC = (local_FBC >= 0) & (local_FBC < v_local)
-    at_FBC = jnp.clip(local_FBC, 0, v_local - 1)[..., None]
-    target_FBC = jnp.take_along_axis(z_FBCV, at_FBC, axis=-1)[..., 0]
-    target_FBC = jax.lax.psum(jnp.where(inside_FBC, target_FBC, 0.0), axis)
-    probs_FBCV = jnp.exp(z_FBCV - lse_FBC[..., None])
-    entropy_FBC = lse_FBC - jax.lax.psum(jnp.sum(probs_FBCV * z_FBCV, axis=-1), axis)
-    top_FBC = jax.lax.stop_gradient(jnp.max(logits_FBCV, axis=-1)).astype(jnp.float32)
-    first_FBC = jnp.argmax(logits_FBCV, axis=-1).astype(jnp.int32) + rank * v_local
-    best_FBC = jax.lax.pmax(top_FBC, axis)
-    first_FBC = jax.lax.pmin(jnp.where(top_FBC == best_FBC, first_FBC, v_total), axis)
+    logits_RfBCV = lm_head(hidden_RfBCD, kernel_DVl, fp32=fp32)
+    z_RfBCV = logits_RfBCV.astype(jnp.float32) / temperature
+    m_RfBC = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(z_RfBCV, axis=-1)), axis)
+    sum_RfBC = jax.lax.psum(jnp.sum(jnp.exp(z_RfBCV - m_RfBC[..., None]), axis=-1), axis)
+    lse_RfBC = m_RfBC + jnp.log(sum_RfBC)
+    local_RfBC = jnp.clip(raw_RfBC, 0, v_total - 1) - rank * v_local  # targets clamped to [0, V)
+    inside_RfBC = (local_RfBC >= 0) & (local_RfBC < v_local)
+    at_RfBC = jnp.clip(local_RfBC, 0, v_local - 1)[..., None]
+    target_RfBC = jnp.take_along_axis(z_RfBCV, at_RfBC, axis=-1)[..., 0]
+    target_RfBC = jax.lax.psum(jnp.where(inside_RfBC, target_RfBC, 0.0), axis)
+    probs_RfBCV = jnp.exp(z_RfBCV - lse_RfBC[..., None])
+    entropy_RfBC = lse_RfBC - jax.lax.psum(jnp.sum(probs_RfBCV * z_RfBCV, axis=-1), axis)
+    top_RfBC = jax.lax.stop_gradient(jnp.max(logits_RfBCV, axis=-1)).astype(jnp.float32)
+    first_RfBC = jnp.argmax(logits_RfBCV, axis=-1).astype(jnp.int32) + rank * v_local
+    best_RfBC = jax.lax.pmax(top_RfBC, axis)
+    first_RfBC = jax.lax.pmin(jnp.where(top_RfBC == best_RfBC, first_RfBC, v_total), axis)
 
-    def mine(x_FBC: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_slice_in_dim(x_FBC, rank * b, b, axis=0)
+    def mine(x_RfBC: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(x_RfBC, rank * b, b, axis=0)
 
-    logp_FBC = target_FBC - lse_FBC
-    return mine(logp_FBC), mine(entropy_FBC), mine(first_FBC == raw_FBC)
+    logp_RfBC = target_RfBC - lse_RfBC
+    return mine(logp_RfBC), mine(entropy_RfBC), mine(first_RfBC == raw_RfBC)
 
 
 def token_logprobs(
