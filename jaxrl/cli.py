@@ -147,9 +147,13 @@ def _memory(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices < 1:
             raise ConfigError(f"--devices={args.devices} is invalid: use a positive device count")
         cfg = _load_config(args, distributed=False, devices=args.devices)
-        from jaxrl.train.run_io.memory import plan_memory
+        if args.budget is not None and args.budget <= 0:
+            raise ConfigError(f"--budget={args.budget} is invalid: use the device memory in GB")
+        from jaxrl.train.run_io.memory import fit_budget, plan_memory
 
         plan = plan_memory(cfg)
+        if args.budget is not None:
+            plan.update(fit_budget(cfg, plan, int(args.budget * 1e9)))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -241,6 +245,15 @@ def _main(argv: list[str] | None) -> int:
         metavar="N",
         help="the target's device count, which a mesh axis of -1 fills (default: the product "
         "of the fixed axes)",
+    )
+    memory.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="the device memory in GB (e.g. 80 for an H100, 95 for a TPU v5p chip): says whether "
+        "the plan fits and, when not, the largest micro-batch token budget or the fsdp size that "
+        "would",
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=_memory)

@@ -159,7 +159,8 @@ def test_sharding_rules_map_logical_axes_to_the_mesh():
     graphdef, state = nnx.split(model)
     shardings = state_shardings(state, mesh)
     spec = lambda v: v.get_value().spec  # noqa: E731
-    assert spec(shardings["embedding"]) == PartitionSpec("tensor", "fsdp")  # [vocab, embed]
+    # [vocab, vocab_embed]: vocabulary-parallel over fsdp × tensor, never split over its width
+    assert spec(shardings["embedding"]) == PartitionSpec(("fsdp", "tensor"), None)
     attn = shardings["layers"][0]["attn"]
     assert spec(attn["q_kernel"]) == PartitionSpec("fsdp", "tensor", None)
     assert spec(attn["o_kernel"]) == PartitionSpec("tensor", None, "fsdp")
@@ -174,7 +175,7 @@ def test_sharding_rules_map_logical_axes_to_the_mesh():
     # Sharded forward: params over fsdp/tensor, batch over data × fsdp, same logits.
     ids = jnp.arange(8 * 6).reshape(8, 6) % 128
     placed = jax.device_put(state, shardings)
-    assert placed["embedding"].get_value().addressable_shards[0].data.shape == (64, 32)
+    assert placed["embedding"].get_value().addressable_shards[0].data.shape == (32, 64)
     batch = jax.device_put(ids, NamedSharding(mesh, logical_to_spec(("batch", None))))
     out = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(placed, batch)
     np.testing.assert_allclose(np.asarray(out), _forward(model, ids), atol=1e-5, rtol=1e-5)

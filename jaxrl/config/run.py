@@ -438,6 +438,10 @@ class RolloutConfig:
     # 0 = half of them (none with one device: generation then shares it)
     max_slots: int = 0  # decode slots of the rollout engine (docs/rollout.md): a stopped
     # completion's slot takes the next waiting one; 0 = one slot per completion of the batch
+    tensor_parallel: int = 0  # the sampler's decode layout (docs/scale_out.md): groups of this
+    # many devices decode tensor-parallel, the groups data-parallel; 1 = a whole compute-dtype
+    # copy per device; 0 = auto: the fewest devices whose share fits weight_budget_gb
+    weight_budget_gb: float = 20.0  # auto tensor_parallel: the sampler's weights per device
 
     def __post_init__(self):
         require(
@@ -457,6 +461,18 @@ class RolloutConfig:
             "rollout.max_slots",
             self.max_slots,
             "use 0 (one slot per completion) or the number of decode slots, e.g. 64",
+        )
+        require(
+            isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 0,
+            "rollout.tensor_parallel",
+            self.tensor_parallel,
+            "use 0 (auto), 1 (a whole copy per device) or a divisor of the generation devices",
+        )
+        require(
+            isinstance(self.weight_budget_gb, int | float) and self.weight_budget_gb > 0,
+            "rollout.weight_budget_gb",
+            self.weight_budget_gb,
+            "use a positive number of GB, e.g. 20",
         )
 
 

@@ -64,11 +64,11 @@ class CacheGeometry:
     prompt_length: int  # P: the prompt bucket
     groups: int  # Q distinct prompts, bucketed (the sampler pads them to a multiple of the ranks)
 
-    def nbytes_per_device(self, config: ModelConfig, ranks: int) -> int:
+    def nbytes_per_device(self, config: ModelConfig, ranks: int, kv_split: int = 1) -> int:
         """Bytes on the largest device: the slots' cache ``[Nl, Sl, L, K, Dh]`` split over the
-        ``ranks`` row ranks, plus the prompt groups' cache ``[Nl, Q, P, K, Dh]`` counted whole
-        (keys and values, in the compute dtype)."""
-        slots = SlotKVCache.nbytes(config, self.slots // ranks, self.cache_length, 1)
+        ``ranks`` row ranks (and its K heads over ``kv_split`` tensor devices), plus the prompt
+        groups' cache ``[Nl, Q, P, K, Dh]`` counted whole (keys and values, compute dtype)."""
+        slots = SlotKVCache.nbytes(config, self.slots // ranks, self.cache_length, 1) // kv_split
         return slots + SlotKVCache.nbytes(config, self.groups, self.prompt_length, 1)
 
 

@@ -139,8 +139,9 @@ def decode_requests(
     cache = SlotKVCache.empty(model.config, s, shape.cache_length, shape.block)
     cache = dataclasses.replace(
         cache,
-        keys=constrain_rows(cache.keys, mesh, axis=1),
-        values=constrain_rows(cache.values, mesh, axis=1),
+        # [Nl, Sl, L, K, Dh]: slots over the batch axes, KV heads over tensor (decode_layout.py)
+        keys=constrain_rows(cache.keys, mesh, axis=1, tensor_axis=3),
+        values=constrain_rows(cache.values, mesh, axis=1, tensor_axis=3),
     )
     rows = lambda x: constrain_rows(x, mesh)  # noqa: E731  # slot arrays: split like the cache
 

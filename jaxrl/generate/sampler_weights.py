@@ -6,9 +6,13 @@ every leaf's sharding, so a sharded state is never gathered onto one device. A t
 donates its buffers cannot invalidate such a copy, so generation may run concurrently with
 training (asynchronous GRPO).
 
-``load(params, copy=False)`` is the synchronous path: leaves already in the compute dtype (and,
-with a mesh, on its devices) are used as they are, no copy; only leaves in another dtype are
-cast (one cast per weight sync, where they lie). The sampler then holds references to the
+With a mesh, the copy is made in the sampler's decode layout (``decode_layout.py``: every
+leaf in the shardings the logical rules give on that mesh), a reshard of the trainer's layout.
+
+``load(params, copy=False)`` is the synchronous path: when every leaf already lies in the decode
+layout, leaves already in the compute dtype are used as they are, no copy; only leaves in
+another dtype are cast (one cast per weight sync, where they lie). Parameters in another layout
+(ZeRO-3 shards, another tensor split) are copied into it. The sampler then holds references to the
 trainer's arrays until :meth:`SamplerWeights.release` or the next ``load``; a train step that
 donates them deletes them, and a ``generate`` on deleted weights is an error that says to load
 again, never a read of freed memory.
@@ -26,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import put_global, to_host
 from jaxrl.runtime.spmd import on_mesh_devices
@@ -52,7 +57,11 @@ class SamplerWeights:
         self.owner = owner
         self.params: Any = None
         self.copied = True  # whether ``params`` is the sampler's own copy
-        self._copy = jax.jit(self._cast_copy)
+        # the copy lands in the decode layout of ``mesh`` (decode_layout.py): one reshard per
+        # weight sync, never a gather onto one device
+        target = None if mesh is None else state_shardings(abstract_params, mesh)
+        self.shardings = target
+        self._copy = jax.jit(self._cast_copy, out_shardings=target)
 
     def load(self, params: Any, *, copy: bool = True) -> None:
         """Take a :class:`Transformer` or its ``nnx.State`` of parameters (see module doc)."""
@@ -82,7 +91,7 @@ class SamplerWeights:
             params = jax.tree.map(
                 lambda x: x if placed(x) else put_global(to_host(x), replicated), params
             )
-        if copy:
+        if copy or not self._in_layout(params):  # another layout: resharded, so a copy
             self.params, self.copied = self._copy(params), True
             return
         # no copy: the trainer's arrays where the dtype already matches, a cast elsewhere
@@ -92,6 +101,16 @@ class SamplerWeights:
             params,
         )
         self.copied = False
+
+    def _in_layout(self, params: Any) -> bool:
+        """Whether every leaf already lies in the decode layout (without a mesh: wherever)."""
+        if self.shardings is None:
+            return True
+        targets = jax.tree.leaves(self.shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+        return all(
+            isinstance(x, jax.Array) and x.sharding.is_equivalent_to(t, x.ndim)
+            for x, t in zip(jax.tree.leaves(params), targets, strict=True)
+        )
 
     def release(self) -> None:
         """Drop the weights (references to a trainer's arrays included)."""

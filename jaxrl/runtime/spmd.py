@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.runtime.mesh import BATCH_AXES, batch_ranks, batch_sharding, put_global
+from jaxrl.runtime.mesh import BATCH_AXES, TENSOR_AXIS, batch_ranks, batch_sharding, put_global
 
 
 def manual_batch_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -69,12 +69,18 @@ def on_mesh(mesh: Mesh | None) -> Iterator[None]:
         yield
 
 
-def constrain_rows(x: jax.Array, mesh: Mesh | None, axis: int = 0) -> jax.Array:
-    """Inside a program: keep dimension ``axis`` of ``x`` split over the batch axes."""
+def constrain_rows(
+    x: jax.Array, mesh: Mesh | None, axis: int = 0, tensor_axis: int | None = None
+) -> jax.Array:
+    """Inside a program: keep dimension ``axis`` of ``x`` split over the batch axes, and
+    dimension ``tensor_axis`` (e.g. a KV cache's KV heads) over ``tensor`` when it divides."""
     if mesh is None:
         return x
     spec = [None] * x.ndim
     spec[axis] = BATCH_AXES
+    size = mesh.shape.get(TENSOR_AXIS, 1)
+    if tensor_axis is not None and size > 1 and x.shape[tensor_axis] % size == 0:
+        spec[tensor_axis] = TENSOR_AXIS
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 

@@ -64,6 +64,7 @@ batch has one slot per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -77,6 +78,7 @@ from jax.sharding import NamedSharding
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
 from jaxrl.generate.cache_geometry import cache_geometry
+from jaxrl.generate.decode_layout import decode_mesh, decode_tensor, weight_bytes
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings
@@ -158,7 +160,6 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     num_params = sum(math.prod(p.shape) for p in leaves)
     unsharded = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in leaves)
 
-    copies = _compute_copies(cfg, config)
     compute_dtype = jnp.dtype(config.dtype)  # ModelConfig resolves None to param_dtype
     dense, dense_shardings = state.params, shardings.params
     if run.frozen is not None:  # the sampler's copy is the merged dense model
@@ -166,13 +167,31 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
             nnx.eval_shape(lambda: Transformer(dense_config(config), rngs=nnx.Rngs(0)))
         )
         dense_shardings = state_shardings(dense, mesh)
-        # GRPO's sampler holds the merged weights (a copy even when synchronous); the reference
-        # is the base itself (adapters disabled)
-        copies = 1 if cfg.algorithm == "grpo" else 0
     compute_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), dense)
-    compute_copy_bytes = copies * bytes_per_device(compute_shapes, dense_shardings)
+    # GRPO's sampler decodes in its own layout (jaxrl.generate.decode_layout); its reference
+    # (β > 0) is scored in the trainer's
+    decode = _decode_plan(cfg, config, mesh)
+    copies = sampler_copy = reference_copy = 0
+    if decode is not None:
+        in_place = (
+            run.frozen is None
+            and cfg.rollout.max_staleness == 0
+            and config.dtype == config.param_dtype
+            and decode["mesh_object"] is mesh
+        )
+        if not in_place:
+            sampler_copy = bytes_per_device(
+                compute_shapes, state_shardings(dense, decode["mesh_object"])
+            )
+        # LoRA: the reference is the frozen base itself (adapters disabled)
+        if cfg.grpo.beta != 0.0 and run.frozen is None:
+            reference_copy = bytes_per_device(compute_shapes, dense_shardings)
+        copies = int(sampler_copy > 0) + int(reference_copy > 0)
+    compute_copy_bytes = sampler_copy + reference_copy
     params_bytes += frozen_bytes
-    kv_cache_bytes = _kv_cache_bytes(cfg, config, batch_ranks(mesh))
+    kv_cache_bytes = 0 if decode is None else decode.pop("kv_cache_bytes")
+    if decode is not None:
+        del decode["mesh_object"]
 
     analysis, lower_s, compile_s = _compile_step(cfg, run)
     compiled_temp = int(analysis.temp_size_in_bytes)
@@ -195,6 +214,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "grads_bytes": int(grads_bytes),
         "compute_copy_bytes": int(compute_copy_bytes),
         "compute_copies": copies,
+        "decode": decode,
         "kv_cache_bytes": int(kv_cache_bytes),
         "temp_bytes": int(temp_bytes),
         "total_bytes": int(
@@ -247,20 +267,60 @@ def _lora_fields(config: Any, adapters: Any, frozen_bytes: int) -> dict[str, Any
     }
 
 
-def _compute_copies(cfg: RunConfig, config: ModelConfig) -> int:
-    """Compute-dtype copies of the weights a run holds between steps: GRPO's sampler (none when
-    synchronous with masters in the compute dtype: it reads them in place), plus its frozen
-    reference when β > 0."""
-    if cfg.algorithm != "grpo":
-        return 0
-    in_place = cfg.rollout.max_staleness == 0 and config.dtype == config.param_dtype
-    return (0 if in_place else 1) + (1 if cfg.grpo.beta != 0.0 else 0)
+MIN_FIT_TOKENS = 512  # fit_budget tries micro-batch token budgets down to this one
+STATE_KEYS = ("params_bytes", "optimizer_bytes", "grads_bytes")
 
 
-def _kv_cache_bytes(cfg: RunConfig, config: ModelConfig, ranks: int) -> int:
-    """Bytes on the largest device of GRPO's sampler KV caches (module doc); 0 otherwise."""
+def fit_budget(cfg: RunConfig, plan: dict[str, Any], budget: int) -> dict[str, Any]:
+    """Whether ``plan`` (:func:`plan_memory` of ``cfg``) fits ``budget`` bytes per device and,
+    when it does not, what would: the largest ``schedule.max_tokens`` (halving it down to
+    ``MIN_FIT_TOKENS``, each planned by a compile) whose plan fits, else the ``mesh.fsdp`` that
+    would divide the state enough (an estimate: the state scales with 1 / fsdp, the rest is
+    kept at the smallest token budget's; plan it to check). Returns ``budget_bytes``, ``fits``
+    and ``suggestion`` (None, ``{"schedule.max_tokens": n, "total_bytes": b}`` or
+    ``{"mesh.fsdp": f, "estimated_total_bytes": b}``)."""
+    out: dict[str, Any] = {"budget_bytes": budget, "fits": plan["total_bytes"] <= budget}
+    out["suggestion"] = None
+    if out["fits"]:
+        return out
+    tokens, smallest = cfg.schedule.max_tokens, plan
+    while tokens // 2 >= MIN_FIT_TOKENS:
+        tokens //= 2
+        smaller = dataclasses.replace(
+            cfg, schedule=dataclasses.replace(cfg.schedule, max_tokens=tokens)
+        )
+        smallest = plan_memory(smaller)
+        if smallest["total_bytes"] <= budget:
+            out["suggestion"] = {
+                "schedule.max_tokens": tokens,
+                "total_bytes": smallest["total_bytes"],
+            }
+            return out
+    state = sum(smallest[k] for k in STATE_KEYS)
+    rest = smallest["total_bytes"] - state
+    if rest >= budget:  # more fsdp cannot help: activations, copies and caches alone overflow
+        return out
+    fsdp, factor = max(cfg.mesh.fsdp, 1), 1
+    while rest + state / factor > budget:
+        factor *= 2
+    out["suggestion"] = {
+        "mesh.fsdp": fsdp * factor,
+        "estimated_total_bytes": int(rest + state / factor),
+    }
+    return out
+
+
+def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> dict[str, Any] | None:
+    """GRPO's sampler layout (``jaxrl.generate.decode_layout``) and the bytes of its KV caches
+    on the largest device (module doc): the slots split over the decode mesh's data ranks and,
+    tensor-parallel, over KV heads when the degree divides them; None for other algorithms."""
     if cfg.algorithm != "grpo":
-        return 0
+        return None
+    r = cfg.rollout
+    dense = dense_config(config)
+    tensor = decode_tensor(dense, mesh.size, r.tensor_parallel, r.weight_budget_gb)
+    dmesh = decode_mesh(mesh, tensor)
+    ranks = batch_ranks(dmesh)
     g = cfg.grpo
     requests = g.generation_batch_size
     geometry = cache_geometry(  # the sampler's own rule (jaxrl.generate.cache_geometry)
@@ -268,10 +328,18 @@ def _kv_cache_bytes(cfg: RunConfig, config: ModelConfig, ranks: int) -> int:
         max(requests // g.num_generations, 1),
         g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1),
         max_new_tokens=g.max_completion_length,
-        max_slots=cfg.rollout.max_slots,
+        max_slots=r.max_slots,
         ranks=ranks,
     )
-    return geometry.nbytes_per_device(config, ranks)
+    split = tensor if dense.num_key_value_heads % tensor == 0 else 1
+    kv = geometry.nbytes_per_device(dense, ranks, kv_split=split)
+    return {
+        "tensor_parallel": tensor,
+        "mesh": {axis: int(size) for axis, size in dmesh.shape.items()},
+        "weight_bytes": int(weight_bytes(dense)),
+        "kv_cache_bytes": kv,
+        "mesh_object": dmesh,
+    }
 
 
 _MODEL_FIELDS = (
@@ -399,11 +467,38 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
     n = plan["total_bytes"]
     table.add_row("[bold]total[/bold]", f"[bold]{_size(n)}[/bold]", "100%", "")
     console.print(table)
+    if plan.get("decode"):
+        d = plan["decode"]
+        layout = " × ".join(f"{axis}={size}" for axis, size in d["mesh"].items())
+        console.print(
+            f"sampler: decodes on {layout} (rollout.tensor_parallel={d['tensor_parallel']}): "
+            f"{_size(d['weight_bytes'] // d['tensor_parallel'])} of {m['dtype']} weights per "
+            "device"
+        )
     console.print(
         f"XLA: arguments {_size(plan['argument_bytes'])}, outputs {_size(plan['output_bytes'])} "
         f"(aliased {_size(plan['alias_bytes'])}), temporaries "
         f"{_size(plan['compiled_temp_bytes'])}; compiled in "
         f"{plan['lower_s'] + plan['compile_s']:.1f} s"
     )
+    if "fits" in plan:
+        budget, hint = _size(plan["budget_bytes"]), plan["suggestion"]
+        if plan["fits"]:
+            console.print(f"[bold]fits[/bold] a {budget} device")
+        elif hint is None:
+            console.print(
+                f"[bold]does not fit[/bold] a {budget} device, not even at "
+                f"{MIN_FIT_TOKENS} tokens per row with more fsdp: reduce the model or its copies"
+            )
+        elif "schedule.max_tokens" in hint:
+            console.print(
+                f"[bold]does not fit[/bold] a {budget} device; schedule.max_tokens="
+                f"{hint['schedule.max_tokens']} would ({_size(hint['total_bytes'])})"
+            )
+        else:
+            console.print(
+                f"[bold]does not fit[/bold] a {budget} device; mesh.fsdp={hint['mesh.fsdp']} "
+                f"would, by estimate ({_size(hint['estimated_total_bytes'])}): plan it to check"
+            )
     for note in plan["notes"]:
         console.print(f"note: {note}")
