@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.data.documents import completion_field, prompt_completion_document
+from jaxrl.generate.decode_layout import decode_mesh, decode_tensor
 from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
 from jaxrl.generate.sampler import (
     Sampler,
@@ -362,18 +363,51 @@ def mesh_samplers(tiny):
     model, _ = tiny
     params = nnx.state(model, nnx.Param)
     out = {}
-    for name, mesh in [
-        ("1 device", make_mesh(1, devices=jax.devices()[:1])),
-        ("dp 8", make_mesh(8)),
-        ("2x2x2", make_mesh(2, 2, 2)),
+    fsdp8 = make_mesh(1, 8, 1)
+    for name, mesh, placed in [
+        ("1 device", make_mesh(1, devices=jax.devices()[:1]), params),
+        ("dp 8", make_mesh(8), params),
+        ("2x2x2", make_mesh(2, 2, 2), _on_shards(params, make_mesh(2, 2, 2))),
+        # ZeRO-3 trainer weights (fsdp=8) decoded in groups of 2 tensor-parallel devices
+        ("fsdp 8 -> decode t2", decode_mesh(fsdp8, 2), _on_shards(params, fsdp8)),
     ]:
         sampler = Sampler(
             model.config, max_new_tokens=16, eos_id=(3, 7), pad_id=1, prompt_buckets=(8, 16),
             mesh=mesh,
         )  # fmt: skip
-        sampler.load_params(_on_shards(params, mesh) if name == "2x2x2" else params)
+        sampler.load_params(placed, copy=False)
         out[name] = sampler
     return out
+
+
+def test_decode_layout_reshards_zero3_weights_once_per_sync(mesh_samplers):
+    """Weights split over fsdp=8 land in the decode layout (data=4, tensor=2: heads over
+    tensor, nothing over fsdp), a copy even when asked for none; a data-parallel sampler reads
+    replicated weights in place."""
+    sampler = mesh_samplers["fsdp 8 -> decode t2"]
+    assert dict(sampler.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    q = sampler._params["layers"][0]["attn"]["q_kernel"][...]
+    assert q.sharding.spec == P(None, "tensor", None) and sampler.weights.copied
+    assert all("fsdp" not in str(x.sharding.spec) for x in jax.tree.leaves(sampler._params))
+    assert not mesh_samplers["dp 8"].weights.copied  # already in its layout: no copy
+
+
+def test_decode_tensor_picks_the_fewest_devices_that_hold_the_weights():
+    qwen = dict(vocab_size=152064, model_type="qwen2", dtype="bfloat16", attention_bias=True)
+    shapes = {  # hidden, layers, heads, kv heads, intermediate → t at a 20 GB budget
+        "7b": ((3584, 28, 28, 4, 18944), 1),
+        "32b": ((5120, 64, 40, 8, 27648), 4),
+        "72b": ((8192, 80, 64, 8, 29568), 8),
+    }
+    for name, ((d, n, h, k, f), want) in shapes.items():
+        config = ModelConfig(
+            hidden_size=d, num_hidden_layers=n, num_attention_heads=h, num_key_value_heads=k,
+            intermediate_size=f, **qwen,
+        )  # fmt: skip
+        assert decode_tensor(config, 64, 0, 20.0) == want, name
+    assert decode_tensor(config, 64, 2, 20.0) == 2  # as configured
+    with pytest.raises(ValueError, match="rollout.tensor_parallel=3"):
+        decode_tensor(config, 64, 3, 20.0)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxrl.config import ConfigError, GRPOConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.generate.backend import RolloutBackend
+from jaxrl.generate.decode_layout import decode_mesh
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.losses.advantages import (
     aggregate_rewards,
@@ -98,6 +99,7 @@ class RolloutGenerator:
         episodes: EpisodeRunner | None = None,
         max_slots: int = 0,
         copy_params: bool = True,
+        decode_tensor: int = 1,
     ):
         """``reward_funcs``: the loaded functions (``jaxrl.rollout.rewards.specs``);
         ``old_logprobs``: score every batch under the generating parameters
@@ -107,7 +109,8 @@ class RolloutGenerator:
         None: one completion per prompt); ``max_slots``: the sampler's decode slots
         (``rollout.max_slots``, 0 = one per completion); ``copy_params``: whether the sampler
         copies the weights at each sync (needed when generation overlaps training;
-        docs/rollout.md)."""
+        docs/rollout.md); ``decode_tensor``: the sampler decodes on ``mesh``'s devices in
+        groups of this many tensor-parallel devices (``jaxrl.generate.decode_layout``)."""
         self.config = config
         self.episodes = episodes
         self.tokenizer = tokenizer
@@ -131,7 +134,7 @@ class RolloutGenerator:
             sampling=SamplingParams(
                 temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
             ),
-            mesh=mesh,
+            mesh=None if mesh is None else decode_mesh(mesh, decode_tensor),
             max_slots=max_slots,
             copy_params=copy_params,
         )
