@@ -17,7 +17,7 @@ from jaxrl.generate.cache_geometry import batch_bucket
 from jaxrl.runtime.mesh import mesh_from_config, use_devices
 from jaxrl.train.build import build_model, build_task
 from jaxrl.train.optimizer import make_optimizer
-from jaxrl.train.run_io.memory import _compute_copies, _kv_cache_bytes, plan_memory, plan_run
+from jaxrl.train.run_io.memory import plan_memory
 from jaxrl.train.state import create_state
 
 TINY = "configs/sft_tiny.yaml"
@@ -126,8 +126,10 @@ def test_table_names_the_parts_and_the_total(capsys):
 
 
 def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference():
-    """fp32 masters + bf16 compute: the master is 4 bytes a parameter, the sampler's copy and
-    (β > 0) the reference's copy 2 bytes each, and all of them are in the total."""
+    """fp32 masters + bf16 compute on (data 2, fsdp 4): the master is 4 bytes a parameter split
+    8 ways; the sampler's copy is 2 bytes a parameter in its decode layout (a tiny model: a whole
+    copy per device, docs/scale_out.md); the reference's (β > 0) 2 bytes in the trainer's
+    layout; all of them are in the total."""
     sets = ["model.dtype=bfloat16", "algorithm=grpo", *TINY_8]
     plans = {
         beta: plan_memory(load_run_config(TINY, [*sets, f"grpo.beta={beta}"]))
@@ -135,18 +137,26 @@ def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference()
     }
     for beta, copies in ((0.0, 1), (0.04, 2)):
         plan = plans[beta]
+        sampler = plan["unsharded_params_bytes"] // 2
+        reference = plan["params_bytes"] // 2 if beta else 0
+        assert plan["decode"]["tensor_parallel"] == 1
+        assert plan["decode"]["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
         assert plan["compute_copies"] == copies
-        assert plan["compute_copy_bytes"] == copies * plan["params_bytes"] // 2
+        assert plan["compute_copy_bytes"] == sampler + reference
         assert plan["total_bytes"] == sum(plan[k] for k in PARTS)
     sft = plan_memory(load_run_config(TINY, ["model.dtype=bfloat16", *TINY_8]))
     assert sft["compute_copy_bytes"] == 0 and sft["params_bytes"] == plans[0.0]["params_bytes"]
-    assert sft["kv_cache_bytes"] == 0
+    assert sft["kv_cache_bytes"] == 0 and sft["decode"] is None
+    tensor = plan_memory(load_run_config(TINY, [*sets, "rollout.tensor_parallel=2"]))
+    assert tensor["decode"]["mesh"] == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert tensor["compute_copy_bytes"] < plans[0.0]["compute_copy_bytes"]  # heads, mlp split
 
 
 def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     """The sampler's KV caches are in the total; rollout.max_slots shrinks the decode cache;
-    synchronous fp32 runs hold no sampler copy, generation ahead of training holds one."""
-    sets = ["algorithm=grpo", *TINY_8]
+    a synchronous fp32 run on a data-parallel mesh (already the decode layout) holds no sampler
+    copy; generation ahead of training, or ZeRO-3 shards, hold one."""
+    sets = ["algorithm=grpo", "mesh.data=8"]
     cfg = load_run_config(TINY, sets)
     full = plan_memory(cfg)
     assert full["total_bytes"] == sum(full[k] for k in PARTS)
@@ -157,11 +167,12 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     slots = -(-g.generation_batch_size // 8)  # one per completion, over 8 batch ranks
     groups = g.generation_batch_size // g.num_generations
     assert full["kv_cache_bytes"] == entry * (slots * length + groups * p) > 0
-    config = plan_run(cfg).model_config
-    few = load_run_config(TINY, [*sets, "rollout.max_slots=8"])
-    assert _kv_cache_bytes(few, config, 8) == entry * (1 * length + groups * p)  # 8 over 8 ranks
-    ahead = load_run_config(TINY, [*sets, "rollout.max_staleness=1"])
-    assert full["compute_copies"] == 0 and _compute_copies(ahead, config) == 1
+    few = plan_memory(load_run_config(TINY, [*sets, "rollout.max_slots=8"]))
+    assert few["kv_cache_bytes"] == entry * (1 * length + groups * p)  # 8 over 8 ranks
+    assert full["compute_copies"] == 0
+    ahead = plan_memory(load_run_config(TINY, [*sets, "rollout.max_staleness=1"]))
+    zero3 = plan_memory(load_run_config(TINY, ["algorithm=grpo", *TINY_8]))
+    assert ahead["compute_copies"] == zero3["compute_copies"] == 1
 
 
 def test_a_mesh_that_does_not_match_the_devices_exits_2_naming_both_counts(capsys):
@@ -206,3 +217,26 @@ def test_vocabulary_from_init_or_from_a_config_json_without_weights(tmp_path):
     plan = plan_memory(load_run_config(TINY, [f"model.path={tmp_path}"]))
     assert plan["model"]["vocab_size"] == 500 and plan["model"]["model_type"] == "qwen2"
     assert plan["num_params"] == _qwen_params(500, 64, 2, 4, 2, 16, 128)
+
+
+def test_budget_says_whether_it_fits_and_what_would(capsys):
+    """``--budget GB``: a plan under it fits; over it, the largest halved token budget that
+    fits, else an fsdp size that divides the state enough (an estimate)."""
+    args = ["memory", TINY, "--json", "--set", "mesh.data=8"]
+    assert main([*args, "--budget", "100"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["suggestion"] is None
+    long_rows = [*args, "--set", "schedule.max_tokens=4096"]
+    tight = plan_memory(load_run_config(TINY, ["mesh.data=8", "schedule.max_tokens=1024"]))
+    assert main([*long_rows, "--budget", str(1.001 * tight["total_bytes"] / 1e9)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False
+    assert plan["suggestion"] == {"schedule.max_tokens": 1024, "total_bytes": tight["total_bytes"]}
+    at512 = plan_memory(load_run_config(TINY, ["mesh.data=8", "schedule.max_tokens=512"]))
+    state = sum(at512[k] for k in ("params_bytes", "optimizer_bytes", "grads_bytes"))
+    rest = at512["total_bytes"] - state  # no token budget fits: twice the fsdp would
+    assert main([*long_rows, "--budget", str((rest + state / 2 + 1) / 1e9)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False
+    assert plan["suggestion"] == {"mesh.fsdp": 2, "estimated_total_bytes": int(rest + state / 2)}
+    assert main([*args, "--budget", "-1"]) == 2
