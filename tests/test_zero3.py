@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
+from jaxrl.models import fsdp
 from jaxrl.runtime.mesh import use_devices
 from jaxrl.train.run_io.memory import abstract_batch, plan_memory, plan_run
 from jaxrl.train.run_io.metrics import read_metrics
@@ -88,6 +89,20 @@ def test_zero3_step_equals_data_parallel(tmp_path, job):
     for name, (mesh, ranks) in MESHES.items():
         job_sets = [s.format(per16=16 // ranks) for s in sets]
         runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *job_sets, *mesh])
+    _assert_same_step(runs, "data8")
+
+
+def test_zero3_chunked_lookup_and_head_equal_data_parallel(tmp_path, monkeypatch):
+    """With the vocabulary-parallel lookup and head cut into small token chunks (as at fsdp=128
+    on a 72B model), one step still equals data=8's."""
+    monkeypatch.setattr(fsdp, "LOOKUP_WHOLE", 0)
+    monkeypatch.setattr(fsdp, "LOOKUP_VALUES", 16 * 8 * 64)  # 16-token chunks
+    monkeypatch.setattr(fsdp, "HEAD_VALUES", 16 * 8 * 64)
+    config, sets = JOBS["sft"]
+    runs = {}
+    for name in ("data8", "fsdp8"):
+        mesh = MESHES[name][0]
+        runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *sets, *mesh])
     _assert_same_step(runs, "data8")
 
 

@@ -101,22 +101,48 @@ def vocab_axis(variable: Any, vocab_dim: int) -> str | None:
     return mark[0]
 
 
+HEAD_VALUES = 1 << 27  # values a vocabulary-parallel head chunk gathers at once
+LOOKUP_WHOLE, LOOKUP_VALUES = 1 << 31, 1 << 29  # the lookup: in one piece up to the first,
+# above it in chunks of the second (measured on the CPU compiler: one piece is cheaper as long
+# as it fits, 72B on fsdp=64; fsdp=128 needs the chunks)
+
+
+def rows_per_chunk(axis: str, width: int, tokens: int, values: int = HEAD_VALUES) -> int:
+    """Tokens per rank in one vocabulary-parallel chunk: every rank handles all ranks' tokens of
+    a chunk (``[Rf · C, width]``), so the chunk shrinks as the axis grows, keeping that under
+    ``values`` values (at least 16 tokens, at most ``tokens``)."""
+    return max(16, min(tokens, values // (jax.lax.axis_size(axis) * width)))
+
+
 def embed(table: Any, ids_BT: jax.Array, dtype: Any) -> jax.Array:
     """``take(table, ids, mode="clip").astype(dtype)`` for a table marked as a ZeRO-3 shard of its
     vocabulary (rank r holds rows ``[r Vl, (r + 1) Vl)``), without gathering the table: the
     ranks' ids are gathered, each rank looks up the rows it holds (zeros elsewhere) and a
     reduce-scatter returns each rank its own tokens, each the sum of one row and zeros (exact).
-    The lookup reads the stored (fp32) shard, so the backward pass scatter-adds the gradient into
-    it as the unsharded lookup does: the table's gradient is never dense on one device."""
+    Past ``LOOKUP_WHOLE`` values, tokens go :func:`rows_per_chunk` at a time (the rows of every
+    rank's tokens are live at once). The lookup reads the stored (fp32) shard, so the backward
+    pass scatter-adds the gradient into it as the unsharded lookup does: never dense on one
+    device."""
     axis = vocab_axis(table, -2)
     value = table.get_value()
     rank, v_local = jax.lax.axis_index(axis), value.shape[0]
-    ids_BT = jnp.clip(ids_BT, 0, v_local * jax.lax.psum(1, axis) - 1)
-    local_RfBT = jax.lax.all_gather(ids_BT, axis, axis=0) - rank * v_local
-    inside_RfBT = (local_RfBT >= 0) & (local_RfBT < v_local)
-    rows_RfBTD = jnp.take(value, jnp.clip(local_RfBT, 0, v_local - 1), axis=0)
-    rows_RfBTD = jnp.where(inside_RfBT[..., None], rows_RfBTD, 0)
-    return jax.lax.psum_scatter(rows_RfBTD, axis, scatter_dimension=0, tiled=True)[0].astype(dtype)
+    b, t = ids_BT.shape
+    ids_BT = jnp.clip(ids_BT, 0, v_local * jax.lax.axis_size(axis) - 1)
+    chunk = t
+    if jax.lax.axis_size(axis) * b * t * value.shape[1] > LOOKUP_WHOLE:
+        chunk = rows_per_chunk(axis, value.shape[1], t, LOOKUP_VALUES)
+    n = -(-t // chunk)
+    ids_NcBC = jnp.pad(ids_BT, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk).swapaxes(0, 1)
+
+    def lookup(ids_BC: jax.Array) -> jax.Array:
+        local_RfBC = jax.lax.all_gather(ids_BC, axis, axis=0) - rank * v_local
+        inside_RfBC = (local_RfBC >= 0) & (local_RfBC < v_local)
+        rows_RfBCD = jnp.take(value, jnp.clip(local_RfBC, 0, v_local - 1), axis=0)
+        rows_RfBCD = jnp.where(inside_RfBC[..., None], rows_RfBCD, 0)
+        return jax.lax.psum_scatter(rows_RfBCD, axis, scatter_dimension=0, tiled=True)[0]
+
+    x_NcBCD = jax.lax.map(lookup, ids_NcBC) if n > 1 else lookup(ids_NcBC[0])[None]
+    return x_NcBCD.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t].astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

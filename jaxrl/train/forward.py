@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.models.fsdp import rows_per_chunk
 from jaxrl.models.head import (
     auto_chunk,
     join_chunks,
@@ -55,7 +56,7 @@ def micro_batch_scores(
     """
     hidden_BTD = _hidden_states(model, mb)
     t = hidden_BTD.shape[1]
-    chunk = chunk_size or auto_chunk(model.config.vocab_size)
+    chunk = _chunk(model, chunk_size, t)
     hidden_NBCD, targets_NBC = split_chunks(hidden_BTD, mb["targets"], chunk)
 
     def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -98,6 +99,17 @@ def _head_logprobs(
         targets_BT,
         fp32=model.config.fp32_lm_head,
         temperature=temperature,
-        chunk_size=chunk_size or auto_chunk(model.config.vocab_size),
+        chunk_size=_chunk(model, chunk_size, hidden_BTD.shape[1]),
         vocab_axis=axis,
     )
+
+
+def _chunk(model: Transformer, chunk_size: int | None, tokens: int) -> int:
+    """The head's token chunk: ``chunk_size``, else ``auto_chunk``; a vocabulary-parallel head
+    (ZeRO-3) takes at most ``fsdp.rows_per_chunk`` (it runs every rank's tokens of a chunk)."""
+    chunk = chunk_size or auto_chunk(model.config.vocab_size)
+    shard = model.head_shard()
+    if shard is not None:
+        kernel_DVl, axis = shard
+        chunk = min(chunk, rows_per_chunk(axis, kernel_DVl.shape[0], tokens))
+    return chunk
