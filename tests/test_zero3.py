@@ -106,10 +106,12 @@ def test_zero3_chunked_lookup_and_head_equal_data_parallel(tmp_path, monkeypatch
     _assert_same_step(runs, "data8")
 
 
-def test_zero3_lora_equals_one_device(tmp_path):
-    """LoRA on fsdp=4 (a frozen base and adapters, both as fsdp shards) equals one device."""
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_zero3_lora_equals_one_device(tmp_path, quantize):
+    """LoRA and QLoRA on fsdp=4 (a frozen base — quantised codes and scales — and adapters, all
+    as fsdp shards) equal one device."""
     config, sets = JOBS["sft"]
-    lora = ["model.lora.rank=4", "model.lora.alpha=8"]
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.quantize={quantize}"]
     runs = {}
     for name, mesh in {"data1": ["mesh.data=1"], "fsdp4": ["mesh.data=1", "mesh.fsdp=4"]}.items():
         with use_devices(jax.devices()[: 4 if name == "fsdp4" else 1]):
