@@ -16,8 +16,10 @@ through :func:`run_blocks`, which is the only place that knows the difference.
 
 ZeRO-3 (``fsdp.py``): when the blocks' Variables are fsdp shards marked for gathering, each
 block gathers its weights inside its (scan body's) checkpoint, and no remat setting saves a
-gathered weight: ``"none"`` becomes "save every activation but the gathered weights", a policy
-is wrapped by ``fsdp.exclude_gathered``, ``"block"`` saves only the block's input anyway.
+gathered weight: ``"none"`` (and ``everything_saveable``, which would keep the gathered
+weights' reshapes) becomes "save every matmul output" (``dots_saveable``: weights are matmul
+inputs, never outputs), other policies are wrapped by ``fsdp.exclude_gathered``, ``"block"``
+saves only the block's input anyway.
 
 Rematerialisation (``ModelConfig.remat``): ``"none"`` keeps every activation the backward
 pass needs; ``"block"`` wraps each block in ``jax.checkpoint`` (only its input is saved, the
@@ -41,6 +43,7 @@ from jaxrl.models.fsdp import any_marked, exclude_gathered
 
 LAYER_AXIS = "layers"  # logical name of the stacked layer axis (unsharded)
 REMAT_OFF, REMAT_BLOCK = "none", "block"
+SAVE_EVERYTHING = "everything_saveable"
 
 C = TypeVar("C")
 M = TypeVar("M", bound=nnx.Module)
@@ -131,8 +134,10 @@ def run_blocks(
     if remat == REMAT_OFF and not zero3:
         checkpoint = lambda f: f  # noqa: E731
     else:
-        if remat == REMAT_OFF:  # save every activation, gather the weights again
-            policy = exclude_gathered(jax.checkpoint_policies.everything_saveable)
+        if zero3 and remat in (REMAT_OFF, SAVE_EVERYTHING):
+            # "save everything" would keep the gathered weights' reshapes and casts too: save
+            # every matmul output instead (weights are matmul inputs, never outputs)
+            policy = exclude_gathered(jax.checkpoint_policies.dots_saveable)
         else:
             policy = remat_policy(remat)
             if zero3 and policy is not None:
