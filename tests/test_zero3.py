@@ -80,6 +80,7 @@ def _assert_same_step(runs, ref_name):
             assert rel <= RTOL, f"{name}: {k} differs by {rel:.2e} (relative norm)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_zero3_step_equals_data_parallel(tmp_path, job):
     """fsdp=8 (ZeRO-3) and (data 2, fsdp 2, tensor 2) give data=8's loss, grad norm and updated
@@ -92,6 +93,7 @@ def test_zero3_step_equals_data_parallel(tmp_path, job):
     _assert_same_step(runs, "data8")
 
 
+@pytest.mark.slow
 def test_zero3_chunked_lookup_and_head_equal_data_parallel(tmp_path, monkeypatch):
     """With the vocabulary-parallel lookup and head cut into small token chunks (as at fsdp=128
     on a 72B model), one step still equals data=8's."""
@@ -106,6 +108,7 @@ def test_zero3_chunked_lookup_and_head_equal_data_parallel(tmp_path, monkeypatch
     _assert_same_step(runs, "data8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_zero3_lora_equals_one_device(tmp_path, quantize):
     """LoRA and QLoRA on fsdp=4 (a frozen base — quantised codes and scales — and adapters, all
@@ -173,7 +176,9 @@ def _temp(layers, remat):
 TOKENS = 32  # short rows: a layer's weights outweigh its activations many times
 
 
-@pytest.mark.parametrize("remat", ["block", "none", "everything_saveable"])
+@pytest.mark.parametrize(
+    "remat", ["block", pytest.param("none", marks=pytest.mark.slow), "everything_saveable"]
+)
 def test_zero3_temporaries_grow_by_activations_not_by_gathered_layers(remat):
     """Two more layers add their share of the sharded fp32 gradient (the backward scan's stacked
     layer gradients) and their saved activations — never a gathered weight (33.6 MB in bf16
