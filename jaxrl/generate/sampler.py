@@ -66,6 +66,7 @@ from jaxrl.generate.sampling import (
 )
 from jaxrl.generate.stop import StopStrings
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.sharding import bytes_per_device
 from jaxrl.models.slot_kv_cache import DECODE_BLOCK
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
@@ -184,9 +185,19 @@ class Sampler:
 
     def memory_bytes(self, num_requests: int, num_groups: int, longest_prompt: int) -> int:
         """Bytes of the KV caches of such a call on the largest device (the slots split over
-        the row ranks, the prompt groups' cache counted whole)."""
+        the row ranks and, tensor-parallel, over KV heads when ``tensor`` divides them; the
+        prompt groups' cache counted whole)."""
         geometry = self.cache_geometry(num_requests, num_groups, longest_prompt)
-        return geometry.nbytes_per_device(self.config, row_ranks(self.mesh))
+        tensor = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
+        split = tensor if self.config.num_key_value_heads % tensor == 0 else 1
+        return geometry.nbytes_per_device(self.config, row_ranks(self.mesh), kv_split=split)
+
+    def weight_bytes(self) -> int:
+        """Bytes on the largest device of the compute-dtype weights it decodes with, in its
+        layout (``decode_layout.py``; whole without a mesh)."""
+        if self.weights.shardings is None:
+            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.weights.abstract))
+        return bytes_per_device(self.weights.abstract, self.weights.shardings)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(

@@ -77,8 +77,8 @@ from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
-from jaxrl.generate.cache_geometry import cache_geometry
 from jaxrl.generate.decode_layout import decode_mesh, decode_tensor, weight_bytes
+from jaxrl.generate.sampler import Sampler
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings
@@ -180,9 +180,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
             and decode["mesh_object"] is mesh
         )
         if not in_place:
-            sampler_copy = bytes_per_device(
-                compute_shapes, state_shardings(dense, decode["mesh_object"])
-            )
+            sampler_copy = decode.pop("sampler_weight_bytes")
         # LoRA: the reference is the frozen base itself (adapters disabled)
         if cfg.grpo.beta != 0.0 and run.frozen is None:
             reference_copy = bytes_per_device(compute_shapes, dense_shardings)
@@ -191,7 +189,8 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     params_bytes += frozen_bytes
     kv_cache_bytes = 0 if decode is None else decode.pop("kv_cache_bytes")
     if decode is not None:
-        del decode["mesh_object"]
+        decode.pop("mesh_object")
+        decode.pop("sampler_weight_bytes", None)
 
     analysis, lower_s, compile_s = _compile_step(cfg, run)
     compiled_temp = int(analysis.temp_size_in_bytes)
@@ -311,33 +310,29 @@ def fit_budget(cfg: RunConfig, plan: dict[str, Any], budget: int) -> dict[str, A
 
 
 def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> dict[str, Any] | None:
-    """GRPO's sampler layout (``jaxrl.generate.decode_layout``) and the bytes of its KV caches
-    on the largest device (module doc): the slots split over the decode mesh's data ranks and,
-    tensor-parallel, over KV heads when the degree divides them; None for other algorithms."""
+    """GRPO's sampler in its decode layout (``jaxrl.generate.decode_layout``), asked through the
+    rollout interface for the bytes of its weights and of its KV caches for the configured
+    generation batch on the largest device; None for other algorithms."""
     if cfg.algorithm != "grpo":
         return None
-    r = cfg.rollout
+    r, g = cfg.rollout, cfg.grpo
     dense = dense_config(config)
     tensor = decode_tensor(dense, mesh.size, r.tensor_parallel, r.weight_budget_gb)
     dmesh = decode_mesh(mesh, tensor)
-    ranks = batch_ranks(dmesh)
-    g = cfg.grpo
-    requests = g.generation_batch_size
-    geometry = cache_geometry(  # the sampler's own rule (jaxrl.generate.cache_geometry)
-        requests,
-        max(requests // g.num_generations, 1),
-        g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1),
-        max_new_tokens=g.max_completion_length,
+    sampler = Sampler(  # abstract: nothing is allocated or compiled
+        dense, max_new_tokens=g.max_completion_length, eos_id=0, pad_id=0, mesh=dmesh,
         max_slots=r.max_slots,
-        ranks=ranks,
-    )
-    split = tensor if dense.num_key_value_heads % tensor == 0 else 1
-    kv = geometry.nbytes_per_device(dense, ranks, kv_split=split)
+    )  # fmt: skip
+    requests = g.generation_batch_size
+    prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
     return {
         "tensor_parallel": tensor,
         "mesh": {axis: int(size) for axis, size in dmesh.shape.items()},
         "weight_bytes": int(weight_bytes(dense)),
-        "kv_cache_bytes": kv,
+        "sampler_weight_bytes": int(sampler.weight_bytes()),
+        "kv_cache_bytes": sampler.memory_bytes(
+            requests, max(requests // g.num_generations, 1), prompt
+        ),
         "mesh_object": dmesh,
     }
 
