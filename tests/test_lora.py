@@ -392,3 +392,45 @@ def test_the_lora_gsm8k_recipe_runs_on_a_tiny_qwen_checkpoint(tmp_path):
     )
     assert loaded.peft_config["default"].r == 32
     assert (out / "hf" / "model.safetensors").is_file()
+
+
+def test_merged_export_is_peft_merge_of_the_original_fp32_base_and_the_adapter(tmp_path):
+    """A bf16-compute LoRA run on an fp32 checkpoint: ``hf/`` is PEFT's merge of the original
+    base and ``adapter/`` within fp32 rounding; the untouched weights (embeddings, norms) are
+    the original ones bit for bit, never the bf16 compute copy of the frozen base."""
+    import safetensors.numpy
+    from test_real_configs import QA, _jsonl, _messages, _run  # the real-config harness
+
+    model_dir = write_chat_checkpoint(tmp_path / "qwen", "qwen2.5")
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": _messages(q, a)} for q, a in QA])
+    out = _run(
+        "sft_qwen.yaml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"model.path={model_dir}",
+            f"data.train={data}",
+            f"data.eval={data}",
+            "mesh.data=1",
+            "model.dtype=bfloat16",
+            "model.lora.rank=4",
+            "optimizer.learning_rate=1e-2",
+            "optimizer.warmup_steps=0",
+            "sft.batch_size=8",
+            "schedule.max_tokens=256",
+            "sft.max_length=256",
+            "checkpoint.every=0",
+        ],
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    original = {k: v.numpy().copy() for k, v in base.state_dict().items()}
+    merged = peft.PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
+    expected = {k: v.numpy() for k, v in merged.state_dict().items()}
+    ours = safetensors.numpy.load_file(out / "hf" / "model.safetensors")
+    assert ours["model.embed_tokens.weight"].dtype == np.float32
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        np.testing.assert_array_equal(ours[name], original[name])
+    moved = 0
+    for name, value in ours.items():
+        np.testing.assert_allclose(value, expected[name], rtol=0, atol=2e-6, err_msg=name)
+        moved += not np.array_equal(value, original[name])
+    assert moved >= 7 * 2  # the adapters changed every targeted kernel of both layers

@@ -39,11 +39,12 @@ from jaxrl.runtime.mesh import (
     resolve_shape,
     run_devices,
 )
-from jaxrl.train.build import build_run
+from jaxrl.train.build import build_run, exact_base
 from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import compute_copy, lost_update_fraction
+from jaxrl.trainers.layout_change import layout_change_line, model_change_error, model_changes
 
 __all__ = ["Session", "generation_devices", "with_device_ranks"]
 
@@ -90,22 +91,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def model_changes(previous: dict[str, Any] | None, current: dict[str, Any]) -> str:
-    """``model.x: old -> new`` for every ``model`` setting (``model.init`` included) in which
-    the previous run of an output directory differs from this one; empty when none does."""
-
-    def flat(d: Any, prefix: str) -> dict[str, Any]:
-        if not isinstance(d, dict):
-            return {prefix: d}
-        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
-
-    if not previous or not isinstance(previous.get("model"), dict):
-        return ""
-    old, new = flat(previous["model"], "model"), flat(current["model"], "model")
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
-
-
 def lost_updates_warning(params: Any, learning_rate: float) -> str:
     """The start-up warning of a bf16 master rounded to nearest: how many elements lose their
     update at the peak learning rate."""
@@ -144,10 +129,12 @@ class Session:
         """``objective``: what the train step minimises (``jaxrl.train.objectives``); None for
         a session that never trains (e.g. one that only exports)."""
         self.cfg = cfg
+        self.vocab_size = vocab_size
         self.output_dir = Path(cfg.output_dir)
         self.primary = is_primary()
         previous = self.output_dir / "config.json"  # the last run's, before it is replaced
         self.previous_config = _read_json(previous) if previous.is_file() else None
+        self._refuse_another_model()
         if self.primary:
             make_output_dir(self.output_dir)
         run = build_run(cfg, vocab_size, objective)
@@ -165,6 +152,18 @@ class Session:
         self.empty_steps = 0  # steps with no loss token (or a zero denominator): no gradient
         self.warned_empty = False
         self.started = time.perf_counter()
+
+    def _refuse_another_model(self) -> None:
+        """A resume onto a model of other parameter shapes is refused in one line naming the
+        changed settings, from the previous run's config.json, before orbax reads anything."""
+        directory = self.output_dir / "checkpoints"
+        if not (self.cfg.checkpoint.resume and directory.is_dir()):
+            return
+        if not any(p.name.isdigit() for p in directory.iterdir()):  # committed steps only
+            return
+        line = model_change_error(self.previous_config, to_dict(self.cfg), self.cfg.output_dir)
+        if line:
+            raise ConfigError(line)
 
     @property
     def model(self) -> Transformer:
@@ -221,8 +220,6 @@ class Session:
             self._write_config()
             self.writer = self._metrics_writer(step)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
-            from jaxrl.trainers.layout_change import layout_change_line  # what the resume means
-
             current = to_dict(self.cfg)
             layout = layout_change_line(self.previous_config, current, step=step, ranks=self.ranks)
             self.say([layout] if layout else [])
@@ -453,7 +450,9 @@ class Session:
         dtype. generation_config.json (the source's, with the tokenizer's ids) makes
         transformers' ``generate()`` stop where jaxrl's sampler does. A LoRA run also writes
         its adapters in PEFT's format to ``<output_dir>/adapter`` (``jaxrl.models.peft``) and
-        exports the merged model (``W + scaling · A B``, a quantised base dequantised) as ``hf``.
+        exports the merged model (``W + scaling · A B``, a quantised base dequantised) as ``hf``,
+        with ``W`` and every untouched weight read again in their original precision
+        (``train.build.exact_base``), so ``hf`` is PEFT's merge of the base and ``adapter``.
         """
         path = self.output_dir / "hf"
         source = self.cfg.model.path
@@ -462,6 +461,9 @@ class Session:
         model = self.model
         if self.frozen is not None:  # LoRA: the adapters alone (PEFT), then the merged model
             save_adapters(model, self.output_dir / "adapter", base_model=source)
+            # onto the base as read, not the compute-dtype copy the steps used
+            exact = exact_base(self.cfg, self.vocab_size, self.mesh)
+            model = nnx.merge(self.graphdef, lora.join(self.state.params, exact))
             model = lora.merge(model, jnp.float32)
         save_pretrained(
             model,
