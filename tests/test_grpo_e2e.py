@@ -313,6 +313,20 @@ def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
     assert [r["step"] for r in resumed if "eval/accuracy" in r] == [2, 4, 5]
 
 
+def test_host_counters_survive_resume(tmp_path, monkeypatch):
+    """``zero_advantage_steps`` (and every counter of the metrics rows) counts from the run's
+    start, not the process's: a constant reward makes every step's advantages 0, so the
+    resumed run's step 3 reports 3, as the uninterrupted run does (it used to report 1)."""
+    rewards = tmp_path / "constant_reward.py"
+    rewards.write_text("def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    settings = [*TINY, "max_steps=4", "checkpoint.every=2", f"grpo.reward_funcs=[{rewards}:zero]"]
+    straight, resumed = straight_and_resumed(tmp_path, monkeypatch, settings, crash_at=3)
+    assert [r["zero_advantage_steps"] for r in straight] == [1, 2, 3, 4]
+    for key in ("zero_advantage_steps", "nonfinite_steps", "empty_steps"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
+    assert [reproducible(r) for r in resumed] == [reproducible(r) for r in straight]
+
+
 def _half_decided(prompts, completions, completion_ids, **kwargs):
     """Prompts with an even character sum are 'decided' (reward 1 whatever the completion: no
     signal); the others reward completions whose token sum is odd."""

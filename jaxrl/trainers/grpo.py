@@ -227,7 +227,6 @@ class GRPOTrainer:
         self._ahead: deque[Generated] = deque()  # made ahead by an asynchronous run, resumed
         self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
-        self.zero_advantage_steps = 0  # steps whose advantages were all 0 (no policy gradient)
         self.warned_zero_advantage = False
         self._started = False
 
@@ -484,8 +483,9 @@ class GRPOTrainer:
         """Count (``zero_advantage_steps``) and warn once about a step whose advantages are all
         zero: every group's rewards were equal, so the policy gradient is zero."""
         zero = advantages.size > 0 and not np.any(advantages)
-        self.zero_advantage_steps += zero
-        row["zero_advantage_steps"] = self.zero_advantage_steps
+        counters = self.session.counters  # checkpointed by the session
+        counters.zero_advantage_steps += zero
+        row["zero_advantage_steps"] = counters.zero_advantage_steps
         if zero and not self.warned_zero_advantage:
             self.warned_zero_advantage = True
             rewards = f" (reward {row['reward']:g})" if "reward" in row else ""

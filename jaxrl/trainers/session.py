@@ -44,6 +44,7 @@ from jaxrl.train.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.metrics import MetricsWriter, to_python
 from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import compute_copy, lost_update_fraction
+from jaxrl.trainers.counters import HostCounters
 from jaxrl.trainers.layout_change import layout_change_line, model_change_error, model_changes
 
 __all__ = ["Session", "generation_devices", "with_device_ranks"]
@@ -147,9 +148,7 @@ class Session:
         self.console = Console(stderr=True)
         if cfg.optimizer.master_rounding == "nearest":
             self.say([lost_updates_warning(self.state.params, cfg.optimizer.learning_rate)])
-        self.nonfinite_steps = 0  # steps whose update was skipped (non-finite loss/gradient)
-        self.nonfinite_in_row = 0
-        self.empty_steps = 0  # steps with no loss token (or a zero denominator): no gradient
+        self.counters = HostCounters()  # in every metrics row and every checkpoint
         self.warned_empty = False
         self.started = time.perf_counter()
 
@@ -217,6 +216,7 @@ class Session:
                 self.console.print(f"checkpoint {problems[-1]}; trying an older one")
                 continue
             self.state = self.step_fn.place(state)
+            self.counters.load_state_dict(host.pop("counters", {}))
             self._write_config()
             self.writer = self._metrics_writer(step)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
@@ -325,12 +325,12 @@ class Session:
                 f"on device but the host planned {expected_documents}"
             )
         row.pop("cursor")
-        skipped = bool(row["update_skipped"])
-        self.nonfinite_steps += skipped
-        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
-        row["nonfinite_steps"] = self.nonfinite_steps
+        skipped, counters = bool(row["update_skipped"]), self.counters
+        counters.nonfinite_steps += skipped
+        counters.nonfinite_in_row = counters.nonfinite_in_row + 1 if skipped else 0
+        row["nonfinite_steps"] = counters.nonfinite_steps
         if row["num_loss_tokens"] == 0 or row["denominator"] == 0:
-            self.empty_steps += 1
+            counters.empty_steps += 1
             if not self.warned_empty:
                 self.warned_empty = True
                 self.say(
@@ -342,7 +342,7 @@ class Session:
                         + (empty_cause or "Check that the data's loss masks select tokens")
                     ]
                 )
-        row["empty_steps"] = self.empty_steps
+        row["empty_steps"] = counters.empty_steps
         row["step"] = self.step
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.step_fn.compiles
@@ -351,10 +351,11 @@ class Session:
 
     def maybe_checkpoint(self, host: Callable[[], dict[str, Any]], *, force: bool = False) -> None:
         """Save a checkpoint when due (``checkpoint.every``) or ``force``d; ``host()`` gives the
-        trainer's host state, asked for only then."""
+        trainer's host state, asked for only then, saved with the session's counters."""
         every = self.cfg.checkpoint.every
         if force or (every and self.step % every == 0):
-            self.checkpointer.save(self.step, self.state, host())
+            state = {**host(), "counters": self.counters.state_dict()}
+            self.checkpointer.save(self.step, self.state, state)
 
     def eval_due(self) -> bool:
         """Evaluate after this step: every ``logging.eval_every`` steps and after the last."""
@@ -370,7 +371,7 @@ class Session:
         newest checkpoint is the last good state."""
         self.writer.write(row)
         limit = self.cfg.optimizer.max_nonfinite_steps
-        if self.nonfinite_in_row >= limit:
+        if self.counters.nonfinite_in_row >= limit:
             latest = self.checkpointer.latest_step()
             kept = f"step {latest} in {self.checkpointer.directory}" if latest else "none yet"
             self.checkpointer.close()
