@@ -195,7 +195,7 @@ def test_a_library_s_report_of_ctrl_c_is_dropped_unless_debugging(caplog):
     ],
 )  # fmt: skip
 def test_train_on_rollouts_inputs_are_checked_row_by_row(change, message):
-    from jaxrl.trainers.grpo import check_rollouts
+    from jaxrl.trainers.external_rollouts import check_rollouts
 
     rows = {"completions": [[3, 4], [5]], "logps": [[-0.5, -0.2], [1e-4]], "rewards": [1.0, 0.0]}
     check_rollouts([[1], [1]], rows["completions"], rows["logps"], rows["rewards"], None,
