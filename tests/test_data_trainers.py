@@ -95,7 +95,8 @@ def test_sft_runs_from_data(tmp_path, model_dir, fmt):
     assert [r["documents_seen"] for r in steps] == [4, 8] and steps[-1]["epoch"] == 2.0
     assert steps[0]["num_loss_tokens"] == steps[1]["num_loss_tokens"] > 0
     assert steps[1]["loss"] < steps[0]["loss"] - 0.1  # observed ≈ 0.5–0.7 lower
-    assert np.isfinite(steps[-1]["eval/loss"]) and 0.0 <= steps[-1]["eval/accuracy"] <= 1.0
+    assert np.isfinite(steps[-1]["eval/loss"])
+    assert steps[-1]["eval/accuracy"] == 0.0  # two steps of a random model match no answer
     # the export carries the chat template: transformers renders with it
     hf = AutoTokenizer.from_pretrained(tmp_path / "run" / "hf")
     assert hf.apply_chat_template(_messages(*QA[0]), tokenize=False).startswith("<|im_start|>")

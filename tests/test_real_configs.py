@@ -89,7 +89,8 @@ def test_sft_qwen_config(tmp_path, model_dir, conversational):
         ],
     )
     rows = _check_logs(out)
-    assert rows[-1]["eval/loss"] > 0 and 0 <= rows[-1]["eval/accuracy"] <= 1
+    assert rows[-1]["eval/loss"] > 0
+    assert rows[-1]["eval/accuracy"] == 0.0  # a random model after 2 steps matches no answer
 
 
 @pytest.mark.parametrize("conversational", [True, False], ids=["messages", "text"])
