@@ -492,6 +492,8 @@ def grpo_settings(sets: list[str]) -> dict[str, Any]:
     cfg = stage_config(cfg)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.max_steps)
     grpo = dataclass_dict(config) | {"reward_funcs": to_dict(cfg)["grpo"]["reward_funcs"]}
+    batch = config.generation  # resolved: TRL's B_gen and S
+    grpo |= {"generation_batch_size": batch.size, "steps_per_generation": batch.steps}
     return {
         "grpo": grpo,
         "optimizer": to_dict(cfg.optimizer),

@@ -154,8 +154,8 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     p = batch_bucket(g.max_prompt_length)
     entry = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 4
     length = -(-(p + g.max_completion_length) // 64) * 64  # decode-attention blocks
-    slots = -(-g.generation_batch_size // 8)  # one per completion, over 8 batch ranks
-    groups = g.generation_batch_size // g.num_generations
+    slots = -(-g.generation.size // 8)  # one per completion, over 8 batch ranks
+    groups = g.generation.size // g.num_generations
     assert full["kv_cache_bytes"] == entry * (slots * length + groups * p) > 0
     config = plan_run(cfg).model_config
     few = load_run_config(TINY, [*sets, "rollout.max_slots=8"])

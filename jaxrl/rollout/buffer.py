@@ -76,7 +76,7 @@ class MicroStepRule:
             micro_steps_per_step=config.gradient_accumulation_steps,
             docs_per_step=docs_per_step,
             rows_per_micro_step=config.per_device_train_batch_size * (config.world_size or 1),
-            generation_period=config.steps_per_generation * config.num_iterations,
+            generation_period=config.generation.steps * config.num_iterations,
         )
 
     def loads_generation(self, micro_step: int) -> bool:
@@ -266,9 +266,9 @@ class GenerationBuffer:
     def __init__(self, config: GRPOConfig, *, seed: int = 0):
         self.b = config.per_device_train_batch_size
         self.world_size = config.world_size
-        self.steps_per_generation = config.steps_per_generation
+        self.steps_per_generation = config.generation.steps
         self.rule = MicroStepRule.of(config, 0)  # when a generation loads
-        self.generation_batch_size = config.generation_batch_size
+        self.generation_batch_size = config.generation.size
         self.micro_step = 0  # k
         self._chunks: list[list[Batch]] | None = None  # [P][S]
         self._rng = np.random.default_rng(seed)

@@ -263,7 +263,7 @@ def _kv_cache_bytes(cfg: RunConfig, config: ModelConfig, ranks: int) -> int:
     if cfg.algorithm != "grpo":
         return 0
     g = cfg.grpo
-    requests = g.generation_batch_size
+    requests = g.generation.size
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
     p = batch_bucket(prompt)  # the sampler's prompt bucket
     slots = decode_slots(requests, cfg.rollout.max_slots, ranks) // ranks

@@ -156,7 +156,7 @@ class GRPOData:
             )
         if config.prompts_per_generation > len(self.train_prompts):
             raise ConfigError(
-                f"grpo.generation_batch_size={config.generation_batch_size} is invalid: a "
+                f"grpo.generation_batch_size={config.generation.size} is invalid: a "
                 f"generation takes {config.prompts_per_generation} prompts (× "
                 f"{config.num_generations} completions) but the training data holds "
                 f"{len(self.train_prompts)}; lower the batch size or add data"
@@ -327,7 +327,7 @@ class Producer:
         """DAPO's dynamic sampling: keep drawing generations until enough groups have rewards
         that differ; returns the rows and the rounds and dropped groups (metrics)."""
         c, g = self.config, self.config.num_generations
-        need = c.generation_batch_size // g
+        need = c.generation.size // g
         parts, kept, dropped = [], 0, 0
         for _ in range(c.max_dynamic_sampling_rounds):
             sampled = self._sample_next(params, step)

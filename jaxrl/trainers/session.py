@@ -53,8 +53,10 @@ __all__ = ["Session", "generation_devices", "with_device_ranks"]
 def with_device_ranks(cfg: RunConfig) -> RunConfig:
     """``cfg`` with its grpo / dpo world size taken from the devices the run uses when a mesh
     axis is -1 (a config touches no device: ``RunConfig.with_batch_ranks``); ``ConfigError``
-    when the mesh does not fit the devices or the sections' batches do not fit the ranks."""
-    if cfg.mesh.static_batch_ranks is not None:  # resolved when the config was built
+    when the mesh does not fit the devices or the sections' batches do not fit the ranks.
+    Resolved once: a config whose sections know their world size (a fixed mesh, resolved when
+    the config was loaded, or an earlier call) comes back as it is, devices untouched."""
+    if cfg.grpo.world_size is not None and cfg.dpo.world_size is not None:
         return cfg
     devices = len(run_devices(cfg.mesh.sizes))
     devices -= generation_devices(cfg, devices)
