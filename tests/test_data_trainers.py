@@ -76,6 +76,7 @@ SFT_ROWS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(SFT_ROWS))
 def test_sft_runs_from_data(tmp_path, model_dir, fmt):
     """The 4 rows are one batch, so both steps train on the whole dataset: the second step's
@@ -118,6 +119,7 @@ DPO_ROWS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(DPO_ROWS))
 def test_dpo_runs_from_data(tmp_path, model_dir, fmt):
     train = _jsonl(tmp_path / "train.jsonl", DPO_ROWS[fmt] * 2)
@@ -139,6 +141,7 @@ def test_dpo_runs_from_data(tmp_path, model_dir, fmt):
     np.testing.assert_allclose(steps[0]["loss"], np.log(2.0), rtol=1e-4)  # z = 0 at the start
 
 
+@pytest.mark.slow
 def test_over_length_rows_are_counted_in_the_first_row_and_the_summary(tmp_path, model_dir, capsys):
     long = {"prompt": "word " * 200, "chosen": "yes", "rejected": "no"}
     train = _jsonl(tmp_path / "train.jsonl", [*DPO_ROWS["strings"], long])

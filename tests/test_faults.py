@@ -90,6 +90,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @_ORBAX_NOISE
 @pytest.mark.parametrize(
     ("config", "items", "code", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
@@ -123,6 +124,7 @@ def _losses(run_dir: Path) -> list:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 @_ORBAX_NOISE
 def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
     assert _train(tmp_path, "straight", capsys)[0] == 0
@@ -142,6 +144,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypat
     assert _losses(tmp_path / "full") == _losses(tmp_path / "straight")
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path, capsys, monkeypatch):
     from jaxrl.trainers.session import Session
 
@@ -282,6 +285,7 @@ def _interrupt_when(proc: subprocess.Popen, ready, *, timeout: float = 90) -> tu
     return code, "".join(lines)
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_every_phase_exits_130(tmp_path):
     """Ctrl-C while jax is imported (it used to be lost in jax's gc callback, and the run went
     on), during the first XLA compile (it used to die by SIGSEGV: the interpreter's teardown

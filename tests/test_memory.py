@@ -125,6 +125,7 @@ def test_table_names_the_parts_and_the_total(capsys):
         assert word in out
 
 
+@pytest.mark.slow
 def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference():
     """fp32 masters + bf16 compute: the master is 4 bytes a parameter, the sampler's copy and
     (β > 0) the reference's copy 2 bytes each, and all of them are in the total."""
