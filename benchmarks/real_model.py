@@ -483,14 +483,16 @@ def grpo_settings(sets: list[str]) -> dict[str, Any]:
     the overrides: GRPOConfig fields, the GRPO-stage optimizer, its learning rate per step."""
     from jaxrl.config import load_run_config, to_dict
     from jaxrl.train.optimizer import learning_rate_schedule
-    from jaxrl.trainers.grpo import _resolve_run_config
+    from jaxrl.trainers.preamble import stage_config
     from jaxrl.trainers.session import with_device_ranks
 
     cfg = with_device_ranks(load_run_config(ROOT / CONFIGS["grpo"], sets))
     config = cfg.grpo
-    cfg = _resolve_run_config(cfg, config)
+    cfg = stage_config(cfg)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.max_steps)
     grpo = dataclass_dict(config) | {"reward_funcs": to_dict(cfg)["grpo"]["reward_funcs"]}
+    batch = config.generation  # resolved: TRL's B_gen and S
+    grpo |= {"generation_batch_size": batch.size, "steps_per_generation": batch.steps}
     return {
         "grpo": grpo,
         "optimizer": to_dict(cfg.optimizer),

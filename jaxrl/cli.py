@@ -34,7 +34,7 @@ def _load_config(
             count = devices or launch.host_device_count(mesh, dist)
             sizes = f"mesh.data={mesh.data} x mesh.fsdp={mesh.fsdp} x mesh.tensor={mesh.tensor}"
             what = f"--devices={devices}" if devices else sizes
-            launch.check_host_devices(count, what)
+            launch.check_host_devices(count, what, computes=distributed)
             launch.ensure_host_devices(count)
         launch.initialize(dist)
 

@@ -105,6 +105,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("impl", "kv_heads", "dtype"), CASES)
 def test_impl_equals_xla_forward_and_backward(impl, kv_heads, dtype):
     """Packed documents + trailing padding, a one-document row and an all-padding row."""
@@ -147,6 +148,7 @@ def test_flash_with_a_longer_cache_equals_xla():
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_flash_never_touches_invisible_blocks():
     """NaN in every padding block's q, k and v: a visited block would spread it (0 * NaN)."""
     t = 6 * BLOCK
@@ -298,6 +300,7 @@ def _logits_and_grad(model, ids, seg):
     return value, logits, jax.tree.leaves(nnx.state(grads))
 
 
+@pytest.mark.slow
 def test_transformer_with_flash_equals_xla():
     rng = np.random.default_rng(8)
     seg = jnp.asarray(np.concatenate([_segments(), _packed([150, 60], T * 6)[:, :T]]))
@@ -351,6 +354,7 @@ def test_attention_impl_is_not_written_to_config_json(tmp_path):
     assert not any("attention_impl" in key or "block_size" in key for key in hf)
 
 
+@pytest.mark.slow
 def test_cli_flash_losses_equal_xla(tmp_path):
     def losses(impl):
         out = tmp_path / impl

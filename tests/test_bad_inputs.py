@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -65,8 +66,29 @@ def test_absurd_device_counts_are_refused_before_jax_starts():
     err = proc.stderr.strip().splitlines()
     assert len(err) == 2, err
     assert err[0].startswith("config error: mesh.data=100000 x mesh.fsdp=1 x mesh.tensor=1 asks")
-    assert "100000 CPU host devices" in err[0] and "more than the 4096" in err[0]
+    assert "100000 CPU host devices" in err[0] and "more than the 2048" in err[0]
     assert "over 9.8 GB" in err[0] and err[1].startswith("config error: --devices=100000 asks")
+    assert "more than the 4096 allowed" in err[1]  # planning runs no computation
+
+
+def test_a_cpu_mesh_one_process_cannot_compute_over_is_refused_before_jax_starts():
+    """``mesh.data=4096`` passed the host-device bound and then died inside XLA ("Multiprocess
+    computations aren't implemented on the CPU backend", exit 1): now one line, exit 2, before
+    jax is imported; planning the same mesh (``jaxrl memory``) still works."""
+    code = (
+        "import sys; from jaxrl.cli import main; "
+        "a = main(['train', 'configs/sft_tiny.yaml', '--set', 'mesh.data=4096']); "
+        "print(a, 'jax' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("config error: mesh.data=4096 x mesh.fsdp=1 x mesh.tensor=1 asks")
+    assert "more than the 2048 XLA's CPU backend runs one computation over" in err[0], err
+    assert "over 0.4 GB" in err[0], err
 
 
 def test_a_mesh_larger_than_any_machine_is_a_config_error():
@@ -121,12 +143,16 @@ def test_orbax_background_noise_is_dropped_unless_debugging(monkeypatch, caplog)
     log.error("Task exception was never retrieved\nfuture: <Task finished>")
     assert len(seen) == 2 and len(caplog.records) == 1
     install_hooks(redeliver=True)  # as the CLI process (main() with argv=None)
+    # Python's own SIGINT handler, as in a foreground shell: a runner started with SIGINT
+    # ignored (`nohup pytest &`) would make the redelivery (interrupt_main) do nothing
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):  # a Ctrl-C a gc callback swallowed comes back
             report(KeyboardInterrupt())
             for _ in range(100):  # raised between bytecodes, within REDELIVER_S
                 time.sleep(0.05)
     finally:
+        signal.signal(signal.SIGINT, handler)
         install_hooks()  # a test runner is not the CLI: no late Ctrl-C in later tests
 
 
@@ -169,7 +195,7 @@ def test_a_library_s_report_of_ctrl_c_is_dropped_unless_debugging(caplog):
     ],
 )  # fmt: skip
 def test_train_on_rollouts_inputs_are_checked_row_by_row(change, message):
-    from jaxrl.trainers.grpo import check_rollouts
+    from jaxrl.trainers.external_rollouts import check_rollouts
 
     rows = {"completions": [[3, 4], [5]], "logps": [[-0.5, -0.2], [1e-4]], "rewards": [1.0, 0.0]}
     check_rollouts([[1], [1]], rows["completions"], rows["logps"], rows["rewards"], None,

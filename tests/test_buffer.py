@@ -4,6 +4,7 @@ stream and accelerate's sharding, written out independently below."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -87,7 +88,7 @@ def _trl_rank_batches(cfg: GRPOConfig, num_prompts: int, epochs: int, *, seed: i
 
     Returns per rank the list of its per-micro-step dataloader batches, and the per-epoch streams.
     """
-    b, P, S, G = (cfg.per_device_train_batch_size, cfg.world_size, cfg.steps_per_generation,
+    b, P, S, G = (cfg.per_device_train_batch_size, cfg.world_size, cfg.generation.steps,
                   cfg.num_generations)  # fmt: skip
     streams = [
         _trl_epoch_stream(
@@ -133,7 +134,7 @@ def test_repeat_sampler_example_10_without_shuffle():
 def test_prompts_and_ranks_match_trl_stream_under_accelerate_sharding(kw, num_prompts):
     """Which rank generates which prompts, generation after generation, across epochs."""
     cfg = _config(**kw)
-    period = cfg.steps_per_generation * cfg.num_iterations
+    period = cfg.generation.steps * cfg.num_iterations
     epochs = 3
     per_epoch = (num_prompts // cfg.prompts_per_generation) * period
     served, gens = _simulate(cfg, num_prompts, epochs * per_epoch, seed=5)
@@ -143,7 +144,7 @@ def test_prompts_and_ranks_match_trl_stream_under_accelerate_sharding(kw, num_pr
             num_prompts,
             mini_repeat_count=cfg.num_generations,
             batch_size=cfg.prompts_per_generation,
-            repeat_count=cfg.num_iterations * cfg.steps_per_generation,
+            repeat_count=cfg.num_iterations * cfg.generation.steps,
             shuffle=cfg.shuffle_dataset,
             seed=5,
             epoch=e,
@@ -155,7 +156,7 @@ def test_prompts_and_ranks_match_trl_stream_under_accelerate_sharding(kw, num_pr
             rows = rank_rows(
                 p,
                 per_device_batch=cfg.per_device_train_batch_size,
-                steps_per_generation=cfg.steps_per_generation,
+                steps_per_generation=cfg.generation.steps,
             )
             assert list(prompts[rows]) == trl[p][k]
             # the repeats TRL's dataloader consumes in between are copies of the same batch
@@ -203,7 +204,7 @@ def test_example_9_buffer_serves_eight_micro_steps_and_epochs_drop_five_prompts(
         num_iterations=2,
         shuffle_dataset=False,
     )
-    assert cfg.generation_batch_size == 24 and cfg.prompts_per_generation == 6
+    assert cfg.generation.size == 24 and cfg.prompts_per_generation == 6
     served, gens = _simulate(cfg, 17, 49)
     # one buffer per 8 micro-steps; 3 epochs of 2 chunks end exactly at micro-step 48 (= 16
     # optimizer steps of 3), where epoch 4 starts again from prompt 0
@@ -237,7 +238,7 @@ def test_timeline_p2_b3_g2_s4():
         per_device_train_batch_size=3, world_size=2, gradient_accumulation_steps=2,
         steps_per_generation=4,
     )  # fmt: skip
-    assert cfg.generation_batch_size == 24 and cfg.prompts_per_generation == 12
+    assert cfg.generation.size == 24 and cfg.prompts_per_generation == 12
     served, gens = _simulate(cfg, 100, 8)
     assert [k for k, _ in gens] == [0, 4]
     orders = []
@@ -266,12 +267,12 @@ def test_timeline_p2_b3_g2_s4():
 def test_example_1_and_2_buffer_periods():
     cfg = _config(per_device_train_batch_size=8, gradient_accumulation_steps=2,
                   steps_per_generation=4)  # fmt: skip
-    assert cfg.generation_batch_size == 32
+    assert cfg.generation.size == 32
     assert [k for k, _ in _simulate(cfg, 200, 16)[1]] == [0, 4, 8, 12]  # 2 optimizer steps each
-    cfg2 = cfg.replace(num_iterations=2)
+    cfg2 = dataclasses.replace(cfg, num_iterations=2)
     assert [k for k, _ in _simulate(cfg2, 200, 16)[1]] == [0, 8]  # 4 optimizer steps each
     cfg3 = _config(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=4)
-    assert cfg3.steps_per_generation == 4 and cfg3.generation_batch_size == 64
+    assert cfg3.generation.steps == 4 and cfg3.generation.size == 64
     assert [k for k, _ in _simulate(cfg3, 200, 8)[1]] == [0, 4]
     assert not cfg3.needs_old_logprobs
 

@@ -68,6 +68,7 @@ def test_extraction_and_numbers():
     assert [parse_number(s) for s in ("02", "-0", "+5", "1,2345", "1.", "3/0")] == [None] * 6
 
 
+@pytest.mark.slow
 def test_exact_answer_keeps_the_arithmetic_task_scores():
     """Over the task alphabet the new comparison is the old one: stripped text equality."""
     task = ArithmeticTask(max_digits=2, ops="+-*", reverse_answer=True, pad_operands=True)

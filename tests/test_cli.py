@@ -128,6 +128,7 @@ def _train(tmp_path, capsys, *sets: str) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_onto_another_layout_says_what_changed(tmp_path, capsys):
     assert "mesh/schedule" not in _train(tmp_path, capsys, "max_steps=1")
     err = _train(tmp_path, capsys, "max_steps=2", "mesh.data=2", "schedule.max_tokens=64")

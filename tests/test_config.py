@@ -76,16 +76,16 @@ def test_the_world_size_is_the_mesh_s_at_construction_or_at_run_start():
     once); a -1 axis leaves it to the run, which takes it from its devices."""
     group_over_ranks = ["grpo.per_device_train_batch_size=1", "grpo.num_generations=8"]
     cfg = load_run_config("configs/grpo_tiny.yaml", ["mesh.data=8", *group_over_ranks])
-    assert (cfg.grpo.world_size, cfg.grpo.generation_batch_size, cfg.dpo.world_size) == (8, 8, 8)
+    assert (cfg.grpo.world_size, cfg.grpo.generation.size, cfg.dpo.world_size) == (8, 8, 8)
     with pytest.raises(ConfigError, match=r"^grpo.generation_batch_size=4 is invalid: .*=8 so"):
         load_run_config("configs/grpo_tiny.yaml", ["mesh.data=4", *group_over_ranks])
 
     deferred = load_run_config("configs/grpo_tiny.yaml", ["mesh.data=-1", *group_over_ranks])
-    assert (deferred.grpo.world_size, deferred.grpo.generation_batch_size) == (None, None)
-    assert deferred.grpo.steps_per_generation == 1  # S = g needs no world size
+    assert (deferred.grpo.world_size, deferred.grpo.generation.size) == (None, None)
+    assert deferred.grpo.generation.steps == 1  # S = g needs no world size
     with use_devices(jax.devices()[:8]):
         started = with_device_ranks(deferred)
-    assert (started.grpo.world_size, started.grpo.generation_batch_size) == (8, 8)
+    assert (started.grpo.world_size, started.grpo.generation.size) == (8, 8)
     assert started.dpo.world_size == 8 and started.mesh == deferred.mesh
     with use_devices(jax.devices()[:4]), pytest.raises(ConfigError, match=r"^grpo.generation_b"):
         with_device_ranks(deferred)
@@ -98,7 +98,7 @@ def test_dumps_read_back_and_the_world_size_is_not_a_key():
         cfg = load_run_config(f"configs/{name}.yaml", sets)
         dumped = to_dict(cfg)
         assert "world_size" not in dumped["grpo"] and "world_size" not in dumped["dpo"]
-        assert from_dict(RunConfig, dumped) == cfg
+        assert from_dict(RunConfig, dumped).resolved() == cfg
     for section in ("grpo", "dpo"):
         with pytest.raises(ConfigError, match=rf"^{section}.world_size=2 is invalid: remove it: "
                            "the data-parallel size comes from mesh.data$"):  # fmt: skip

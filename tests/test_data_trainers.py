@@ -76,6 +76,7 @@ SFT_ROWS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(SFT_ROWS))
 def test_sft_runs_from_data(tmp_path, model_dir, fmt):
     """The 4 rows are one batch, so both steps train on the whole dataset: the second step's
@@ -95,7 +96,8 @@ def test_sft_runs_from_data(tmp_path, model_dir, fmt):
     assert [r["documents_seen"] for r in steps] == [4, 8] and steps[-1]["epoch"] == 2.0
     assert steps[0]["num_loss_tokens"] == steps[1]["num_loss_tokens"] > 0
     assert steps[1]["loss"] < steps[0]["loss"] - 0.1  # observed ≈ 0.5–0.7 lower
-    assert np.isfinite(steps[-1]["eval/loss"]) and 0.0 <= steps[-1]["eval/accuracy"] <= 1.0
+    assert np.isfinite(steps[-1]["eval/loss"])
+    assert steps[-1]["eval/accuracy"] == 0.0  # two steps of a random model match no answer
     # the export carries the chat template: transformers renders with it
     hf = AutoTokenizer.from_pretrained(tmp_path / "run" / "hf")
     assert hf.apply_chat_template(_messages(*QA[0]), tokenize=False).startswith("<|im_start|>")
@@ -117,6 +119,7 @@ DPO_ROWS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(DPO_ROWS))
 def test_dpo_runs_from_data(tmp_path, model_dir, fmt):
     train = _jsonl(tmp_path / "train.jsonl", DPO_ROWS[fmt] * 2)
@@ -138,6 +141,7 @@ def test_dpo_runs_from_data(tmp_path, model_dir, fmt):
     np.testing.assert_allclose(steps[0]["loss"], np.log(2.0), rtol=1e-4)  # z = 0 at the start
 
 
+@pytest.mark.slow
 def test_over_length_rows_are_counted_in_the_first_row_and_the_summary(tmp_path, model_dir, capsys):
     long = {"prompt": "word " * 200, "chosen": "yes", "rejected": "no"}
     train = _jsonl(tmp_path / "train.jsonl", [*DPO_ROWS["strings"], long])

@@ -119,6 +119,7 @@ def _max_rel(a, b):
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(la, lb, strict=True)) / scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalize", ["pair", "token"])
 def test_micro_batched_dp8_gradient_equals_full_batch(normalize):
     graphdef, params = _model()
@@ -189,6 +190,7 @@ def dp1_run(tmp_path_factory):
     return out, _train(out, "mesh.data=1", "dpo.per_device_train_batch_size=8")
 
 
+@pytest.mark.slow
 def test_metric_rows_and_step_zero_values(dp1_run):
     out, rows = dp1_run
     start = rows[0]  # the held-out evaluation of the starting (reference) model
@@ -211,11 +213,12 @@ def test_metric_rows_and_step_zero_values(dp1_run):
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-5)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
         assert abs(first[name]) < 1e-5
-    assert 0.0 <= steps[-1]["eval/accuracy"] <= 1.0
+    assert steps[-1]["eval/accuracy"] == 0.5  # measured: 4 of the 8 held-out pairs
     assert (out / "hf" / "config.json").is_file() and (out / "sft" / "hf").is_dir()
     assert len(list((out / "ref_cache").glob("*.npz"))) == 2  # train and held-out
 
 
+@pytest.mark.slow
 def test_dp1_equals_dp8_with_other_rows(dp1_run, tmp_path):
     dp1_out, one = dp1_run
     # the same SFT start (SFT's own layout invariance is tests/test_sft_e2e.py's job)
@@ -242,6 +245,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_to_identical_metrics(dp1_run, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXRL_DEBUG", "1")  # the injected crash propagates out of main
     dp1_out, straight = dp1_run

@@ -384,6 +384,7 @@ def _sum_terms(batches, normalize):
     return num, den, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalize,expected", [("pair", 2.0), ("token", 2.5)])
 def test_example_26_token_weighting_one_rank(normalize, expected):
     two = [_hinge_batch([A_ROW], 100), _hinge_batch([B_ROW], 300)]

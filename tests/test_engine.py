@@ -89,6 +89,7 @@ def _max_rel(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(la, lb, strict=True)) / scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token", "sequence", "document", "constant"])
 def test_layout_invariance(mode):
     rng = np.random.default_rng(1)
@@ -103,6 +104,7 @@ def test_layout_invariance(mode):
     assert _max_rel(packed, ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_mean_of_micro_batch_means_differs():
     """The per-micro-batch-mean alternative gives a different gradient: the test can fail."""
     rng = np.random.default_rng(2)
@@ -185,6 +187,7 @@ def test_empty_slots_and_stop_bound_add_nothing():
     assert int(s_pad.micro_batches) == 3 and int(s_pad.documents) == 6
 
 
+@pytest.mark.slow
 def test_dp8_train_step_equals_dp1_and_skips_non_finite():
     rng = np.random.default_rng(7)
     docs = random_docs(rng, 16)

@@ -226,6 +226,7 @@ def test_sampler_logprobs_equal_a_scoring_forward_of_the_conversation(tiny_model
     assert checked > 20
 
 
+@pytest.mark.slow
 def test_episodes_do_not_depend_on_the_mesh(tiny_model):
     ids, one = _sampled_episodes(tiny_model, None)
     _, eight = _sampled_episodes(tiny_model, make_mesh(8))
@@ -268,6 +269,7 @@ def _tool_trainer(tmp_path, dp: int) -> GRPOTrainer:
     return t
 
 
+@pytest.mark.slow
 def test_multi_turn_grpo_step_is_equal_on_dp1_and_dp8(tmp_path):
     one, eight = _tool_trainer(tmp_path, 1), _tool_trainer(tmp_path, 8)
     a, b = one.step(), eight.step()

@@ -169,6 +169,7 @@ def _hf_greedy(export: Path, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["sft_char", "dpo_char", "sft_chat", "grpo_chat"])
 def test_export_generates_jaxrls_greedy_tokens_and_stops_at_eos(run, request):
     trainer = request.getfixturevalue(run)

@@ -4,6 +4,7 @@ write) leave a run that resumes exactly; a bit-flipped checkpoint is caught by i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -89,6 +90,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @_ORBAX_NOISE
 @pytest.mark.parametrize(
     ("config", "items", "code", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
@@ -122,6 +124,7 @@ def _losses(run_dir: Path) -> list:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 @_ORBAX_NOISE
 def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
     assert _train(tmp_path, "straight", capsys)[0] == 0
@@ -141,6 +144,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypat
     assert _losses(tmp_path / "full") == _losses(tmp_path / "straight")
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path, capsys, monkeypatch):
     from jaxrl.trainers.session import Session
 
@@ -248,6 +252,19 @@ def test_text_the_tokenizer_cannot_represent_is_named_with_its_row(tmp_path):
     assert tok.encode("1+x")[-1] == tok.unk_id and tok.unknown_count == 1
 
 
+@contextlib.contextmanager
+def _children_take_sigint():
+    """Children started inside get SIGINT's default action, as from a foreground shell,
+    whatever this runner inherited: ``nohup pytest &`` starts with SIGINT ignored, which
+    children would inherit (an installed handler is reset to the default by exec). Set here
+    in the parent: a ``preexec_fn`` would fork a multithreaded jax process."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_when(proc: subprocess.Popen, ready, *, timeout: float = 90) -> tuple[int, str]:
     """SIGINT ``proc`` once ``ready(stderr_so_far)`` holds; ``(exit code, stderr)``."""
     import threading
@@ -268,6 +285,7 @@ def _interrupt_when(proc: subprocess.Popen, ready, *, timeout: float = 90) -> tu
     return code, "".join(lines)
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_every_phase_exits_130(tmp_path):
     """Ctrl-C while jax is imported (it used to be lost in jax's gc callback, and the run went
     on), during the first XLA compile (it used to die by SIGSEGV: the interpreter's teardown
@@ -286,17 +304,19 @@ def test_ctrl_c_in_every_phase_exits_130(tmp_path):
     }
     procs = {}
     try:
-        for name, (extra, _, model) in phases.items():
-            items = ["logging.progress=false", f"output_dir={tmp_path / name}", "max_steps=1000"]
-            items += ["checkpoint.every=1", "sft.batch_size=16", "logging.eval_every=0", *model]
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "jaxrl.cli", "train", str(ROOT / "configs/sft_tiny.yaml")]
-                + _sets(items),
-                env={**env, **extra},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+        with _children_take_sigint():
+            for name, (extra, _, model) in phases.items():
+                items = ["logging.progress=false", f"output_dir={tmp_path / name}"]
+                items += ["max_steps=1000", "checkpoint.every=1", "sft.batch_size=16"]
+                items += ["logging.eval_every=0", *model]
+                config = str(ROOT / "configs/sft_tiny.yaml")
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "jaxrl.cli", "train", config] + _sets(items),
+                    env={**env, **extra},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
         for name, (_, ready, _) in phases.items():
             code, err = _interrupt_when(procs[name], ready)
             ours = [x for x in err.splitlines() if x.strip() and not x.startswith("WARNING:")]

@@ -7,7 +7,7 @@ import warnings
 import jax.numpy as jnp
 import pytest
 
-from jaxrl.config.base import ConfigError, from_dict
+from jaxrl.config.base import ConfigError, from_dict, to_dict
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.losses import policy
 from jaxrl.losses.loss_types import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
@@ -24,25 +24,25 @@ def test_example_1_buffer_spans_two_optimizer_steps():
     """b=8, P=1, g=2, S=4 (G=8 by default): B_gen = 8·1·4 = 32 rows = 4 prompts × 8, and old
     log-probs are computed because 2 % (4·μ) ≠ 0 for μ = 1 and μ = 2."""
     c = cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4)
-    assert (c.generation_batch_size, c.steps_per_generation) == (32, 4)
+    assert (c.generation.size, c.generation.steps) == (32, 4)
     assert c.prompts_per_generation == 4
     assert c.needs_old_logprobs is True
-    c2 = c.replace(num_iterations=2)
-    assert (c2.generation_batch_size, c2.steps_per_generation, c2.num_iterations) == (32, 4, 2)
+    c2 = dataclasses.replace(c, num_iterations=2)
+    assert (c2.generation.size, c2.generation.steps, c2.num_iterations) == (32, 4, 2)
     assert c2.needs_old_logprobs is True
     # the same buffer given by its size resolves S = 32 / (8·1) = 4
     by_size = cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2,
                   generation_batch_size=32)  # fmt: skip
-    assert (by_size.steps_per_generation, by_size.needs_old_logprobs) == (4, True)
+    assert (by_size.generation.steps, by_size.needs_old_logprobs) == (4, True)
     # without S the buffer is one optimizer window: S = g = 2, B_gen = 16, on-policy
     plain = cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2)
-    assert (plain.steps_per_generation, plain.generation_batch_size) == (2, 16)
+    assert (plain.generation.steps, plain.generation.size) == (2, 16)
     assert plain.needs_old_logprobs is False
 
 
 def test_example_2_defaults_from_accumulation():
     c = cfg(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=4)
-    assert (c.steps_per_generation, c.generation_batch_size) == (4, 64)
+    assert (c.generation.steps, c.generation.size) == (4, 64)
     assert not c.needs_old_logprobs
 
 
@@ -50,7 +50,7 @@ def test_example_3_generation_batch_given():
     c = cfg(
         generation_batch_size=48, per_device_train_batch_size=8, world_size=2, num_generations=8
     )
-    assert c.steps_per_generation == 3 and c.generation_batch_size == 48
+    assert c.generation.steps == 3 and c.generation.size == 48
     assert c.prompts_per_generation == 6
     with pytest.raises(ConfigError, match=r"generation_batch_size=48.*num_generations=5"):
         cfg(
@@ -94,7 +94,7 @@ def test_example_7_trl_eval_batch_fields_are_removed():
 
 def test_example_8_group_larger_than_micro_batch():
     c = cfg(per_device_train_batch_size=3, num_generations=6, gradient_accumulation_steps=2)
-    assert c.generation_batch_size == 6 and c.steps_per_generation == 2
+    assert c.generation.size == 6 and c.generation.steps == 2
 
 
 # (g, S, μ) → computed?   docs/algorithms/grpo.md §5
@@ -124,14 +124,19 @@ def test_example_12_old_logprob_table(g, s, mu, computed):
 
 
 def test_scale_rewards_booleans_resolve():
-    assert cfg(scale_rewards=True).scale_rewards == "group"
-    assert cfg(scale_rewards=False).scale_rewards == "none"
+    """The config keeps the value given; the advantages code resolves TRL's booleans."""
+    from jaxrl.losses.advantages import resolve_scale_rewards
+
+    assert resolve_scale_rewards(cfg(scale_rewards=True).scale_rewards) == "group"
+    assert resolve_scale_rewards(cfg(scale_rewards=False).scale_rewards) == "none"
     assert cfg(scale_rewards="batch").scale_rewards == "batch"
+    with pytest.raises(ConfigError, match="scale_rewards='std' is invalid"):
+        cfg(scale_rewards="std")
 
 
 def test_only_steps_per_generation_given():
     c = cfg(per_device_train_batch_size=4, world_size=2, steps_per_generation=3)
-    assert c.generation_batch_size == 24
+    assert c.generation.size == 24
 
 
 def test_validation_order_follows_spec():
@@ -223,18 +228,19 @@ def test_defaults_are_trl_defaults():
     assert (c.loss_type, c.importance_sampling_level, c.scale_rewards) == ("dapo", "token", "group")
     assert (c.epsilon, c.epsilon_high, c.delta, c.beta) == (0.2, None, None, 0.0)
     assert (c.max_completion_length, c.temperature, c.top_entropy_quantile) == (512, 1.0, 1.0)
-    assert (c.generation_batch_size, c.steps_per_generation) == (8, 1)
+    assert (c.generation.size, c.generation.steps) == (8, 1)
 
 
 def test_frozen_and_replace_re_resolves():
+    """A config holds what was given (never a resolved value), so ``dataclasses.replace``
+    resolves B_gen and S again from the new fields."""
     c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.num_generations = 4  # type: ignore[misc]
-    c2 = c.replace(per_device_train_batch_size=8)
-    assert c2.generation_batch_size == 16  # derived again, not carried over
-    with pytest.raises(ConfigError, match="both configured"):
-        dataclasses.replace(c)  # why replace() exists
-    assert GRPOConfig(**c.given_dict()) == c
+    assert (c.generation_batch_size, c.steps_per_generation) == (None, None)  # as given
+    c2 = dataclasses.replace(c, per_device_train_batch_size=8)
+    assert c2.generation.size == 16  # derived again, not carried over
+    assert from_dict(GRPOConfig, to_dict(c)) == c
 
 
 def test_from_yaml_dict():
@@ -247,7 +253,7 @@ def test_from_yaml_dict():
             "reward_weights": [1, 0.5],
         },
     )
-    assert c.scale_rewards == "none" and c.steps_per_generation == 2
+    assert c.scale_rewards is False and c.generation.steps == 2  # as given: False = "none"
     assert c.reward_weights == (1.0, 0.5)
 
 
@@ -276,10 +282,10 @@ def test_grpo_stage_schedule_fields_are_validated_and_reach_the_optimizer():
     with pytest.raises(ConfigError, match="warmup_steps"):
         GRPOConfig(warmup_steps=-1)
     from jaxrl.config import load_run_config
-    from jaxrl.trainers.grpo import _resolve_run_config
+    from jaxrl.trainers.preamble import stage_config
 
     cfg = load_run_config("configs/grpo_tiny.yaml", ["grpo.lr_scheduler_type=linear"])
-    opt = _resolve_run_config(cfg, cfg.grpo).optimizer
+    opt = stage_config(cfg).optimizer
     assert (opt.learning_rate, opt.warmup_steps, opt.decay) == (3e-4, 10, "linear")
     assert cfg.optimizer.decay == "cosine" and cfg.optimizer.warmup_steps == 50  # SFT keeps its own
 
@@ -288,14 +294,14 @@ def test_an_unknown_world_size_defers_what_needs_it():
     """world_size=None (a run's section before its mesh is known): S = g and every check that
     needs no P hold at construction; B_gen and the checks on it wait for for_world_size(P)."""
     c = cfg(world_size=None, per_device_train_batch_size=1, num_generations=8)
-    assert (c.generation_batch_size, c.steps_per_generation) == (None, 1)
+    assert (c.generation.size, c.generation.steps) == (None, 1)
     resolved = c.for_world_size(8)
-    assert (resolved.world_size, resolved.generation_batch_size) == (8, 8)
+    assert (resolved.world_size, resolved.generation.size) == (8, 8)
     assert resolved.for_world_size(8) is resolved
     with pytest.raises(ConfigError, match=r"generation_batch_size=2 .*num_generations=8"):
         c.for_world_size(2)
     given = cfg(world_size=None, generation_batch_size=40, per_device_train_batch_size=8)
-    assert given.steps_per_generation is None
+    assert given.generation.steps is None
     with pytest.raises(ConfigError, match=r"generation_batch_size=40.*global batch size.*16"):
         given.for_world_size(2)
     with pytest.raises(ConfigError, match="both configured"):  # needs no P: fails at once

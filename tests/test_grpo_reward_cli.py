@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from jaxrl.cli import main
@@ -91,6 +92,7 @@ def _answer(prompt: str) -> str:
     return str(int(a) + int(b))[::-1]
 
 
+@pytest.mark.slow
 def test_a_user_file_reward_gets_trl_keywords_and_columns_in_row_order(tmp_path):
     assert _train(_config(tmp_path, "spy")) == 0  # the path is relative to the YAML's directory
     calls = [json.loads(x) for x in (tmp_path / "rewards" / "calls.jsonl").read_text().splitlines()]

@@ -107,6 +107,7 @@ def test_fp32_head_forward_and_backward_matmuls_request_highest_precision():
         assert all(p == (highest, highest) for p in precisions) == want, precisions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_with_fp32_head_gives_fp32_logits_and_grads_reach_the_parameter(tied):
     config = ModelConfig.tiny(

@@ -72,6 +72,7 @@ def _evaluator(model, *, k: int, temperature: float, seed: int = 0) -> HeldoutEv
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_sampled_accuracy_is_the_expected_reward_at_the_temperature(temperature):
     model = _peaked_model()

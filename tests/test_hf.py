@@ -48,6 +48,7 @@ def _load_hf(path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama3_rope_tied", "qwen2", "qwen3_tied"])
 def test_save_pretrained_round_trips_through_transformers(case, tmp_path):
     src, hf_model = write_case(case, tmp_path)
@@ -153,6 +154,7 @@ def test_random_hf_model_randomises_norms_and_biases():
     assert np.std(state["model.norm.weight"]) > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
 def test_from_pretrained_places_each_tensor_on_its_shards(tmp_path, mesh_shape):
     """With a mesh every tensor arrives split by the rule table (each device holds its block),

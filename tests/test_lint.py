@@ -81,3 +81,20 @@ def test_no_package_holds_more_than_12_modules():
         if d.is_dir() and (n := len(list(d.glob("*.py")))) > 12
     }
     assert not crowded, f"split these packages (modules incl. __init__.py): {crowded}"
+
+
+def test_trainers_orchestrate_in_short_methods():
+    """The GRPO trainer only orchestrates (issue 33): trainers/grpo.py holds at most 300 lines
+    and no function or method in trainers/ runs over 60 lines (docstring included)."""
+    import ast
+
+    trainers = ROOT / "jaxrl" / "trainers"
+    assert len((trainers / "grpo.py").read_text().splitlines()) <= 300
+    long = []
+    for path in sorted(trainers.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long.append(f"{path.name}:{node.name} ({length} lines)")
+    assert not long, long

@@ -123,6 +123,7 @@ def test_wandb_gets_the_same_rows(tmp_path, monkeypatch):
     assert [c[0] for c in calls] == ["init", "log", "finish"] and calls[1][2] == 1
 
 
+@pytest.mark.slow
 def test_sft_cli_run_writes_events_equal_to_metrics_jsonl(tmp_path):
     out = tmp_path / "sft"
     settings = [

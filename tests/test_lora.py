@@ -55,6 +55,7 @@ def _random_adapters(model: nnx.Module, seed: int = 3) -> nnx.Module:
 
 
 # -- the model -------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
     [
@@ -89,6 +90,7 @@ def test_fresh_adapters_give_the_base_logits_exactly(settings):
             assert np.abs(value).max() <= bound and np.abs(value).max() > 0.8 * bound
 
 
+@pytest.mark.slow
 def test_adapter_gradients_equal_peft_float64_gradients(hf_case, tmp_path):
     path, torch_model, dense = hf_case
     model = _random_adapters(with_adapters(dense, LoraSpec(rank=4, alpha=8.0, use_rslora=True)))
@@ -173,6 +175,7 @@ def _numpy_dequantized(w_IO: np.ndarray, mode: str) -> np.ndarray:
     return (NF4[codes] * absmax).reshape(w.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_quantized_kernels_equal_a_numpy_reference(hf_case, mode):
     _, _, dense = hf_case
@@ -196,6 +199,7 @@ def test_quantized_kernels_equal_a_numpy_reference(hf_case, mode):
 QLORA_TOLERANCE = {"int8": 0.03, "nf4": 0.35}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_qlora_logits_stay_within_the_stated_tolerance_of_bf16(hf_case, mode):
     path, _, _ = hf_case
@@ -236,6 +240,7 @@ def dp1_run(tmp_path_factory):
     return (tmp, *_sft(tmp, "dp1", "max_steps=2", "mesh.data=1", "schedule.max_tokens=512"))
 
 
+@pytest.mark.slow
 def test_only_adapters_train_and_the_base_stays_bit_identical(dp1_run):
     tmp, trainer, frozen_before, rows = dp1_run
     session = trainer.session
@@ -277,6 +282,7 @@ def test_an_exported_adapter_directory_starts_a_new_run(dp1_run):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_dp8_small_rows_equal_dp1_packed_rows(dp1_run):
     tmp, _, _, one = dp1_run
     _, _, eight = _sft(tmp, "dp8", "max_steps=2", "mesh.data=8", "schedule.max_tokens=16")
@@ -287,6 +293,7 @@ def test_dp8_small_rows_equal_dp1_packed_rows(dp1_run):
         assert a["num_tokens"] == b["num_tokens"]
 
 
+@pytest.mark.slow
 def test_reference_with_disabled_adapters_equals_a_frozen_copy(dp1_run):
     _, trainer, _, _ = dp1_run
     session = trainer.session
@@ -303,6 +310,7 @@ def test_reference_with_disabled_adapters_equals_a_frozen_copy(dp1_run):
         assert np.abs(p - a).max() > 1e-4  # the trained adapters are not the reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_qlora_trains_with_its_quantised_base_untouched(tmp_path, mode):
     trainer, frozen, rows = _sft(tmp_path, mode, "max_steps=2", f"model.lora.quantize={mode}")
@@ -332,6 +340,7 @@ def _cli(config, out, *overrides):
     return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 def test_dpo_with_lora_starts_at_ln2_against_the_disabled_adapters(tmp_path):
     rows = _cli(
         "configs/dpo_tiny.yaml",
@@ -346,6 +355,7 @@ def test_dpo_with_lora_starts_at_ln2_against_the_disabled_adapters(tmp_path):
     assert rows[1]["loss"] != rows[0]["loss"]
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_and_beta_has_zero_kl_before_the_first_update(tmp_path):
     rows = _cli(
         "configs/grpo_tiny.yaml",
@@ -363,6 +373,7 @@ def test_grpo_with_lora_and_beta_has_zero_kl_before_the_first_update(tmp_path):
     assert rows[1]["kl"] > 0
 
 
+@pytest.mark.slow
 def test_the_lora_gsm8k_recipe_runs_on_a_tiny_qwen_checkpoint(tmp_path):
     from test_real_configs import QA, _jsonl, _messages, _run  # the real-config harness
 
@@ -392,3 +403,46 @@ def test_the_lora_gsm8k_recipe_runs_on_a_tiny_qwen_checkpoint(tmp_path):
     )
     assert loaded.peft_config["default"].r == 32
     assert (out / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_merged_export_is_peft_merge_of_the_original_fp32_base_and_the_adapter(tmp_path):
+    """A bf16-compute LoRA run on an fp32 checkpoint: ``hf/`` is PEFT's merge of the original
+    base and ``adapter/`` within fp32 rounding; the untouched weights (embeddings, norms) are
+    the original ones bit for bit, never the bf16 compute copy of the frozen base."""
+    import safetensors.numpy
+    from test_real_configs import QA, _jsonl, _messages, _run  # the real-config harness
+
+    model_dir = write_chat_checkpoint(tmp_path / "qwen", "qwen2.5")
+    data = _jsonl(tmp_path / "chat.jsonl", [{"messages": _messages(q, a)} for q, a in QA])
+    out = _run(
+        "sft_qwen.yaml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"model.path={model_dir}",
+            f"data.train={data}",
+            f"data.eval={data}",
+            "mesh.data=1",
+            "model.dtype=bfloat16",
+            "model.lora.rank=4",
+            "optimizer.learning_rate=1e-2",
+            "optimizer.warmup_steps=0",
+            "sft.batch_size=8",
+            "schedule.max_tokens=256",
+            "sft.max_length=256",
+            "checkpoint.every=0",
+        ],
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    original = {k: v.numpy().copy() for k, v in base.state_dict().items()}
+    merged = peft.PeftModel.from_pretrained(base, out / "adapter").merge_and_unload()
+    expected = {k: v.numpy() for k, v in merged.state_dict().items()}
+    ours = safetensors.numpy.load_file(out / "hf" / "model.safetensors")
+    assert ours["model.embed_tokens.weight"].dtype == np.float32
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        np.testing.assert_array_equal(ours[name], original[name])
+    moved = 0
+    for name, value in ours.items():
+        np.testing.assert_allclose(value, expected[name], rtol=0, atol=2e-6, err_msg=name)
+        moved += not np.array_equal(value, original[name])
+    assert moved >= 7 * 2  # the adapters changed every targeted kernel of both layers

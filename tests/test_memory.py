@@ -125,6 +125,7 @@ def test_table_names_the_parts_and_the_total(capsys):
         assert word in out
 
 
+@pytest.mark.slow
 def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference():
     """fp32 masters + bf16 compute on (data 2, fsdp 4): the master is 4 bytes a parameter split
     8 ways; the sampler's copy is 2 bytes a parameter in its decode layout (a tiny model: a whole
@@ -164,8 +165,8 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     p = batch_bucket(g.max_prompt_length)
     entry = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 4
     length = -(-(p + g.max_completion_length) // 64) * 64  # decode-attention blocks
-    slots = -(-g.generation_batch_size // 8)  # one per completion, over 8 batch ranks
-    groups = g.generation_batch_size // g.num_generations
+    slots = -(-g.generation.size // 8)  # one per completion, over 8 batch ranks
+    groups = g.generation.size // g.num_generations
     assert full["kv_cache_bytes"] == entry * (slots * length + groups * p) > 0
     few = plan_memory(load_run_config(TINY, [*sets, "rollout.max_slots=8"]))
     assert few["kv_cache_bytes"] == entry * (1 * length + groups * p)  # 8 over 8 ranks

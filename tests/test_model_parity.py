@@ -43,6 +43,7 @@ def case(request, tmp_path_factory):
     return request.param, hf_model, from_pretrained(path)
 
 
+@pytest.mark.slow
 def test_unpacked_batch_matches_transformers(case):
     name, hf_model, model = case
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 24))
@@ -50,6 +51,7 @@ def test_unpacked_batch_matches_transformers(case):
     assert diff <= TOL, f"{name}: max |logit diff| {diff:.2e}"
 
 
+@pytest.mark.slow
 def test_packed_row_matches_each_document(case):
     """Documents packed with segment ids and trailing padding match their unpacked logits."""
     name, hf_model, model = case
@@ -79,6 +81,7 @@ def _tiny(**overrides) -> Transformer:
     return Transformer(ModelConfig.tiny(128, **(fields | overrides)), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_padding_never_influences_real_tokens_and_stays_finite():
     model = _tiny(model_type="qwen3")
     seg = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]])
@@ -149,6 +152,7 @@ def test_bf16_compute_dtype_and_storage():
     assert nnx.eval_shape(lambda m: m(ids), mixed).dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_sharding_rules_map_logical_axes_to_the_mesh():
     batch_axes = ("data", "fsdp")
     assert logical_to_spec(("batch", None, "embed")) == PartitionSpec(batch_axes, None, "fsdp")

@@ -58,6 +58,7 @@ def _launch(out: Path, config: str, sets: list[str]) -> list[subprocess.Complete
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_two_processes_train_as_one(tmp_path, job):
     config, sets = JOBS[job]

@@ -23,6 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(jax.config, "jax_cpu_collectives_implementation"),
     reason="this jax has no CPU collectives across processes",

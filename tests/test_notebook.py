@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "grpo_quickstart.ipynb"
@@ -31,6 +32,7 @@ def _execute(path: Path, tmp_path: Path) -> nbformat.NotebookNode:
     return nb
 
 
+@pytest.mark.slow
 def test_grpo_quickstart_notebook_executes(tmp_path):
     nb = _execute(NOTEBOOK, tmp_path)
 
@@ -58,6 +60,7 @@ def test_grpo_quickstart_notebook_executes(tmp_path):
     assert "eval/accuracy_start" in summary and "eval/accuracy_sampled_start" in summary
 
 
+@pytest.mark.slow
 def test_dpo_jsonl_notebook_executes(tmp_path):
     nb = _execute(NOTEBOOK.parent / "dpo_jsonl.ipynb", tmp_path)
     out = tmp_path / "runs" / "dpo_jsonl"

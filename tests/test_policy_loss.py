@@ -180,6 +180,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -336,6 +337,7 @@ def _layout_terms(theta, layout, flat, S, T, **kw):
     return num, den, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_layout_invariance_value_gradient_and_metrics(loss_type, level):
@@ -388,6 +390,7 @@ def test_layout_invariance_value_gradient_and_metrics(loss_type, level):
 # ----------------------------------------------------------------- example 16 (DAPO window)
 
 
+@pytest.mark.slow
 def test_example_16_dapo_window_normaliser():
     """Window of g=2 micro-steps from a buffer of S=4 slices: jaxrl divides by the window's own
     loss tokens. TRL's snapshot divides by the generation batch's tokens (off by S/g)."""
@@ -800,6 +803,7 @@ def test_divisor_linearity():
 # ------------------------------------------------ docs/algorithms/accumulation.md §4 padding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_padded_row_is_bit_identical_to_unpadded(loss_type, level):
@@ -835,6 +839,7 @@ def test_padded_row_is_bit_identical_to_unpadded(loss_type, level):
     np.testing.assert_array_equal(g10[:, 7:], 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_fully_padded_row_contributes_nothing(loss_type, level):

@@ -69,6 +69,7 @@ def _messages(q: str, a: str | None = None) -> list[dict]:
     return turns + ([{"role": "assistant", "content": a}] if a is not None else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversational", [True, False], ids=["messages", "text"])
 def test_sft_qwen_config(tmp_path, model_dir, conversational):
     if conversational:
@@ -89,9 +90,11 @@ def test_sft_qwen_config(tmp_path, model_dir, conversational):
         ],
     )
     rows = _check_logs(out)
-    assert rows[-1]["eval/loss"] > 0 and 0 <= rows[-1]["eval/accuracy"] <= 1
+    assert rows[-1]["eval/loss"] > 0
+    assert rows[-1]["eval/accuracy"] == 0.0  # a random model after 2 steps matches no answer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversational", [True, False], ids=["messages", "text"])
 def test_dpo_qwen_config(tmp_path, model_dir, conversational):
     wrap = (lambda t: [{"role": "assistant", "content": t}]) if conversational else (lambda t: t)
@@ -133,6 +136,7 @@ def spy(prompts, completions, completion_ids, answer, question, **kwargs):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversational", [True, False], ids=["messages", "text"])
 def test_grpo_gsm8k_qwen_config_with_a_user_reward(
     tmp_path, model_dir, monkeypatch, conversational

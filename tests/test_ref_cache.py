@@ -198,6 +198,7 @@ def _tiny_model(vocab: int) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=0)))
 
 
+@pytest.mark.slow
 def test_step_zero_policy_equals_reference():
     task = ArithmeticTask(max_digits=2, reverse_answer=True, pad_operands=True)
     tok = char_tokenizer(task.alphabet)
@@ -245,6 +246,7 @@ def test_step_zero_policy_equals_reference():
     np.testing.assert_allclose(metric["logps/rejected"], cache.rejected.mean(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_step_zero_accuracy_is_strictly_zero(tmp_path):
     """Where policy and reference values come from one program, every z is exactly 0."""
     cfg = load_run_config(

@@ -128,21 +128,24 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert "checkpoint step 2: unreadable" in err and "resumed from step 1" in err
 
 
-@_ORBAX_NOISE
-def test_no_usable_checkpoint_is_one_clear_error(tmp_path):
-    from jaxrl.trainers.session import CheckpointError
+def test_a_resume_onto_another_model_is_refused_before_any_restore(tmp_path, capsys):
+    """The previous run's config.json names the change; orbax never reads a checkpoint (its
+    shape errors used to come first, one "unreadable ... trying an older one" per step)."""
+    from jaxrl.cli import main
 
-    sets = [*SMALL, f"output_dir={tmp_path}", "mesh.data=1"]
-    SFTTrainer(load_run_config("configs/sft_tiny.yaml", [*sets, "max_steps=1"])).run()
-    bigger = SMALL[0].replace("hidden_size: 32", "hidden_size: 64")  # another model, same dir
-    cfg = load_run_config("configs/sft_tiny.yaml", [*sets, bigger, "max_steps=2"])
+    sets = [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "checkpoint.every=1"]
+    args = lambda items: [a for s in items for a in ("--set", s)]
+    assert main(["train", "configs/sft_tiny.yaml", *args([*sets, "max_steps=2"])]) == 0
+    capsys.readouterr()
+    bigger = SMALL[0].replace("intermediate_size: 64", "intermediate_size: 96")
     for _ in range(2):  # a refused run leaves the previous run's config.json for the next try
-        with pytest.raises(
-            CheckpointError,
-            match=r"no usable checkpoint in .*model.init.hidden_size: 32 -> 64.*resume=false",
-        ):
-            SFTTrainer(cfg).session.resume({})
-    gc.collect()
+        code = main(["train", "configs/sft_tiny.yaml", *args([*sets, bigger, "max_steps=3"])])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, err
+        assert len(err) == 1, err
+        assert "model.init.intermediate_size: 64 -> 96" in err[0], err
+        assert "checkpoint.resume=false" in err[0] and "unreadable" not in err[0], err
+    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 2
 
 
 def _rngs():

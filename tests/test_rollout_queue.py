@@ -90,7 +90,7 @@ def test_queue_serves_the_buffer_order_and_builds_no_document_twice():
     same seed serves, and a window's documents are the batch's own arrays (built once)."""
     cfg = _config()
     queue, buffer = RolloutQueue(cfg, seed=4), GenerationBuffer(cfg, seed=4)
-    b_gen = cfg.generation_batch_size
+    b_gen = cfg.generation.size
     for k in range(8):
         assert queue.needs_generation == buffer.needs_generation
         if queue.needs_generation:
@@ -134,7 +134,7 @@ def test_state_dict_round_trip_through_json_resumes_exactly():
         out = []
         for k in range(start, start + n):
             if queue.needs_generation:
-                queue.load(_batch(cfg.generation_batch_size, seed=k))
+                queue.load(_batch(cfg.generation.size, seed=k))
             queue.serve()
             window = queue.window()
             out.append((window.rows, [s.tolist() for s in window.sequences]))

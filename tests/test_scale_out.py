@@ -60,6 +60,7 @@ def _run(out, config, *overrides):
     return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_every_mesh_gives_the_data8_numbers(tmp_path, job):
     """(data=2, fsdp=2, tensor=2) and (data=1, fsdp=8) agree with (data=8) per step (1e-4)."""
@@ -111,6 +112,7 @@ def test_parameters_and_moments_are_sharded_over_fsdp(tmp_path):
     assert leaf.addressable_shards[0].data.nbytes == leaf.nbytes // 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_on", ["d2f4", "one_device"])
 def test_a_data8_checkpoint_resumes_on_another_mesh(tmp_path, resume_on):
     config, sets = JOBS["sft"]

@@ -302,6 +302,7 @@ def _sft_trainer(tmp_path, *sets):
     return SFTTrainer(cfg)
 
 
+@pytest.mark.slow
 def test_scanned_training_on_a_data_fsdp_tensor_mesh(tmp_path):
     """Stacked parameters and moments live split over fsdp (embed) and tensor, stay so after a
     step, and the step equals the unrolled model's on the same mesh."""
@@ -332,6 +333,7 @@ def _cli_losses(out, *sets) -> list[float]:
     return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 def test_cli_losses_do_not_depend_on_scan_or_remat(tmp_path, capsys):
     runs = {
         (scan, remat): _cli_losses(

@@ -57,6 +57,7 @@ def case():
     return graphdef, params, packed, rows, live, want
 
 
+@pytest.mark.slow
 def test_scores_equal_the_train_forward_on_every_mesh(case):
     graphdef, params, packed, rows, live, (logp, entropy, hit) = case
     one = make_mesh(1, devices=jax.devices()[:1])

@@ -29,6 +29,7 @@ def _steps(rows):
     return [r for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 def test_dp1_large_rows_equals_dp8_small_rows(tmp_path):
     one = _train(tmp_path, "dp1", "max_steps=3", "mesh.data=1", "schedule.max_tokens=512")
     eight = _train(tmp_path, "dp8", "max_steps=3", "mesh.data=8", "schedule.max_tokens=16")
@@ -42,6 +43,7 @@ def test_dp1_large_rows_equals_dp8_small_rows(tmp_path):
             assert a[key] == b[key]
 
 
+@pytest.mark.slow
 def test_docs_per_step_metrics_and_resume(tmp_path):
     rows = _steps(
         _train(
@@ -66,6 +68,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_to_identical_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXRL_DEBUG", "1")  # the injected crash propagates out of main
     settings = [

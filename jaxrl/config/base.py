@@ -193,17 +193,15 @@ def from_dict(
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict of a config (tuples become lists), for YAML/JSON dumps that
-    ``from_dict`` reads back: a config's ``given_dict()`` when it has one (the values the user
-    gave, before resolution), without its ``RUN_FIELDS``. A function given from Python (a
-    reward function) is written as its ``"module:name"``."""
+    ``from_dict`` reads back (a config holds the values given, never resolved ones), without
+    its ``RUN_FIELDS``. A function given from Python (a reward function) is written as its
+    ``"module:name"``."""
 
     def plain(v: Any) -> Any:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            given = getattr(v, "given_dict", None)
             fields = [f.name for f in dataclasses.fields(v) if f.init]
-            items = given() if given else {name: getattr(v, name) for name in fields}
             skip = getattr(v, "RUN_FIELDS", {})
-            return {k: plain(items[k]) for k in fields if k not in skip}
+            return {k: plain(getattr(v, k)) for k in fields if k not in skip}
         if isinstance(v, tuple | list):
             return [plain(x) for x in v]
         if isinstance(v, dict):

@@ -28,7 +28,12 @@ from jaxrl.config.base import (
     require_choice,
 )
 from jaxrl.config.reward_entries import check_reward_specs
-from jaxrl.losses.advantages import AGGREGATIONS, ESTIMATORS, SCALE_REWARDS
+from jaxrl.losses.advantages import (
+    AGGREGATIONS,
+    ESTIMATORS,
+    SCALE_REWARDS,
+    resolve_scale_rewards,
+)
 from jaxrl.losses.loss_types import (
     CORRECTION_MODES,
     GRPO_LOSS_TYPES,
@@ -161,62 +166,23 @@ class GRPOConfig:
     lr_scheduler_type: str | None = None  # the GRPO stage's decay: constant, cosine, linear;
     # None → optimizer.decay
 
-    _given: tuple[int | None, int | None] = dataclasses.field(
-        init=False, repr=False, compare=False, default=(None, None)
-    )
-
     def __post_init__(self) -> None:
-        given = (self.generation_batch_size, self.steps_per_generation)
-        object.__setattr__(self, "_given", given)
-        set_ = lambda name, value: object.__setattr__(self, name, value)
-
-        # 1. scale_rewards booleans.
-        if self.scale_rewards is True:
-            set_("scale_rewards", "group")
-        elif self.scale_rewards is False:
-            set_("scale_rewards", "none")
-
-        # 2. (TRL refuses auto_find_batch_size=True; jaxrl has no such field.)
-
-        # 3. Batch resolution (b, P and g must be usable first). P = None: a run's section
-        # before its mesh is known; what needs P waits for ``for_world_size``.
+        """Validation only: a GRPOConfig holds what was given and never changes it; what the
+        fields imply (B_gen, S) is computed by ``resolve_generation_batch`` (``generation``)."""
         _positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
         if self.world_size is not None:
             _positive_int("world_size", self.world_size)
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        b_gen, steps = given
-        if b_gen is not None and steps is not None:
-            raise ConfigError(
-                f"generation_batch_size={b_gen!r} and steps_per_generation={steps!r}: "
-                "'generation_batch_size' and 'steps_per_generation' can not be both configured "
-                "at the same time; set only one of them"
-            )
-        if b_gen is not None:
-            _positive_int("generation_batch_size", b_gen)
-        elif steps is not None:
-            _positive_int("steps_per_generation", steps)
-        else:
-            steps = self.gradient_accumulation_steps
-        if self.world_size is not None:
-            b_global = self.per_device_train_batch_size * self.world_size
-            if b_gen is None:
-                b_gen = b_global * steps
-            else:
-                require(
-                    b_gen % b_global == 0,
-                    "generation_batch_size",
-                    b_gen,
-                    f"it must be divisible by the global batch size per_device_train_batch_size "
-                    f"× world_size = {self.per_device_train_batch_size} × {self.world_size} = "
-                    f"{b_global}; use a multiple of {b_global}",
-                )
-                steps = b_gen // b_global
-        set_("generation_batch_size", b_gen)
-        set_("steps_per_generation", steps)
+        self._check_groups(resolve_generation_batch(self).size)
+        self._check_choices()
+        self._check_ranges()
+        self._check_loss()
+        _check_tools(self)
+        self._check_rewards()
+        self._warn_sequence_level()
 
-        # 4. (TRL's eval batches hold whole groups; jaxrl's evaluation has no eval batch fields.)
-
-        # 5. The generation batch holds whole prompt groups.
+    def _check_groups(self, b_gen: int | None) -> None:
+        """Rules 5 and 6: a generation holds whole prompt groups of at least 2 completions."""
         g_count = self.num_generations
         if b_gen is not None and isinstance(g_count, int) and g_count >= 1:
             require(
@@ -227,8 +193,6 @@ class GRPOConfig:
                 "whole prompt groups; change generation_batch_size (or b, world_size, "
                 "steps_per_generation) or num_generations",
             )
-
-        # 6. Groups need at least 2 completions.
         require(
             isinstance(g_count, int) and not isinstance(g_count, bool) and g_count >= 2,
             "num_generations",
@@ -236,32 +200,28 @@ class GRPOConfig:
             "GRPO needs at least 2 generations per prompt; set num_generations ≥ 2",
         )
 
-        # 7. Enumerations and ranges.
+    def _check_choices(self) -> None:
+        """Rule 7: the enumerations, and the options that belong to one estimator."""
         require_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
         require_choice(
             "importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS
         )
-        require_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        require_choice("scale_rewards", self.scale_rewards, (*SCALE_REWARDS, True, False))
         require_choice(
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
         require_choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
-        _positive_int("max_dynamic_sampling_rounds", self.max_dynamic_sampling_rounds)
         if self.importance_sampling_correction is not None:
             require_choice(
                 "importance_sampling_correction",
                 self.importance_sampling_correction,
                 CORRECTION_MODES,
             )
-        require(
-            self.importance_sampling_cap > 1,
-            "importance_sampling_cap",
-            self.importance_sampling_cap,
-            "use a value > 1 (TRL's default is 3.0)",
-        )
+        if self.lr_scheduler_type is not None:
+            require_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
         if self.advantage_estimator != "grpo":
             require(
-                self.scale_rewards == "group",
+                resolve_scale_rewards(self.scale_rewards) == "group",
                 "scale_rewards",
                 self.scale_rewards,
                 f"it is GRPO's normalisation; advantage_estimator={self.advantage_estimator!r} "
@@ -288,6 +248,16 @@ class GRPOConfig:
                 self.kl_in_reward,
                 "the KL coefficient is beta: set beta > 0 (e.g. 0.01)",
             )
+
+    def _check_ranges(self) -> None:
+        """Rule 7: counts, probabilities, widths and the stage's schedule."""
+        _positive_int("max_dynamic_sampling_rounds", self.max_dynamic_sampling_rounds)
+        require(
+            self.importance_sampling_cap > 1,
+            "importance_sampling_cap",
+            self.importance_sampling_cap,
+            "use a value > 1 (TRL's default is 3.0)",
+        )
         if self.max_prompt_length is not None:
             _positive_int("max_prompt_length", self.max_prompt_length)
         for name in ("num_iterations", "max_completion_length"):
@@ -305,27 +275,31 @@ class GRPOConfig:
             require(self.learning_rate > 0, "learning_rate", self.learning_rate, "use a value > 0")
         if self.warmup_steps is not None:
             require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "use a value >= 0")
-        if self.lr_scheduler_type is not None:
-            require_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
         q = self.top_entropy_quantile
         require(0 < q <= 1, "top_entropy_quantile", q, "use a value in (0, 1]; 1 disables it")
         if self.delta is not None:
             require(self.delta > 1, "delta", self.delta, "use a value > 1, or None to disable")
-        if self.loss_type == "cispo":
-            require(
-                self.epsilon_high is not None and self.epsilon_high > 0,
-                "epsilon_high",
-                self.epsilon_high,
-                "loss_type='cispo' caps the importance weight at epsilon_high (not a clip width): "
-                "set it, e.g. 5.0 (ScaleRL)",
-            )
-            require(
-                self.delta is None,
-                "delta",
-                self.delta,
-                "loss_type='cispo' caps the weight with epsilon_high; remove delta",
-            )
-        _check_tools(self)
+
+    def _check_loss(self) -> None:
+        """CISPO caps the importance weight with epsilon_high and has no delta."""
+        if self.loss_type != "cispo":
+            return
+        require(
+            self.epsilon_high is not None and self.epsilon_high > 0,
+            "epsilon_high",
+            self.epsilon_high,
+            "loss_type='cispo' caps the importance weight at epsilon_high (not a clip width): "
+            "set it, e.g. 5.0 (ScaleRL)",
+        )
+        require(
+            self.delta is None,
+            "delta",
+            self.delta,
+            "loss_type='cispo' caps the weight with epsilon_high; remove delta",
+        )
+
+    def _check_rewards(self) -> None:
+        """The reward entries' shape, one weight per function, a positive deadline."""
         if self.reward_timeout is not None:
             require(
                 self.reward_timeout > 0,
@@ -349,6 +323,7 @@ class GRPOConfig:
                     f"reward_funcs has {count}: give one weight per reward function"
                 )
 
+    def _warn_sequence_level(self) -> None:
         if (
             self.importance_sampling_level == "sequence"
             and self.loss_type in TOKEN_SUMMING_LOSS_TYPES
@@ -359,8 +334,13 @@ class GRPOConfig:
                 "loss_type='grpo' for GSPO's per-sequence objective or 'seq_mean_token_sum' "
                 "for Fast-LLM's",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+
+    @property
+    def generation(self) -> GenerationBatch:
+        """B_gen and S, resolved from the fields (``resolve_generation_batch``)."""
+        return resolve_generation_batch(self)
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -370,7 +350,7 @@ class GRPOConfig:
         optimizer step, so the parameters that sampled it are the ones being trained and
         old = stop_gradient(current).
         """
-        window = self.steps_per_generation * self.num_iterations
+        window = self.generation.steps * self.num_iterations
         return self.gradient_accumulation_steps % window != 0
 
     @property
@@ -381,15 +361,10 @@ class GRPOConfig:
     @property
     def prompts_per_generation(self) -> int:
         """Unique prompts per generation batch, B_gen / G (the RepeatSampler batch size)."""
-        return self.generation_batch_size // self.num_generations
-
-    def replace(self, **changes: Any) -> GRPOConfig:
-        """A copy with ``changes``, re-resolved from the batch fields the user gave.
-
-        ``dataclasses.replace`` would pass both resolved ``generation_batch_size`` and
-        ``steps_per_generation`` and trip rule 3; use this instead.
-        """
-        return GRPOConfig(**{**self.given_dict(), **changes})
+        size = self.generation.size
+        if size is None:
+            raise ValueError("prompts_per_generation needs the world size (for_world_size)")
+        return size // self.num_generations
 
     def for_world_size(self, world_size: int) -> GRPOConfig:
         """This config resolved for ``world_size`` data-parallel ranks (a run's mesh); itself
@@ -398,10 +373,46 @@ class GRPOConfig:
             return self
         with warnings.catch_warnings():  # the same warnings as at construction
             warnings.simplefilter("ignore", UserWarning)
-            return self.replace(world_size=world_size)
+            return dataclasses.replace(self, world_size=world_size)
 
-    def given_dict(self) -> dict[str, Any]:
-        """The constructor arguments (batch fields as given), for dumps that reload."""
-        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        kwargs["generation_batch_size"], kwargs["steps_per_generation"] = self._given
-        return kwargs
+
+@dataclasses.dataclass(frozen=True)
+class GenerationBatch:
+    """A GRPOConfig's generation batch, resolved from the fields given (TRL's rule 3)."""
+
+    size: int | None  # B_gen: completions per generation, all ranks; None until P is known
+    steps: int | None  # S: micro-steps one generation buffer serves; None until P is known
+    # when only generation_batch_size was given
+
+
+def resolve_generation_batch(c: GRPOConfig) -> GenerationBatch:
+    """B_gen and S from b, P, g and whichever of ``generation_batch_size`` /
+    ``steps_per_generation`` was given (at most one; neither: S = g). ``ConfigError`` when
+    both are given, or B_gen is not a multiple of the global batch b · P."""
+    b_gen, steps = c.generation_batch_size, c.steps_per_generation
+    if b_gen is not None and steps is not None:
+        raise ConfigError(
+            f"generation_batch_size={b_gen!r} and steps_per_generation={steps!r}: "
+            "'generation_batch_size' and 'steps_per_generation' can not be both configured "
+            "at the same time; set only one of them"
+        )
+    if b_gen is not None:
+        _positive_int("generation_batch_size", b_gen)
+    elif steps is not None:
+        _positive_int("steps_per_generation", steps)
+    else:
+        steps = c.gradient_accumulation_steps
+    if c.world_size is None:  # a run's section before its mesh is known
+        return GenerationBatch(b_gen, steps)
+    b_global = c.per_device_train_batch_size * c.world_size
+    if b_gen is None:
+        return GenerationBatch(b_global * steps, steps)
+    require(
+        b_gen % b_global == 0,
+        "generation_batch_size",
+        b_gen,
+        f"it must be divisible by the global batch size per_device_train_batch_size "
+        f"× world_size = {c.per_device_train_batch_size} × {c.world_size} = "
+        f"{b_global}; use a multiple of {b_global}",
+    )
+    return GenerationBatch(b_gen, b_gen // b_global)

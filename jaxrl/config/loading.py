@@ -33,7 +33,7 @@ def load_run_config(
     if before_build is not None:
         mesh = _section(MeshConfig, data, "mesh")
         before_build(mesh, _section(DistributedConfig, data, "distributed"))
-    return from_dict(RunConfig, data)
+    return from_dict(RunConfig, data).resolved()
 
 
 def _section(cls: type, data: dict[str, Any], key: str) -> Any:

@@ -564,7 +564,8 @@ class RunConfig:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    task: TaskConfig | None = None  # the built-in task; None = the default task, unless data
+    task: TaskConfig | None = None  # the built-in task; None = the default task (filled in by
+    # resolved()), unless data
     data: DataConfig = dataclasses.field(default_factory=DataConfig)  # real data (or `task`)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -612,16 +613,26 @@ class RunConfig:
             self.sft_warmup_eval_every,
             "use a positive number of SFT steps between held-out checks",
         )
-        ranks = self.mesh.static_batch_ranks
-        if ranks is not None:  # else the run sets it at start (with_batch_ranks)
-            for name, value in self._sections_at(ranks).items():
-                object.__setattr__(self, name, value)
         if self.sft.max_length > self.schedule.max_tokens:
             raise ConfigError(
                 f"sft.max_length={self.sft.max_length} exceeds schedule.max_tokens="
                 f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
                 "schedule.max_tokens or lower sft.max_length"
             )
+
+    def resolved(self) -> RunConfig:
+        """The one resolve step (``load_run_config`` runs it; nothing else fills a config in):
+        a new config with the built-in task's defaults when neither ``task`` nor
+        ``data.train`` is given, and the grpo / dpo sections at the mesh's data-parallel ranks
+        when the mesh fixes them (a -1 axis leaves them to the run: ``with_batch_ranks``). A
+        config never changes itself."""
+        changes: dict[str, Any] = {}
+        if self.data.train is None and self.task is None:
+            changes["task"] = TaskConfig()
+        ranks = self.mesh.static_batch_ranks
+        if ranks is not None:
+            changes.update(self._sections_at(ranks))
+        return dataclasses.replace(self, **changes) if changes else self
 
     def with_batch_ranks(self, ranks: int) -> RunConfig:
         """This config with the grpo and dpo sections resolved for ``ranks`` data-parallel
@@ -663,11 +674,9 @@ class RunConfig:
 
     def _check_data_source(self) -> None:
         """``task`` and ``data.train`` are alternatives: the built-in task is the default (no
-        ``data.train``), and giving both is an error. Real data needs ``model.path`` (the
-        tokenizer and chat template come from it)."""
+        ``data.train``), and giving both is an error (``resolved`` fills the default task in).
+        Real data needs ``model.path`` (the tokenizer and chat template come from it)."""
         if self.data.train is None:
-            if self.task is None:
-                object.__setattr__(self, "task", TaskConfig())
             return
         if self.task is not None:
             raise ConfigError(

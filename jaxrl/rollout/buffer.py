@@ -32,7 +32,8 @@ goes into every checkpoint, so a resumed run serves exactly the rows an uninterr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,12 +45,76 @@ Batch = dict[str, Any]  # field → per-row array [N, ...], 0-d array / scalar, 
 
 __all__ = [
     "GenerationBuffer",
+    "MicroStepRule",
     "PromptSampler",
     "rank_rows",
     "repeat_sampler_indices",
     "shuffle_batch",
     "split_batch",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroStepRule:
+    """Which micro-steps make an optimizer step, and when a generation loads: written once, for
+    the synchronous loop (``GRPOTrainer.step``), the buffer (:attr:`GenerationBuffer.
+    needs_generation`) and the pipeline's forecast of the loads (:meth:`load_steps`).
+
+    A step runs ``g`` micro-steps, or with ``docs_per_step`` as many as it takes to hold that
+    many pending rows (each micro-step serves ``b · P``); it trains on ``docs_per_step`` of them.
+    Micro-step k loads a generation when ``k % (S·μ) == 0`` (or the buffer is empty).
+    """
+
+    micro_steps_per_step: int  # g (without docs_per_step)
+    docs_per_step: int  # 0: g micro-steps per step
+    rows_per_micro_step: int  # b · P
+    generation_period: int  # S · μ
+
+    @classmethod
+    def of(cls, config: GRPOConfig, docs_per_step: int) -> MicroStepRule:
+        return cls(
+            micro_steps_per_step=config.gradient_accumulation_steps,
+            docs_per_step=docs_per_step,
+            rows_per_micro_step=config.per_device_train_batch_size * (config.world_size or 1),
+            generation_period=config.generation.steps * config.num_iterations,
+        )
+
+    def loads_generation(self, micro_step: int) -> bool:
+        """Micro-step ``micro_step`` (counted over the run) starts by loading a generation."""
+        return micro_step % self.generation_period == 0
+
+    def continues(self, runs: int, pending: int) -> bool:
+        """Whether the step runs another micro-step after ``runs`` of them, with ``pending``
+        rows served and not yet trained on."""
+        if self.docs_per_step == 0:
+            return runs < self.micro_steps_per_step
+        return pending < self.docs_per_step
+
+    def run_step(self, micro_step: Callable[[], None], pending: Callable[[], int]) -> None:
+        """One step's micro-steps: ``micro_step()`` until :meth:`continues` says no."""
+        runs = 0
+        while self.continues(runs, pending()):
+            micro_step()
+            runs += 1
+
+    def load_steps(self) -> Iterator[int]:
+        """The optimizer step (0-based) at which generation 0, 1, 2, ... loads. (With
+        ``docs_per_step``, rows the schedule hands back to the next step make the real loads
+        later, never earlier.)"""
+        state = {"micro": 0, "pending": 0, "loads": 0}
+
+        def micro_step() -> None:
+            state["loads"] += self.loads_generation(state["micro"])
+            state["micro"] += 1
+            state["pending"] += self.rows_per_micro_step
+
+        step = 0
+        while True:
+            before = state["loads"]
+            self.run_step(micro_step, lambda: state["pending"])
+            yield from [step] * (state["loads"] - before)
+            state["pending"] -= self.docs_per_step
+            step += 1
 
 
 def repeat_sampler_indices(
@@ -201,9 +266,9 @@ class GenerationBuffer:
     def __init__(self, config: GRPOConfig, *, seed: int = 0):
         self.b = config.per_device_train_batch_size
         self.world_size = config.world_size
-        self.steps_per_generation = config.steps_per_generation
-        self.num_iterations = config.num_iterations
-        self.generation_batch_size = config.generation_batch_size
+        self.steps_per_generation = config.generation.steps
+        self.rule = MicroStepRule.of(config, 0)  # when a generation loads
+        self.generation_batch_size = config.generation.size
         self.micro_step = 0  # k
         self._chunks: list[list[Batch]] | None = None  # [P][S]
         self._rng = np.random.default_rng(seed)
@@ -211,8 +276,7 @@ class GenerationBuffer:
     @property
     def needs_generation(self) -> bool:
         """``k % (S·μ) == 0``, or nothing is buffered (a fresh start or a resume)."""
-        period = self.steps_per_generation * self.num_iterations
-        return self._chunks is None or self.micro_step % period == 0
+        return self._chunks is None or self.rule.loads_generation(self.micro_step)
 
     def load(self, batch: Batch) -> None:
         """Keep a generation batch (``B_gen`` rows, global order): slice, permute, split."""

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.config import ConfigError, GRPOConfig
+from jaxrl.config import ConfigError, GRPOConfig, RolloutConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.generate.backend import RolloutBackend
-from jaxrl.generate.decode_layout import decode_mesh
+from jaxrl.generate.decode_layout import decode_mesh, decode_tensor
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.losses.advantages import (
     aggregate_rewards,
@@ -97,20 +97,19 @@ class RolloutGenerator:
         ref_params: Any = None,
         mesh: Mesh | None = None,
         episodes: EpisodeRunner | None = None,
-        max_slots: int = 0,
+        rollout: RolloutConfig | None = None,
         copy_params: bool = True,
-        decode_tensor: int = 1,
     ):
         """``reward_funcs``: the loaded functions (``jaxrl.rollout.rewards.specs``);
         ``old_logprobs``: score every batch under the generating parameters
         (docs/algorithms/grpo.md §5); ``ref_params``: the frozen reference parameters when
         β > 0; ``mesh``: the device mesh the sampler and the scorer split their rows over (None:
         where the parameters are); ``episodes``: multi-turn episodes with tools (docs/tools.md;
-        None: one completion per prompt); ``max_slots``: the sampler's decode slots
-        (``rollout.max_slots``, 0 = one per completion); ``copy_params``: whether the sampler
-        copies the weights at each sync (needed when generation overlaps training;
-        docs/rollout.md); ``decode_tensor``: the sampler decodes on ``mesh``'s devices in
-        groups of this many tensor-parallel devices (``jaxrl.generate.decode_layout``)."""
+        None: one completion per prompt); ``rollout``: the sampler's decode slots
+        (``max_slots``, 0 = one per completion) and its decode layout on ``mesh``'s devices
+        (``tensor_parallel``, auto from ``weight_budget_gb``: ``jaxrl.generate.decode_layout``;
+        None: the defaults); ``copy_params``: whether the sampler copies the weights at each
+        sync (needed when generation overlaps training; docs/rollout.md)."""
         self.config = config
         self.episodes = episodes
         self.tokenizer = tokenizer
@@ -126,21 +125,28 @@ class RolloutGenerator:
         self.old_logprobs = old_logprobs
         self.ref_params = ref_params
         self.lora_graphdef = graphdef if model_config.lora is not None else None
+        rollout, scorer_mesh = rollout or RolloutConfig(), mesh
+        dense = lora.dense_config(model_config)  # LoRA: samples with the merged weights
+        if mesh is not None:  # the sampler's own layout over the same devices
+            tensor = decode_tensor(
+                dense, mesh.size, rollout.tensor_parallel, rollout.weight_budget_gb
+            )
+            mesh = decode_mesh(mesh, tensor)
         self.sampler: RolloutBackend = Sampler(
-            lora.dense_config(model_config),  # LoRA: samples with the merged weights
+            dense,
             max_new_tokens=config.max_completion_length,
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
             sampling=SamplingParams(
                 temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
             ),
-            mesh=None if mesh is None else decode_mesh(mesh, decode_tensor),
-            max_slots=max_slots,
+            mesh=mesh,
+            max_slots=rollout.max_slots,
             copy_params=copy_params,
         )
         self.scorer = Scorer(
             graphdef,
-            mesh=mesh,
+            mesh=scorer_mesh,
             row_len=row_len,
             temperature=config.temperature,
             chunk_size=chunk_size,

@@ -1,7 +1,9 @@
 """Asynchronous generation with bounded staleness: GRPO batches made ahead while the trainer trains.
 
 The synchronous loop generates generation m with the weights of the step that loads it into the
-buffer, ``load_step(m)`` (version = optimizer updates taken so far), then trains. With
+buffer, ``load_step(m)`` (version = optimizer updates taken so far; ``MicroStepRule.load_steps``
+in ``jaxrl.rollout.buffer``), then trains: a :class:`RolloutPipeline` with ``max_staleness=0``
+makes each generation when it is taken. With
 ``rollout.max_staleness = k >= 1`` the :class:`RolloutPipeline` starts generation m as soon as
 the trainer reaches step ``load_step(m) - k``, with that step's weights, on a worker thread (and,
 with ``rollout.devices``, on devices of its own), and the trainer takes the finished batch when
@@ -27,10 +29,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxrl.config import GRPOConfig
 from jaxrl.rollout.rollout_queue import RolloutBatch
 
-__all__ = ["Generated", "RolloutPipeline", "generation_device_count", "load_steps"]
+__all__ = ["Generated", "RolloutPipeline", "generation_device_count"]
 
 
 def generation_device_count(max_staleness: int, devices: int, pool: int) -> int:
@@ -40,30 +41,6 @@ def generation_device_count(max_staleness: int, devices: int, pool: int) -> int:
     if max_staleness == 0 or pool == 1:
         return 0
     return devices or pool // 2
-
-
-def load_steps(config: GRPOConfig, docs_per_step: int) -> Iterator[int]:
-    """The optimizer step (0-based) at which the synchronous loop loads generation 0, 1, 2, ...
-
-    The buffer takes a generation at micro-step ``m · S · μ`` (``GenerationBuffer``); a step runs
-    ``g`` micro-steps, or with ``docs_per_step`` as many as it takes to hold that many rows
-    (``b · R`` more per micro-step), and trains on ``docs_per_step`` of them. (With
-    ``docs_per_step``, rows the schedule hands back to the next step make the real loads later,
-    never earlier.)
-    """
-    period = config.steps_per_generation * config.num_iterations
-    micro, step, pending = 0, 0, 0
-    per_micro = config.per_device_train_batch_size * (config.world_size or 1)
-    while True:
-        runs = 0
-        while (docs_per_step == 0 and runs < config.gradient_accumulation_steps) or (
-            docs_per_step > 0 and pending < docs_per_step
-        ):
-            if micro % period == 0:
-                yield step
-            micro, runs, pending = micro + 1, runs + 1, pending + per_micro
-        pending -= docs_per_step
-        step += 1
 
 
 @dataclasses.dataclass
@@ -94,12 +71,16 @@ Produce = Callable[[Any, int], tuple[RolloutBatch, dict[str, int]]]
 
 
 class RolloutPipeline:
-    """Generations made ahead on a worker thread, at most ``max_staleness`` versions early.
+    """Where every generation comes from: made ahead on a worker thread, at most
+    ``max_staleness`` versions early, or with ``max_staleness=0`` made when it is taken (the
+    synchronous loop). The one place for generations made ahead: those a checkpoint stored are
+    taken first in either mode (an asynchronous run resumed synchronously trains them first).
 
     ``produce(params, step)`` makes one generation (its batch and dynamic-sampling stats) with
-    ``params`` at optimizer step ``step``; ``snapshot()`` returns a copy of the current weights
-    that survives the next train steps. The trainer calls :meth:`launch_due` at the start of
-    every step and :meth:`take` whenever its buffer needs the next generation.
+    ``params`` at optimizer step ``step``; ``snapshot()`` returns the weights to make it with: a
+    copy that survives the next train steps when asynchronous, the trainer's own when
+    synchronous. The trainer calls :meth:`launch_due` at the start of every step and
+    :meth:`take` whenever its buffer needs the next generation.
     """
 
     def __init__(
@@ -111,8 +92,8 @@ class RolloutPipeline:
         load_steps: Iterator[int],
         max_steps: int,
     ):
-        if max_staleness < 1:
-            raise ValueError(f"RolloutPipeline: max_staleness={max_staleness} must be >= 1")
+        if max_staleness < 0:
+            raise ValueError(f"RolloutPipeline: max_staleness={max_staleness} must be >= 0")
         self.produce, self.snapshot = produce, snapshot
         self.k, self.max_steps = max_staleness, max_steps
         self._loads = load_steps
@@ -120,7 +101,9 @@ class RolloutPipeline:
         self.launched = 0  # generations started (or restored) so far
         self.taken = 0  # generations handed to the trainer so far
         self._jobs: deque[concurrent.futures.Future[Generated]] = deque()
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, "jaxrl-rollout")
+        self._worker = (
+            concurrent.futures.ThreadPoolExecutor(1, "jaxrl-rollout") if max_staleness else None
+        )
         self._lock = threading.Lock()
         self._busy_s = 0.0  # worker time spent in jobs since the last metrics()
         self._wait_s = 0.0  # trainer time spent waiting in take() since the last metrics()
@@ -135,6 +118,8 @@ class RolloutPipeline:
     def launch_due(self, step: int) -> None:
         """Start every generation the synchronous loop loads by step ``step + k`` (and before
         ``max_steps``) with the weights of step ``step``, one snapshot for all of them."""
+        if self._worker is None:  # synchronous: made when taken
+            return
         params = None
         while (s := self.load_step(self.launched)) <= step + self.k and s < self.max_steps:
             if params is None:
@@ -151,7 +136,11 @@ class RolloutPipeline:
         return Generated(batch, stats, seconds)
 
     def take(self, step: int) -> Generated:
-        """The next generation (waiting for it if still running); step ``step`` loads it."""
+        """The next generation (waiting for it if still running; made now when synchronous
+        or when nothing was launched); step ``step`` loads it."""
+        if not self._jobs and self._worker is None:
+            self.launched, self.taken = self.launched + 1, self.taken + 1
+            return self._run(self.snapshot(), step)
         if not self._jobs:  # a load the schedule did not predict (rows handed back, ...)
             self._jobs.append(self._worker.submit(self._run, self.snapshot(), step))
             self.launched += 1
@@ -163,13 +152,20 @@ class RolloutPipeline:
 
     def metrics(self) -> dict[str, float]:
         """Seconds since the last call: ``time/wait_s`` (the trainer waited for a generation)
-        and ``time/generator_idle_s`` (the worker had nothing to do)."""
+        and ``time/generator_idle_s`` (the worker had nothing to do); none when synchronous."""
+        if self._worker is None:
+            return {}
         now = time.perf_counter()
         with self._lock:
             busy, self._busy_s = self._busy_s, 0.0
         wait, self._wait_s = self._wait_s, 0.0
         elapsed, self._since = now - self._since, now
         return {"time/wait_s": wait, "time/generator_idle_s": max(elapsed - busy, 0.0)}
+
+    @property
+    def pending(self) -> int:
+        """Generations launched (or restored) and not yet taken."""
+        return len(self._jobs)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON: the generations launched and not yet taken (waited for, then stored whole),
@@ -191,4 +187,5 @@ class RolloutPipeline:
 
     def close(self) -> None:
         """Wait for running jobs, then stop the worker."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)

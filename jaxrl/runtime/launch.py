@@ -17,20 +17,29 @@ from typing import Any
 # 4 GB and crashed XLA), and every replicated array is stored once per device.
 MAX_HOST_DEVICES = 4096
 HOST_DEVICE_MB = 0.1
+# XLA's CPU backend runs one computation over at most this many devices of one process: with
+# more (e.g. mesh.data=4096) the first step dies inside XLA with "Multiprocess computations
+# aren't implemented on the CPU backend" (measured with jax 0.10.2: 2048 run, 2049 fail).
+# Planning (``jaxrl memory --devices``) runs no computation, so it may ask for more.
+MAX_CPU_COMPUTATION_DEVICES = 2048
 
 
-def check_host_devices(count: int, what: str) -> None:
+def check_host_devices(count: int, what: str, *, computes: bool = False) -> None:
     """Raise ``ConfigError`` naming ``what`` (the setting that asks) when ``count`` CPU host
-    devices are more than ``MAX_HOST_DEVICES``; call it before jax initialises."""
-    if count > MAX_HOST_DEVICES:
+    devices are more than ``MAX_HOST_DEVICES`` (``computes``: more than one process's CPU
+    computation can span, ``MAX_CPU_COMPUTATION_DEVICES``); call it before jax initialises."""
+    limit = MAX_CPU_COMPUTATION_DEVICES if computes else MAX_HOST_DEVICES
+    if count > limit:
         from jaxrl.runtime.errors import ConfigError
 
         need = count * HOST_DEVICE_MB / 1024
+        why = "XLA's CPU backend runs one computation over" if computes else "allowed"
         raise ConfigError(
             f"{what} asks for {count} CPU host devices in one process, more than the "
-            f"{MAX_HOST_DEVICES} allowed (each takes about {HOST_DEVICE_MB:g} MB of host memory "
+            f"{limit} {why} (each takes about {HOST_DEVICE_MB:g} MB of host memory "
             f"and holds its own copy of every replicated array: over {need:.1f} GB before the "
-            "model); size the mesh to the devices you have"
+            "model); size the mesh to the devices you have, or spread it over processes "
+            "(the distributed section)"
         )
 
 

@@ -35,7 +35,7 @@ from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.state import TrainState, abstract_state, create_state
 from jaxrl.train.step import TrainStep
 
-__all__ = ["RunParts", "build_model", "build_run", "build_task", "model_config"]
+__all__ = ["RunParts", "build_model", "build_run", "build_task", "exact_base", "model_config"]
 
 
 def build_task(cfg: RunConfig) -> ArithmeticTask | CalculatorTask:
@@ -202,6 +202,16 @@ def build_run(
         frozen_shardings=frozen_shardings,
     )
     return RunParts(mesh, config, graphdef, state, shardings, step, frozen, frozen_shardings)
+
+
+def exact_base(cfg: RunConfig, vocab_size: int, mesh: Mesh) -> Any:
+    """A LoRA run's frozen base in its original precision: ``model.path``'s weights as read (or
+    the fresh initialisation) in ``model.param_dtype``, quantised as the run's base is, never
+    the compute-dtype copy the steps use. What the merged export adds the adapters to (read
+    again at export time: the run holds only the compute copy)."""
+    _, params, config = build_model(cfg, vocab_size, mesh)
+    exact = dataclasses.replace(config, dtype=config.param_dtype)
+    return lora_parts(exact, params, cfg, mesh)[1]
 
 
 def lora_parts(

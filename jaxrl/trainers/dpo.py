@@ -1,9 +1,9 @@
 """DPO trainer: preference pairs → reference cache → packed pairs → exact engine → metrics.
 
 Orchestration only: pairs and their packing live in ``jaxrl.data.batching.preference``, the
-reference cache in ``jaxrl.train.ref_cache``, the no-grad forward it shares with held-out
-evaluation in ``jaxrl.train.score`` (every device), the objective in ``jaxrl.train.objectives``
-(the loss in ``jaxrl.losses.dpo``).
+reference cache in ``jaxrl.train.ref_cache``, the no-grad forward it shares with held-out evaluation
+in ``jaxrl.train.score`` (every device), the objective in ``jaxrl.train.objectives`` (the loss in
+``jaxrl.losses.dpo``).
 A step takes ``dpo.pairs_per_step`` pairs (b · g · P) from a seeded feed of pair ids, schedules
 them as ``len_c + len_r`` samples, lays each pair out as adjacent chosen/rejected documents, and
 hands the cached reference values to the loss as per-document fields.
@@ -24,8 +24,7 @@ from jaxrl.data.batching.preference import PairDocuments, preference_accuracy
 from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import dpo_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.tasks import TASK_SOURCE, ArithmeticTask
-from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
+from jaxrl.data.tasks import TASK_SOURCE
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import REF_FIELD, dpo_objective
 from jaxrl.train.ref_cache import (
@@ -37,9 +36,8 @@ from jaxrl.train.ref_cache import (
     tokenizer_fingerprint,
     weight_fingerprint,
 )
-from jaxrl.train.score import Scorer
-from jaxrl.trainers.run_data import run_datasets
-from jaxrl.trainers.session import Session, with_device_ranks
+from jaxrl.trainers.preamble import Preamble
+from jaxrl.trainers.session import with_device_ranks
 
 
 class DPOTrainer:
@@ -52,12 +50,9 @@ class DPOTrainer:
     """
 
     def __init__(self, cfg: RunConfig):
-        cfg = with_device_ranks(cfg)
-        dpo = cfg.dpo
-        if dpo.learning_rate is not None:  # the DPO stage's own peak LR (SFT keeps optimizer's)
-            optimizer = dataclasses.replace(cfg.optimizer, learning_rate=dpo.learning_rate)
-            cfg = dataclasses.replace(cfg, optimizer=optimizer)
-        self.cfg, self.dpo = cfg, dpo
+        pre = Preamble(with_device_ranks(cfg))  # dpo.learning_rate over optimizer's
+        self.cfg, self.dpo, self.tokenizer = pre.cfg, pre.cfg.dpo, pre.tokenizer
+        cfg, dpo = self.cfg, self.dpo
         if cfg.schedule.docs_per_step:
             raise ConfigError(
                 f"schedule.docs_per_step={cfg.schedule.docs_per_step} is not supported for DPO: "
@@ -69,9 +64,8 @@ class DPOTrainer:
                 "dpo.precompute_ref_log_probs=false (a frozen reference forward every step) is "
                 "not implemented; set it to true (the reference log-prob cache)"
             )
-        self.data_report: dict[str, int] = {}  # rows the length limits touched
-        self.warnings: list[str] = []
-        self._documents()
+        self.data_report = pre.data_report  # rows the length limits touched
+        self._documents(pre)
         if self.dpo.pairs_per_step > self.train.num_pairs:
             raise ConfigError(
                 f"dpo.per_device_train_batch_size={self.dpo.per_device_train_batch_size} is "
@@ -84,24 +78,21 @@ class DPOTrainer:
         self.refs: dict[str, ReferenceCache] = {}
         self.doc_fields: dict[str, Any] = {}  # per-document fields of the training pairs
         self.initial: dict[str, Any] = {}  # the starting model's held-out numbers
-        chunk = cfg.model.logprob_chunk
-        self.session = Session(cfg, self.tokenizer.vocab_size, dpo_objective(dpo, chunk_size=chunk))
-        self.session.say(self.warnings)
+        self.session = pre.session(dpo_objective(dpo, chunk_size=cfg.model.logprob_chunk))
         # reference values and held-out evaluation: the no-grad scorer on every device
-        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
+        self.scorer = pre.scorer(self.session)
 
-    def _documents(self) -> None:
+    def _documents(self, pre: Preamble) -> None:
         """Pairs of the built-in task or of ``data.train`` (and ``data.eval``, with the
         tokenizer and chat template of ``model.path``); pairs over ``dpo.max_prompt_length`` /
         ``dpo.max_length`` are truncated (or dropped) and counted (docs/data.md)."""
         cfg, data, dpo = self.cfg, self.cfg.data, self.dpo
         task = build_task(cfg) if data.train is None else None
-        self.tokenizer = load_tokenizer(cfg.model.path) if task is None else self._tokenizer(task)
         limits = f"dpo.max_length={dpo.max_length}" + (
             f"/max_prompt_length={dpo.max_prompt_length}" if dpo.max_prompt_length else ""
         )
         self.datasets, self.held_out = {}, None
-        for split, rows in run_datasets(cfg, "dpo").items():
+        for split, rows in pre.datasets("dpo").items():
             docs, report, _ = dpo_documents(
                 rows,
                 self.tokenizer,
@@ -119,15 +110,7 @@ class DPOTrainer:
                 path = Path(rows.source)
                 source = {"source": str(path.resolve()) if path.exists() else rows.source}
             self.datasets[split] = {**source, "split": rows.split, "rows": docs.num_pairs}
-            self.data_report.update(report.metrics(split))
-            if (line := report.warning(split, limits)) is not None:
-                self.warnings.append(line)
-
-    def _tokenizer(self, task: ArithmeticTask) -> TextTokenizer:
-        path = self.cfg.model.path
-        if path is not None and (Path(path) / "tokenizer.json").is_file():
-            return load_tokenizer(path)
-        return task.tokenizer()
+            pre.report(split, report, limits)
 
     # -- reference values -------------------------------------------------------------------
     def _identity(self, split: str, docs: PairDocuments, weights: str) -> CacheIdentity:

@@ -1,11 +1,12 @@
-"""What a resume onto another layout means: one line comparing the previous run's ``mesh`` and
-``schedule`` settings (its ``config.json``) with this run's."""
+"""What a resume onto changed settings means, from the previous run's ``config.json``: one line
+comparing its ``mesh`` and ``schedule`` settings with this run's, and the refusal of a resume
+onto another model (named before any checkpoint is read)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["layout_change_line"]
+__all__ = ["layout_change_line", "model_change_error", "model_changes"]
 
 SECTIONS = ("mesh", "schedule")
 STEP_SIZE = "schedule.docs_per_step"  # not layout: it sets the documents of a step
@@ -16,6 +17,42 @@ def _flat(d: Any, prefix: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: d}
     return {k: v for key, sub in d.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
+
+
+# model settings that decide the shapes of the checkpointed parameters (model.scan_layers, the
+# layer layout, is checked against the checkpoint itself: Session._check_layer_layout)
+SHAPE_KEYS = ("model.init.", "model.lora.rank", "model.lora.target_modules")
+
+
+def model_changes(
+    previous: dict[str, Any] | None, current: dict[str, Any], *, shapes_only: bool = False
+) -> str:
+    """``model.x: old -> new`` for every ``model`` setting (``model.init`` included) in which
+    the previous run of an output directory differs from this one (``shapes_only``: those of
+    ``SHAPE_KEYS``); empty when none does."""
+    if not previous or not isinstance(previous.get("model"), dict):
+        return ""
+    old, new = _flat(previous["model"], "model"), _flat(current["model"], "model")
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if shapes_only:
+        keys = [k for k in keys if k.startswith(SHAPE_KEYS)]
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+
+
+def model_change_error(
+    previous: dict[str, Any] | None, current: dict[str, Any], output_dir: str
+) -> str:
+    """The one-line refusal of a resume onto a model whose parameter shapes differ from the
+    checkpoints' (the previous run's ``config.json`` says so; no checkpoint is read), or
+    empty when the model settings that decide the shapes are unchanged."""
+    changed = model_changes(previous, current, shapes_only=True)
+    if not changed:
+        return ""
+    return (
+        f"output_dir={output_dir!r} holds checkpoints of another model ({changed}; from its "
+        "config.json): resume with the previous model settings, or start fresh with "
+        "checkpoint.resume=false, another output_dir, or after deleting the directory"
+    )
 
 
 def layout_change_line(

@@ -39,11 +39,13 @@ from jaxrl.runtime.mesh import (
     resolve_shape,
     run_devices,
 )
-from jaxrl.train.build import build_run
+from jaxrl.train.build import build_run, exact_base
 from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import compute_copy, lost_update_fraction
 from jaxrl.train.run_io.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.run_io.metrics import MetricsWriter, to_python
+from jaxrl.trainers.counters import HostCounters
+from jaxrl.trainers.layout_change import layout_change_line, model_change_error, model_changes
 
 __all__ = ["Session", "generation_devices", "with_device_ranks"]
 
@@ -51,8 +53,10 @@ __all__ = ["Session", "generation_devices", "with_device_ranks"]
 def with_device_ranks(cfg: RunConfig) -> RunConfig:
     """``cfg`` with its grpo / dpo world size taken from the devices the run uses when a mesh
     axis is -1 (a config touches no device: ``RunConfig.with_batch_ranks``); ``ConfigError``
-    when the mesh does not fit the devices or the sections' batches do not fit the ranks."""
-    if cfg.mesh.static_batch_ranks is not None:  # resolved when the config was built
+    when the mesh does not fit the devices or the sections' batches do not fit the ranks.
+    Resolved once: a config whose sections know their world size (a fixed mesh, resolved when
+    the config was loaded, or an earlier call) comes back as it is, devices untouched."""
+    if cfg.grpo.world_size is not None and cfg.dpo.world_size is not None:
         return cfg
     devices = len(run_devices(cfg.mesh.sizes))
     devices -= generation_devices(cfg, devices)
@@ -88,22 +92,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def model_changes(previous: dict[str, Any] | None, current: dict[str, Any]) -> str:
-    """``model.x: old -> new`` for every ``model`` setting (``model.init`` included) in which
-    the previous run of an output directory differs from this one; empty when none does."""
-
-    def flat(d: Any, prefix: str) -> dict[str, Any]:
-        if not isinstance(d, dict):
-            return {prefix: d}
-        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
-
-    if not previous or not isinstance(previous.get("model"), dict):
-        return ""
-    old, new = flat(previous["model"], "model"), flat(current["model"], "model")
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
 
 
 def lost_updates_warning(params: Any, learning_rate: float) -> str:
@@ -144,10 +132,12 @@ class Session:
         """``objective``: what the train step minimises (``jaxrl.train.objectives``); None for
         a session that never trains (e.g. one that only exports)."""
         self.cfg = cfg
+        self.vocab_size = vocab_size
         self.output_dir = Path(cfg.output_dir)
         self.primary = is_primary()
         previous = self.output_dir / "config.json"  # the last run's, before it is replaced
         self.previous_config = _read_json(previous) if previous.is_file() else None
+        self._refuse_another_model()
         if self.primary:
             make_output_dir(self.output_dir)
         run = build_run(cfg, vocab_size, objective)
@@ -160,11 +150,21 @@ class Session:
         self.console = Console(stderr=True)
         if cfg.optimizer.master_rounding == "nearest":
             self.say([lost_updates_warning(self.state.params, cfg.optimizer.learning_rate)])
-        self.nonfinite_steps = 0  # steps whose update was skipped (non-finite loss/gradient)
-        self.nonfinite_in_row = 0
-        self.empty_steps = 0  # steps with no loss token (or a zero denominator): no gradient
+        self.counters = HostCounters()  # in every metrics row and every checkpoint
         self.warned_empty = False
         self.started = time.perf_counter()
+
+    def _refuse_another_model(self) -> None:
+        """A resume onto a model of other parameter shapes is refused in one line naming the
+        changed settings, from the previous run's config.json, before orbax reads anything."""
+        directory = self.output_dir / "checkpoints"
+        if not (self.cfg.checkpoint.resume and directory.is_dir()):
+            return
+        if not any(p.name.isdigit() for p in directory.iterdir()):  # committed steps only
+            return
+        line = model_change_error(self.previous_config, to_dict(self.cfg), self.cfg.output_dir)
+        if line:
+            raise ConfigError(line)
 
     @property
     def model(self) -> Transformer:
@@ -218,11 +218,10 @@ class Session:
                 self.console.print(f"checkpoint {problems[-1]}; trying an older one")
                 continue
             self.state = self.step_fn.place(state)
+            self.counters.load_state_dict(host.pop("counters", {}))
             self._write_config()
             self.writer = self._metrics_writer(step)
             self.console.print(f"resumed from step {step} ({self.checkpointer.directory})")
-            from jaxrl.trainers.layout_change import layout_change_line  # what the resume means
-
             current = to_dict(self.cfg)
             layout = layout_change_line(self.previous_config, current, step=step, ranks=self.ranks)
             self.say([layout] if layout else [])
@@ -328,12 +327,12 @@ class Session:
                 f"on device but the host planned {expected_documents}"
             )
         row.pop("cursor")
-        skipped = bool(row["update_skipped"])
-        self.nonfinite_steps += skipped
-        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
-        row["nonfinite_steps"] = self.nonfinite_steps
+        skipped, counters = bool(row["update_skipped"]), self.counters
+        counters.nonfinite_steps += skipped
+        counters.nonfinite_in_row = counters.nonfinite_in_row + 1 if skipped else 0
+        row["nonfinite_steps"] = counters.nonfinite_steps
         if row["num_loss_tokens"] == 0 or row["denominator"] == 0:
-            self.empty_steps += 1
+            counters.empty_steps += 1
             if not self.warned_empty:
                 self.warned_empty = True
                 self.say(
@@ -345,7 +344,7 @@ class Session:
                         + (empty_cause or "Check that the data's loss masks select tokens")
                     ]
                 )
-        row["empty_steps"] = self.empty_steps
+        row["empty_steps"] = counters.empty_steps
         row["step"] = self.step
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.step_fn.compiles
@@ -354,10 +353,11 @@ class Session:
 
     def maybe_checkpoint(self, host: Callable[[], dict[str, Any]], *, force: bool = False) -> None:
         """Save a checkpoint when due (``checkpoint.every``) or ``force``d; ``host()`` gives the
-        trainer's host state, asked for only then."""
+        trainer's host state, asked for only then, saved with the session's counters."""
         every = self.cfg.checkpoint.every
         if force or (every and self.step % every == 0):
-            self.checkpointer.save(self.step, self.state, host())
+            state = {**host(), "counters": self.counters.state_dict()}
+            self.checkpointer.save(self.step, self.state, state)
 
     def eval_due(self) -> bool:
         """Evaluate after this step: every ``logging.eval_every`` steps and after the last."""
@@ -373,7 +373,7 @@ class Session:
         newest checkpoint is the last good state."""
         self.writer.write(row)
         limit = self.cfg.optimizer.max_nonfinite_steps
-        if self.nonfinite_in_row >= limit:
+        if self.counters.nonfinite_in_row >= limit:
             latest = self.checkpointer.latest_step()
             kept = f"step {latest} in {self.checkpointer.directory}" if latest else "none yet"
             self.checkpointer.close()
@@ -452,9 +452,10 @@ class Session:
         checkpoint go back as bf16 and an fp32 checkpoint stays fp32 whatever the compute
         dtype. generation_config.json (the source's, with the tokenizer's ids) makes
         transformers' ``generate()`` stop where jaxrl's sampler does. A LoRA run also writes
-        its adapters in PEFT's format to ``<output_dir>/adapter``
-        (``jaxrl.models.adapters.peft``) and exports the merged model (``W + scaling · A B``, a
-        quantised base dequantised) as ``hf``.
+        its adapters in PEFT's format to ``<output_dir>/adapter`` (``jaxrl.models.adapters.peft``)
+        and exports the merged model (``W + scaling · A B``, a quantised base dequantised) as
+        ``hf``, with ``W`` and every untouched weight read again in their original precision
+        (``train.build.exact_base``), so ``hf`` is PEFT's merge of the base and ``adapter``.
         """
         path = self.output_dir / "hf"
         source = self.cfg.model.path
@@ -463,6 +464,9 @@ class Session:
         model = self.model
         if self.frozen is not None:  # LoRA: the adapters alone (PEFT), then the merged model
             save_adapters(model, self.output_dir / "adapter", base_model=source)
+            # onto the base as read, not the compute-dtype copy the steps used
+            exact = exact_base(self.cfg, self.vocab_size, self.mesh)
+            model = nnx.merge(self.graphdef, lora.join(self.state.params, exact))
             model = lora.merge(model, jnp.float32)
         save_pretrained(
             model,

@@ -13,12 +13,8 @@ from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import sft_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
-from jaxrl.data.tokenizer import load_tokenizer
-from jaxrl.train.build import build_task
 from jaxrl.train.objectives import sft_objective
-from jaxrl.train.score import Scorer
-from jaxrl.trainers.run_data import run_datasets
-from jaxrl.trainers.session import Session
+from jaxrl.trainers.preamble import Preamble
 
 
 class SFTTrainer:
@@ -31,11 +27,11 @@ class SFTTrainer:
     """
 
     def __init__(self, cfg: RunConfig, *, stop_at_accuracy: float | None = None):
-        self.cfg = cfg
+        pre = Preamble(cfg)
+        self.cfg, self.tokenizer = cfg, pre.tokenizer
         self.stop_at_accuracy = stop_at_accuracy
-        self.data_report: dict[str, int] = {}  # rows the length limits touched
-        self.warnings: list[str] = []
-        self._documents()
+        self.data_report = pre.data_report  # rows the length limits touched
+        self._documents(pre)
         self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
         need = cfg.schedule.docs_per_step or cfg.sft.batch_size
         if need > len(self.train_seqs):
@@ -46,10 +42,7 @@ class SFTTrainer:
                 "into a new epoch only between documents, never within one step)"
             )
         self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
-        chunk = cfg.model.logprob_chunk
-        objective = sft_objective(cfg.sft, chunk_size=chunk)
-        self.session = Session(cfg, self.tokenizer.vocab_size, objective)
-        self.session.say(self.warnings)
+        self.session = pre.session(sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk))
         ranks = self.session.ranks
         if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
             raise ConfigError(
@@ -57,24 +50,19 @@ class SFTTrainer:
                 f"{ranks} data-parallel ranks (mesh.data × mesh.fsdp) so every rank gets "
                 "documents; use a multiple"
             )
-        self.scorer = Scorer(self.session.graphdef, mesh=self.session.mesh, chunk_size=chunk)
+        self.scorer = pre.scorer(self.session)
 
     # -- documents --------------------------------------------------------------------------
-    def _documents(self) -> None:
-        """Documents of the built-in task (character tokenizer) or of ``data.train`` (and
-        ``data.eval``, with the tokenizer and chat template of ``model.path``); rows over
+    def _documents(self, pre: Preamble) -> None:
+        """Documents of the built-in task or of ``data.train`` (and ``data.eval``); rows over
         ``sft.max_length`` are truncated and counted (docs/data.md). The built-in task's
         held-out documents train nothing: their mask selects the answers that exact match
         scores."""
         cfg = self.cfg
         builtin = cfg.data.train is None
-        if builtin:
-            self.tokenizer = build_task(cfg).tokenizer()
-        else:
-            self.tokenizer = load_tokenizer(cfg.model.path)
         limit = f"sft.max_length={cfg.sft.max_length}"
         self.eval_seqs, self.eval_masks = [], []
-        for split, data in run_datasets(cfg, "sft").items():
+        for split, data in pre.datasets("sft").items():
             docs = sft_documents(
                 data,
                 self.tokenizer,
@@ -85,9 +73,7 @@ class SFTTrainer:
                 self.train_seqs, self.train_masks = docs.sequences, docs.masks
             else:
                 self.eval_seqs, self.eval_masks = docs.sequences, docs.masks
-            self.data_report.update(docs.report.metrics(split))
-            if (line := docs.report.warning(split, limit)) is not None:
-                self.warnings.append(line)
+            pre.report(split, docs.report, limit)
 
     # -- planning ---------------------------------------------------------------------------
     def next_batch(self) -> StepBatch:

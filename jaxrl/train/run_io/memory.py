@@ -323,7 +323,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> dict[str, An
         dense, max_new_tokens=g.max_completion_length, eos_id=0, pad_id=0, mesh=dmesh,
         max_slots=r.max_slots,
     )  # fmt: skip
-    requests = g.generation_batch_size
+    requests = g.generation.size
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
     return {
         "tensor_parallel": tensor,

@@ -1,0 +1,67 @@
+"""The host counters written to every metrics row, as one checkpointed state.
+
+A resumed run's rows must equal an uninterrupted run's, counters included: the session saves
+:class:`HostCounters` with every checkpoint (``"counters"`` in the host JSON) and restores them
+on resume. Which warnings were given is not a counter: a resumed process warns once again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HostCounters", "empty_cause", "zero_advantage_warning"]
+
+
+@dataclasses.dataclass
+class HostCounters:
+    """Steps counted since the run began (not since this process started)."""
+
+    nonfinite_steps: int = 0  # updates skipped for a non-finite loss or gradient
+    nonfinite_in_row: int = 0  # ... in a row, up to this step (optimizer.max_nonfinite_steps)
+    empty_steps: int = 0  # steps with no loss token (or a zero denominator): no gradient
+    zero_advantage_steps: int = 0  # GRPO steps whose advantages were all 0: no policy gradient
+
+    def count_zero_advantages(self, advantages: np.ndarray) -> bool:
+        """Count a step whose advantages are all zero (every group's rewards were equal, so
+        the policy gradient is zero); whether it was one."""
+        zero = bool(advantages.size > 0 and not np.any(advantages))
+        self.zero_advantage_steps += zero
+        return zero
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; a checkpoint written before the counters were saved starts them at 0."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, int(state.get(field.name, 0)))
+
+
+def empty_cause(config: Any, truncated: np.ndarray) -> str:
+    """Why a GRPO step's completions may carry no loss token (``empty_steps``), and the fix."""
+    if config.mask_truncated_completions and int(truncated.sum()) == len(truncated):
+        return (
+            f"All {len(truncated)} completions were truncated at grpo.max_completion_length="
+            f"{config.max_completion_length}, and grpo.mask_truncated_completions=true leaves "
+            "truncated completions out of the loss: raise grpo.max_completion_length, or set "
+            "grpo.mask_truncated_completions=false"
+        )
+    return "Every completion of the step is empty"
+
+
+def zero_advantage_warning(step: int, config: Any, row: dict[str, Any]) -> str:
+    """The warning, once a run, of a step whose advantages were all 0 (``zero_advantage_steps``
+    counts them)."""
+    rewards = f" (reward {row['reward']:g})" if "reward" in row else ""
+    return (
+        f"warning: step {step}: every completion's advantage is 0, "
+        f"because the rewards within each group of {config.num_generations} "
+        f"were all equal{rewards}, so the policy gradient is zero "
+        "(zero_advantage_steps counts such steps). The rewards give this model no "
+        "signal: check that it can earn them (e.g. that it writes the answer format "
+        "the reward functions parse; state the format in the prompt), or raise "
+        "grpo.num_generations or grpo.temperature"
+    )
