@@ -127,8 +127,12 @@ class Scorer:
         return self._rows(params, rows_BT, temperature, specs)
 
     def _rows(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array, specs):
-        def per_rank(params: Any, rows_MT: dict[str, jax.Array]):  # this rank's rows in turn
-            model = nnx.merge(self.graphdef, marked(params, specs, manual))
+        manual = () if self.mesh is None else manual_batch_axes(self.mesh)
+        zero3 = as_shards(specs, manual)
+
+        def per_rank(rows_MT: dict[str, jax.Array], shards: Any = None):  # rows one at a time
+            # whole parameters are closed over; ZeRO-3 shards enter marked for gathering
+            model = nnx.merge(self.graphdef, marked(shards, specs, manual) if zero3 else params)
 
             def one(row_T: dict[str, jax.Array]):
                 mb_1T = {k: v[None] for k, v in row_T.items()}
@@ -139,21 +143,22 @@ class Scorer:
 
             return jax.lax.map(one, rows_MT)
 
-        manual = () if self.mesh is None else manual_batch_axes(self.mesh)
         if not manual:  # no mesh, or one rank over several tensor devices: XLA partitions it
-            return per_rank(params, rows_BT)
+            return per_rank(rows_BT)
         # the train step's structure (jaxrl.train.accumulate): manual over the batch axes,
         # parameters replicated over them or as their fsdp shards, one [1, T] row per rank at
         # a time; the same program shape gives the train step's forward values, also in bf16
-        params_spec = fsdp_in_specs(specs) if as_shards(specs, manual) else P()
+        in_specs, args = (P(manual),), (rows_BT,)
+        if zero3:
+            in_specs, args = (P(manual), fsdp_in_specs(specs)), (rows_BT, params)
         return jax.shard_map(
             per_rank,
             mesh=self.mesh,
-            in_specs=(params_spec, P(manual)),
+            in_specs=in_specs,
             out_specs=P(manual),
             axis_names=set(manual),
             check_vma=False,
-        )(params, rows_BT)
+        )(*args)
 
     # -- rows -------------------------------------------------------------------------------
     def score(

@@ -13,6 +13,7 @@ accumulated in the parameters' sharding. One compiled program per batch bucket.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -24,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.losses.normalize import finalize
 from jaxrl.runtime.mesh import make_mesh, put_batch, replicated
-from jaxrl.train.accumulate import LossFn, make_accumulate
+from jaxrl.runtime.spmd import manual_batch_axes
+from jaxrl.train.accumulate import LossFn, as_shards, make_accumulate
 from jaxrl.train.precision import Rounding, write_master
 from jaxrl.train.state import TrainState
 
@@ -59,6 +61,8 @@ class TrainStep:
         self.compiles = 0
         self.state_shardings = state_shardings
         grad_specs = None if state_shardings is None else _specs(state_shardings.params)
+        # ZeRO-3 updates in place (below); other layouts keep the select of new and old values
+        self._in_place = as_shards(grad_specs, manual_batch_axes(mesh))
         self._accumulate = make_accumulate(
             loss_fn,
             mesh,
@@ -99,36 +103,55 @@ class TrainStep:
         bounds = np.asarray([start, num_slots if stop is None else stop], np.int32)
         return self._jitted(state, batch, bounds, self.frozen)
 
-    def _step(self, state: TrainState, batch, bounds, frozen):
-        self.compiles += 1  # runs only while tracing, i.e. once per compilation
-        sums = self._accumulate(state.params, batch, bounds, frozen)
-        loss = finalize(sums.numerator, sums.denominator)
+    def _clipped(self, grads: Any, grad_norm: jax.Array) -> Any:
+        if self._max_grad_norm <= 0:
+            return grads
+        scale = jnp.minimum(1.0, self._max_grad_norm / (grad_norm + 1e-6))
+        return jax.tree.map(lambda g: g * scale, grads)
+
+    def _update(self, params: Any, opt_state: Any, grads: Any, key: jax.Array):
+        """AdamW on fp32 views of the masters, written back into them (``write_master``)."""
+        params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        updates, opt_state = self._tx.update(grads, opt_state, params32)
+        new32 = jax.tree.map(jnp.add, params32, updates)
+        return write_master(params, new32, key, self._rounding), opt_state
+
+    def _update_in_place(self, state: TrainState, sums: Any, loss: jax.Array, key: jax.Array):
+        """ZeRO-3's update: under ``lax.cond`` on "the step is finite" (not a select of new and
+        old values), with the division and clipping inside it, so the update is written over
+        the donated shards instead of beside them and no finished-gradient tree is held."""
 
         def finalized(sum_grads: Any) -> Any:  # the gradient of the loss: one division
             return jax.tree.map(lambda g: finalize(g, sums.denominator), sum_grads)
 
         grad_norm = optax.tree.norm(finalized(sums.grads))
-        scale = jnp.float32(1.0)
-        if self._max_grad_norm > 0:
-            scale = jnp.minimum(1.0, self._max_grad_norm / (grad_norm + 1e-6))
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
         def update(params: Any, opt_state: Any, sum_grads: Any) -> tuple[Any, Any]:
-            # divided (and clipped) here, fused into the update, never held as another tree
-            grads = finalized(sum_grads)
-            if self._max_grad_norm > 0:
-                grads = jax.tree.map(lambda g: g * scale, grads)
-            params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-            updates, opt_state = self._tx.update(grads, opt_state, params32)
-            new32 = jax.tree.map(jnp.add, params32, updates)
-            return write_master(params, new32, key, self._rounding), opt_state
+            grads = self._clipped(finalized(sum_grads), grad_norm)
+            return self._update(params, opt_state, grads, key)
 
-        # a conditional, not a select of new and old: the update then runs in place on the
-        # (donated) shards instead of holding new parameters and moments beside the old
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         new_params, opt_state = jax.lax.cond(
             finite, update, lambda p, o, g: (p, o), state.params, state.opt_state, sums.grads
         )
+        return grad_norm, finite, new_params, opt_state
+
+    def _step(self, state: TrainState, batch, bounds, frozen):
+        self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        sums = self._accumulate(state.params, batch, bounds, frozen)
+        loss = finalize(sums.numerator, sums.denominator)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        if self._in_place:
+            grad_norm, finite, new_params, opt_state = self._update_in_place(state, sums, loss, key)
+        else:
+            grads = jax.tree.map(lambda g: finalize(g, sums.denominator), sums.grads)
+            grad_norm = optax.tree.norm(grads)
+            grads = self._clipped(grads, grad_norm)
+            new_params, opt_state = self._update(state.params, state.opt_state, grads, key)
+            finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+            keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+            new_params = keep(new_params, state.params)
+            opt_state = keep(opt_state, state.opt_state)
         new_state = state.replace(
             params=new_params,
             opt_state=opt_state,
