@@ -20,10 +20,12 @@ from jaxrl.train.run_io.memory import abstract_batch, plan_memory, plan_run
 from jaxrl.train.run_io.metrics import read_metrics
 
 SCANNED = ["model.scan_layers=true", "model.remat=block"]
-WIDTH = (  # a model whose every dimension fsdp=8 divides
+WIDTH = (  # a model whose every dimension fsdp=8 divides, the padded vocabulary included, so
+    # the embedding and the LM head are vocabulary-parallel (tied, as ModelConfig.tiny makes it)
     "model.init={hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-    "num_key_value_heads: 2, intermediate_size: 128}"
+    "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 64}"
 )
+UNTIED = WIDTH.replace("vocab_size: 64}", "vocab_size: 64, tie_word_embeddings: false}")
 # Adam's first step is lr · g / (|g| + eps): sign(g) · lr wherever |g| >> eps, which turns the
 # last-bit rounding of a near-zero gradient into a ±lr flip. eps = 1 makes the step linear in the
 # gradient (about lr · g), so the updated parameters carry the gradient's rounding.
@@ -94,6 +96,17 @@ def test_zero3_step_equals_data_parallel(tmp_path, job):
 
 
 @pytest.mark.slow
+def test_zero3_untied_head_equals_data_parallel(tmp_path):
+    """An untied LM head (its own [D, V] kernel, split over its vocabulary columns) too."""
+    config, sets = JOBS["sft"]
+    runs = {}
+    for name in ("data8", "fsdp8"):
+        mesh = MESHES[name][0]
+        runs[name] = _train(tmp_path / name, config, [UNTIED, *SCANNED, *ONE_STEP, *sets, *mesh])
+    _assert_same_step(runs, "data8")
+
+
+@pytest.mark.slow
 def test_zero3_chunked_lookup_and_head_equal_data_parallel(tmp_path, monkeypatch):
     """With the vocabulary-parallel lookup and head cut into small token chunks (as at fsdp=128
     on a 72B model), one step still equals data=8's."""
@@ -158,8 +171,13 @@ def test_zero3_gathers_each_layer_inside_the_layer_scan():
     d, v = cfg.model.init["hidden_size"], run.model_config.vocab_size
     layer_weights = 7 + 2  # q, k, v, o, gate, up, down kernels; two norm scales
     assert len(in_scan) >= 2 * layer_weights  # forward and the recomputing backward
-    shapes = sorted(tuple(o.aval.shape) for outs in outside for o in outs)
-    assert set(shapes) == {(d,)}, shapes  # the final norm's scale; never the embedding or head
+    shapes = {tuple(o.aval.shape) for outs in outside for o in outs}
+    # outside the scan: the final norm's scale and the vocabulary-parallel lookup's token ids
+    # and activation cotangents ([fsdp, B, T(, D)]); never a weight: no embedding, no head
+    assert (d,) in shapes and not shapes & {(v, d), (d, v)}, shapes
+    assert all(shape == (d,) or shape[0] == 8 for shape in shapes), shapes
+    table = run.shardings.params["embedding"].get_value()
+    assert table.spec[0] == "fsdp"  # [V, D] split over its vocabulary: vocabulary-parallel
     assert (v, d) not in [tuple(o.aval.shape) for outs in in_scan for o in outs]
 
 
