@@ -95,15 +95,19 @@ def test_zero3_step_equals_data_parallel(tmp_path, job):
     _assert_same_step(runs, "data8")
 
 
-@pytest.mark.slow
-def test_zero3_untied_head_equals_data_parallel(tmp_path):
-    """An untied LM head (its own [D, V] kernel, split over its vocabulary columns) too."""
+def _sft_fsdp8_equals_data8(tmp_path, width):
     config, sets = JOBS["sft"]
     runs = {}
     for name in ("data8", "fsdp8"):
         mesh = MESHES[name][0]
-        runs[name] = _train(tmp_path / name, config, [UNTIED, *SCANNED, *ONE_STEP, *sets, *mesh])
+        runs[name] = _train(tmp_path / name, config, [width, *SCANNED, *ONE_STEP, *sets, *mesh])
     _assert_same_step(runs, "data8")
+
+
+@pytest.mark.slow
+def test_zero3_untied_head_equals_data_parallel(tmp_path):
+    """An untied LM head (its own [D, V] kernel, split over its vocabulary columns) too."""
+    _sft_fsdp8_equals_data8(tmp_path, UNTIED)
 
 
 @pytest.mark.slow
@@ -113,12 +117,7 @@ def test_zero3_chunked_lookup_and_head_equal_data_parallel(tmp_path, monkeypatch
     monkeypatch.setattr(fsdp, "LOOKUP_WHOLE", 0)
     monkeypatch.setattr(fsdp, "LOOKUP_VALUES", 16 * 8 * 64)  # 16-token chunks
     monkeypatch.setattr(fsdp, "HEAD_VALUES", 16 * 8 * 64)
-    config, sets = JOBS["sft"]
-    runs = {}
-    for name in ("data8", "fsdp8"):
-        mesh = MESHES[name][0]
-        runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *sets, *mesh])
-    _assert_same_step(runs, "data8")
+    _sft_fsdp8_equals_data8(tmp_path, WIDTH)
 
 
 @pytest.mark.slow

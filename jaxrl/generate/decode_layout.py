@@ -21,9 +21,11 @@ and KV cache in this layout.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl.generate.sampler_weights import sampler_model
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.runtime.mesh import AXES, make_mesh
 
@@ -31,17 +33,10 @@ GB = 1e9
 
 
 def weight_bytes(config: ModelConfig) -> int:
-    """Bytes of the model's parameters in the compute dtype (the sampler's copy, whole)."""
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    h, k, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_layer = d * dh * (2 * h + 2 * k) + 3 * d * f + 2 * d
-    if config.attention_bias:
-        per_layer += dh * (h + 2 * k)
-    if config.qk_norm:
-        per_layer += 2 * dh
-    heads = v * d * (1 if config.tie_word_embeddings else 2)
-    itemsize = np.dtype(config.dtype).itemsize
-    return (config.num_hidden_layers * per_layer + heads + d) * itemsize
+    """Bytes of the model's parameters in the compute dtype (the sampler's copy, whole), from
+    the abstract parameters of the model the sampler runs (``sampler_weights.sampler_model``)."""
+    abstract = sampler_model(config)[2]
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
 
 
 def decode_tensor(config: ModelConfig, devices: int, requested: int, budget_gb: float) -> int:
@@ -69,3 +64,9 @@ def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
     if tuple(mesh.shape.get(a, 1) for a in AXES) == (n // tensor, 1, tensor):
         return mesh
     return make_mesh(n // tensor, 1, tensor, devices=list(mesh.devices.flat))
+
+
+def sampler_mesh(mesh: Mesh, config: ModelConfig, requested: int, budget_gb: float) -> Mesh:
+    """The sampler's mesh over ``mesh``'s devices: :func:`decode_mesh` with the
+    :func:`decode_tensor` degree (``rollout.tensor_parallel``, ``rollout.weight_budget_gb``)."""
+    return decode_mesh(mesh, decode_tensor(config, mesh.size, requested, budget_gb))

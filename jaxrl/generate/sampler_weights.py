@@ -1,8 +1,8 @@
 """The weights a sampler decodes with: a compute-dtype copy, or the trainer's own arrays.
 
 ``load(params, copy=True)`` copies each leaf and casts it to the compute dtype
-(``ModelConfig.dtype``; fp32 masters are never copied as fp32) where it lies: a jitted copy keeps
-every leaf's sharding, so a sharded state is never gathered onto one device. A trainer that
+(``ModelConfig.dtype``; fp32 masters are never copied as fp32) in one jitted copy, which never
+gathers a sharded state onto one device. A trainer that
 donates its buffers cannot invalidate such a copy, so generation may run concurrently with
 training (asynchronous GRPO).
 
@@ -130,8 +130,9 @@ class SamplerWeights:
         return self.params
 
     def _cast_copy(self, params: Any) -> Any:
-        # jnp.array(copy=True) is a real copy (jit would forward an unchanged input), and the
-        # outputs keep the inputs' shardings
+        # jnp.array(copy=True) is a real copy (jit would forward an unchanged input); the
+        # outputs land in ``self.shardings`` (the decode layout) or, without a mesh, keep the
+        # inputs' shardings
         return jax.tree.map(
             lambda dst, src: jnp.array(src, dtype=dst.dtype, copy=True), self.abstract, params
         )

@@ -171,11 +171,8 @@ def exclude_gathered(policy: Callable[..., bool] | None) -> Callable[..., bool]:
     def saveable(prim: Any, *args: Any, **params: Any) -> bool:
         if params.get("name") == GATHERED_NAME:
             return False
-        if prim is jax.lax.all_gather_p or getattr(prim, "name", "") in _GATHER_PRIMITIVES:
+        if prim is jax.lax.all_gather_p:  # quantised codes, gathered without a custom_vjp
             return False
         return bool(policy(prim, *args, **params)) if policy is not None else False
 
     return saveable
-
-
-_GATHER_PRIMITIVES = {"all_gather", "custom_vjp_call", "custom_vjp_call_jaxpr"}

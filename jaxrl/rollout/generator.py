@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jaxrl.config import ConfigError, GRPOConfig, RolloutConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.generate.backend import RolloutBackend
-from jaxrl.generate.decode_layout import decode_mesh, decode_tensor
+from jaxrl.generate.decode_layout import sampler_mesh
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.losses.advantages import (
     aggregate_rewards,
@@ -125,13 +125,11 @@ class RolloutGenerator:
         self.old_logprobs = old_logprobs
         self.ref_params = ref_params
         self.lora_graphdef = graphdef if model_config.lora is not None else None
-        rollout, scorer_mesh = rollout or RolloutConfig(), mesh
+        rollout = rollout or RolloutConfig()
         dense = lora.dense_config(model_config)  # LoRA: samples with the merged weights
-        if mesh is not None:  # the sampler's own layout over the same devices
-            tensor = decode_tensor(
-                dense, mesh.size, rollout.tensor_parallel, rollout.weight_budget_gb
-            )
-            mesh = decode_mesh(mesh, tensor)
+        decoding = None  # the sampler's own layout over the same devices
+        if mesh is not None:
+            decoding = sampler_mesh(mesh, dense, rollout.tensor_parallel, rollout.weight_budget_gb)
         self.sampler: RolloutBackend = Sampler(
             dense,
             max_new_tokens=config.max_completion_length,
@@ -140,13 +138,13 @@ class RolloutGenerator:
             sampling=SamplingParams(
                 temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
             ),
-            mesh=mesh,
+            mesh=decoding,
             max_slots=rollout.max_slots,
             copy_params=copy_params,
         )
         self.scorer = Scorer(
             graphdef,
-            mesh=scorer_mesh,
+            mesh=mesh,
             row_len=row_len,
             temperature=config.temperature,
             chunk_size=chunk_size,

@@ -77,7 +77,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
-from jaxrl.generate.decode_layout import decode_mesh, decode_tensor, weight_bytes
+from jaxrl.generate.decode_layout import sampler_mesh, weight_bytes
 from jaxrl.generate.sampler import Sampler
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
@@ -170,27 +170,24 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     compute_shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, compute_dtype), dense)
     # GRPO's sampler decodes in its own layout (jaxrl.generate.decode_layout); its reference
     # (β > 0) is scored in the trainer's
-    decode = _decode_plan(cfg, config, mesh)
+    decode, decode_mesh = _decode_plan(cfg, config, mesh)
     copies = sampler_copy = reference_copy = 0
     if decode is not None:
         in_place = (
             run.frozen is None
             and cfg.rollout.max_staleness == 0
             and config.dtype == config.param_dtype
-            and decode["mesh_object"] is mesh
+            and decode_mesh is mesh
         )
         if not in_place:
-            sampler_copy = decode.pop("sampler_weight_bytes")
+            sampler_copy = decode["device_weight_bytes"]
         # LoRA: the reference is the frozen base itself (adapters disabled)
         if cfg.grpo.beta != 0.0 and run.frozen is None:
             reference_copy = bytes_per_device(compute_shapes, dense_shardings)
         copies = int(sampler_copy > 0) + int(reference_copy > 0)
     compute_copy_bytes = sampler_copy + reference_copy
     params_bytes += frozen_bytes
-    kv_cache_bytes = 0 if decode is None else decode.pop("kv_cache_bytes")
-    if decode is not None:
-        decode.pop("mesh_object")
-        decode.pop("sampler_weight_bytes", None)
+    kv_cache_bytes = 0 if decode is None else decode["kv_cache_bytes"]
 
     analysis, lower_s, compile_s = _compile_step(cfg, run)
     compiled_temp = int(analysis.temp_size_in_bytes)
@@ -309,32 +306,33 @@ def fit_budget(cfg: RunConfig, plan: dict[str, Any], budget: int) -> dict[str, A
     return out
 
 
-def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> dict[str, Any] | None:
-    """GRPO's sampler in its decode layout (``jaxrl.generate.decode_layout``), asked through the
-    rollout interface for the bytes of its weights and of its KV caches for the configured
-    generation batch on the largest device; None for other algorithms."""
+def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, Any]:
+    """``(decode, mesh)``: GRPO's sampler in its decode layout (``jaxrl.generate.decode_layout``)
+    and that layout's mesh; ``decode`` reports the layout and what the sampler, asked through the
+    rollout interface, holds on the largest device: its weights (``device_weight_bytes``; the
+    whole model is ``weight_bytes``) and its KV caches for the configured generation batch.
+    ``(None, None)`` for other algorithms."""
     if cfg.algorithm != "grpo":
-        return None
+        return None, None
     r, g = cfg.rollout, cfg.grpo
     dense = dense_config(config)
-    tensor = decode_tensor(dense, mesh.size, r.tensor_parallel, r.weight_budget_gb)
-    dmesh = decode_mesh(mesh, tensor)
+    dmesh = sampler_mesh(mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(  # abstract: nothing is allocated or compiled
         dense, max_new_tokens=g.max_completion_length, eos_id=0, pad_id=0, mesh=dmesh,
         max_slots=r.max_slots,
     )  # fmt: skip
     requests = g.generation.size
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
-    return {
-        "tensor_parallel": tensor,
+    decode = {
+        "tensor_parallel": int(dmesh.shape["tensor"]),
         "mesh": {axis: int(size) for axis, size in dmesh.shape.items()},
         "weight_bytes": int(weight_bytes(dense)),
-        "sampler_weight_bytes": int(sampler.weight_bytes()),
+        "device_weight_bytes": int(sampler.weight_bytes()),
         "kv_cache_bytes": sampler.memory_bytes(
             requests, max(requests // g.num_generations, 1), prompt
         ),
-        "mesh_object": dmesh,
     }
+    return decode, dmesh
 
 
 _MODEL_FIELDS = (
@@ -467,8 +465,7 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
         layout = " × ".join(f"{axis}={size}" for axis, size in d["mesh"].items())
         console.print(
             f"sampler: decodes on {layout} (rollout.tensor_parallel={d['tensor_parallel']}): "
-            f"{_size(d['weight_bytes'] // d['tensor_parallel'])} of {m['dtype']} weights per "
-            "device"
+            f"{_size(d['device_weight_bytes'])} of {m['dtype']} weights per device"
         )
     console.print(
         f"XLA: arguments {_size(plan['argument_bytes'])}, outputs {_size(plan['output_bytes'])} "
