@@ -232,14 +232,18 @@ def test_defaults_are_trl_defaults():
 
 
 def test_frozen_and_replace_re_resolves():
-    """A config holds what was given (never a resolved value), so ``dataclasses.replace``
-    resolves B_gen and S again from the new fields."""
+    """B_gen and S read back resolved (the public API's attributes), while the config holds
+    what was given, so ``dataclasses.replace`` resolves them again from the new fields and
+    ``to_dict`` writes what was given."""
     c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.num_generations = 4  # type: ignore[misc]
-    assert (c.generation_batch_size, c.steps_per_generation) == (None, None)  # as given
+    assert (c.generation_batch_size, c.steps_per_generation) == (8, 2)  # resolved: S = g
+    given = (c.given("generation_batch_size"), c.given("steps_per_generation"))
+    assert given == (None, None)
     c2 = dataclasses.replace(c, per_device_train_batch_size=8)
-    assert c2.generation.size == 16  # derived again, not carried over
+    assert c2.generation.size == c2.generation_batch_size == 16  # derived again, not carried
+    assert to_dict(c)["generation_batch_size"] is None
     assert from_dict(GRPOConfig, to_dict(c)) == c
 
 

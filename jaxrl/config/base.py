@@ -201,7 +201,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             fields = [f.name for f in dataclasses.fields(v) if f.init]
             skip = getattr(v, "RUN_FIELDS", {})
-            return {k: plain(getattr(v, k)) for k in fields if k not in skip}
+            value = getattr(v, "given", lambda k: getattr(v, k))  # given, never resolved
+            return {k: plain(value(k)) for k in fields if k not in skip}
         if isinstance(v, tuple | list):
             return [plain(x) for x in v]
         if isinstance(v, dict):

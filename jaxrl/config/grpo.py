@@ -84,6 +84,41 @@ def _positive_int(field: str, value: Any) -> None:
     require(ok, field, value, "use an integer ≥ 1")
 
 
+class ResolvedValue(int):
+    """A value :class:`GRPOConfig` resolved (an ``int`` in every use). Passed back into a
+    config (``dataclasses.replace`` reads every field) it counts as not given, so the new
+    config resolves it anew instead of pinning the old value."""
+
+
+class _Resolved:
+    """A field that stores the value given at construction and reads back resolved: the public
+    API reads B_gen and S as ``generation_batch_size`` / ``steps_per_generation`` (TRL's
+    attributes after ``__post_init__``), while the config itself holds only what was given
+    (:meth:`GRPOConfig.given`, which ``to_dict`` and the resolver read). A value that was given
+    reads back as given; one that was not reads back as a :class:`ResolvedValue`. A dataclass
+    field whose default is a descriptor: ``__init__`` calls ``__set__``, the default is
+    ``__get__(None)``."""
+
+    def __init__(self, part: str):
+        self.part = part  # the GenerationBatch attribute it reads back
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_given_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> int | None:
+        if obj is None:
+            return None  # the field's default: not given
+        given = obj.__dict__[self.slot]
+        if given is not None:
+            return given
+        value = getattr(obj.generation, self.part)
+        return None if value is None else ResolvedValue(value)
+
+    def __set__(self, obj: Any, value: int | None) -> None:
+        # the value given, written once by __init__ (a resolved value read back is not given)
+        obj.__dict__[self.slot] = None if isinstance(value, ResolvedValue) else value
+
+
 @removed_fields(
     do_eval=EVAL_FIX,
     eval_strategy=EVAL_FIX,
@@ -110,8 +145,10 @@ class GRPOConfig:
     world_size: int | None = 1  # P: data-parallel size; in a RunConfig its mesh's data × fsdp,
     # None until the run knows it (a mesh axis of -1)
     num_generations: int = 8  # G: completions per prompt, ≥ 2
-    generation_batch_size: int | None = None  # B_gen: completions per generation, all ranks
-    steps_per_generation: int | None = None  # S: micro-steps served by one generation buffer
+    generation_batch_size: int | None = _Resolved("size")  # B_gen: completions per generation,
+    # all ranks; reads back resolved (None until P is known)
+    steps_per_generation: int | None = _Resolved("steps")  # S: micro-steps served by one
+    # generation buffer; reads back resolved
     num_iterations: int = 1  # μ: passes over each generation buffer
     shuffle_dataset: bool = True  # permute the prompt order each epoch
     max_completion_length: int = 512  # generation cap; also Dr.GRPO's constant
@@ -366,6 +403,12 @@ class GRPOConfig:
             raise ValueError("prompts_per_generation needs the world size (for_world_size)")
         return size // self.num_generations
 
+    def given(self, name: str) -> Any:
+        """The value field ``name`` was given (``generation_batch_size`` and
+        ``steps_per_generation`` read back resolved when unset; this is None then)."""
+        slot = f"_given_{name}"
+        return self.__dict__[slot] if slot in self.__dict__ else getattr(self, name)
+
     def for_world_size(self, world_size: int) -> GRPOConfig:
         """This config resolved for ``world_size`` data-parallel ranks (a run's mesh); itself
         when it already is. Its warnings were given when it was built."""
@@ -389,7 +432,7 @@ def resolve_generation_batch(c: GRPOConfig) -> GenerationBatch:
     """B_gen and S from b, P, g and whichever of ``generation_batch_size`` /
     ``steps_per_generation`` was given (at most one; neither: S = g). ``ConfigError`` when
     both are given, or B_gen is not a multiple of the global batch b · P."""
-    b_gen, steps = c.generation_batch_size, c.steps_per_generation
+    b_gen, steps = c.given("generation_batch_size"), c.given("steps_per_generation")
     if b_gen is not None and steps is not None:
         raise ConfigError(
             f"generation_batch_size={b_gen!r} and steps_per_generation={steps!r}: "
