@@ -443,3 +443,13 @@ def test_mesh_sampler_keeps_the_parameters_sharding_and_compiles_once(mesh_sampl
     assert sampler.compiles == before
     sampler.generate(MESH_PROMPTS[:3], jax.random.key(3))  # padded to 4 rows
     assert sampler.compiles == before + 1
+
+
+def test_a_tensor_parallel_degree_that_does_not_divide_the_devices_is_a_config_error():
+    """Caught when the config is read (before an SFT warm start would run), naming the field."""
+    from jaxrl.config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError, match=r"^rollout\.tensor_parallel=3 is invalid: .*8 gen"):
+        load_run_config("configs/grpo_tiny.yaml", ["mesh.data=8", "rollout.tensor_parallel=3"])
+    ok = load_run_config("configs/grpo_tiny.yaml", ["mesh.data=8", "rollout.tensor_parallel=4"])
+    assert ok.rollout.tensor_parallel == 4

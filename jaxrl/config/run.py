@@ -583,6 +583,7 @@ class RunConfig:
         check_max_steps(self.max_steps)
         self._check_data_source()
         self._check_precision()
+        self._check_decode_layout()
         require(
             0 <= self.seed < 2**32,
             "seed",
@@ -651,6 +652,26 @@ class RunConfig:
             if self.dpo.world_size != ranks:
                 out["dpo"] = dataclasses.replace(self.dpo, world_size=ranks)
         return out
+
+    def _check_decode_layout(self) -> None:
+        """``rollout.tensor_parallel`` divides the generation devices, checked when the config
+        fixes their count (the whole mesh when synchronous; ``rollout.devices`` when set for a
+        run that generates ahead), so a bad value stops the run before any stage, not after an
+        SFT warm start. Otherwise the sampler's construction checks it."""
+        t = self.rollout.tensor_parallel
+        if self.algorithm != "grpo" or t <= 1 or -1 in self.mesh.sizes:
+            return
+        devices = self.mesh.fixed_devices
+        if self.rollout.max_staleness:
+            if not self.rollout.devices:
+                return  # half of the devices, counted at start
+            devices = self.rollout.devices
+        require(
+            devices % t == 0,
+            "rollout.tensor_parallel",
+            t,
+            f"use a divisor of the {devices} generation devices, or 0 (auto)",
+        )
 
     def _check_precision(self) -> None:
         """A bf16 master keeps AdamW's updates only with an explicit rounding choice; the

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from jaxrl.generate.sampler_weights import sampler_model
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.runtime.errors import ConfigError
 from jaxrl.runtime.mesh import AXES, make_mesh
 
 GB = 1e9
@@ -45,7 +46,7 @@ def decode_tensor(config: ModelConfig, devices: int, requested: int, budget_gb: 
     ``budget_gb`` (all of ``devices`` when none does)."""
     if requested > 0:
         if devices % requested:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout.tensor_parallel={requested} does not divide the {devices} generation "
                 "devices: use a divisor, or 0 (auto)"
             )
