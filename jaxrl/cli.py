@@ -149,8 +149,10 @@ def _memory(args: argparse.Namespace) -> int:
         cfg = _load_config(args, distributed=False, devices=args.devices)
         if args.budget is not None and args.budget <= 0:
             raise ConfigError(f"--budget={args.budget} is invalid: use the device memory in GB")
+        from jaxrl.runtime.compile_cache import enable_compile_cache
         from jaxrl.train.run_io.memory import fit_budget, plan_memory
 
+        enable_compile_cache(cfg.compile_cache)  # a 7B step's plan compiles for minutes
         plan = plan_memory(cfg)
         if args.budget is not None:
             plan.update(fit_budget(cfg, plan, int(args.budget * 1e9)))

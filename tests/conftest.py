@@ -1,6 +1,7 @@
 """Test-wide settings: 8 XLA host devices and strict numerics, set before jax initialises."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -9,11 +10,21 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every trainer compiles its step, sampler and scorer, and the programs repeat across tests: the
+# persistent compilation cache (keyed by the HLO) lives in the temp directory, not ~/.cache
+# (compile_cache: true's default); tests/test_compile_cache.py gives its runs their own.
+os.environ.setdefault(
+    "JAXRL_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), "jaxrl-test-jax-cache")
+)
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from jaxrl.runtime.compile_cache import enable_compile_cache  # noqa: E402
+
+enable_compile_cache(True)
 
 
 @pytest.fixture(autouse=True, scope="session")

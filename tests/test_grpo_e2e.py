@@ -3,10 +3,6 @@ metric keys, dp=1 vs dp=8 invariance, external rollouts, docs_per_step and exact
 
 from __future__ import annotations
 
-import os
-import tempfile
-
-import jax
 import numpy as np
 import pytest
 
@@ -15,14 +11,6 @@ from jaxrl.config import ConfigError, load_run_config
 from jaxrl.train.run_io.metrics import read_metrics, reproducible
 from jaxrl.trainers.grpo import PLOT_NAME, GRPOTrainer
 from jaxrl.trainers.session import Session
-
-# Every trainer compiles its step, sampler and scorer; the programs repeat across tests, so a
-# persistent compilation cache (keyed by the HLO) saves most of the compile time.
-if not jax.config.jax_compilation_cache_dir:
-    jax.config.update(
-        "jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), "jaxrl-test-jax-cache")
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 CONFIG = "configs/grpo_tiny.yaml"
 TINY = [

@@ -307,8 +307,9 @@ class ModelSection:
     init: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig.tiny overrides
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights: what AdamW
     # updates and checkpoints store; bfloat16 needs optimizer.master_rounding (docs/precision.md)
-    dtype: Literal["float32", "bfloat16"] | None = None  # compute dtype of the forward, the
-    # sampler and the scorer; None = param_dtype
+    dtype: Literal["float32", "bfloat16", "auto"] | None = None  # compute dtype of the forward,
+    # the sampler and the scorer; None = param_dtype; auto = the backend's fast dtype: bfloat16
+    # on GPU/TPU, float32 where bf16 arithmetic is emulated (CPU) (docs/precision.md)
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = auto: whole rows unless a chunk's
     # logits would exceed 128M values, as with a 150k vocabulary on rows over 512 tokens)
@@ -559,6 +560,8 @@ class RunConfig:
     output_dir: str = "runs/default"  # metrics.jsonl, checkpoints and plots go here
     seed: int = 0  # seeds data order, initialisation and sampling
     max_steps: int = 100  # optimizer steps
+    compile_cache: bool | str = True  # JAX's persistent compilation cache: true = the user
+    # cache directory (~/.cache/jaxrl/xla; $JAXRL_COMPILE_CACHE overrides), a path, or false
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
@@ -589,6 +592,12 @@ class RunConfig:
             "seed",
             self.seed,
             "use an integer in [0, 2**32) (it seeds numpy and jax)",
+        )
+        require(
+            not isinstance(self.compile_cache, str) or bool(self.compile_cache.strip()),
+            "compile_cache",
+            self.compile_cache,
+            "use true (the user cache directory), false (off) or a directory path",
         )
         require(
             bool(self.output_dir.strip()),

@@ -142,6 +142,7 @@ class Sampler:
         self.attention_block = attention_block
         self.copy_params = copy_params
         self.compiles = 0
+        self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.weights = SamplerWeights(abstract_params, mesh)
         self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
         self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
@@ -287,6 +288,10 @@ class Sampler:
         temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
     ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        self.last_compile = (
+            f"{group_Rq.shape[0]} requests over {prompts_QP.shape[0]} prompts of "
+            f"{prompts_QP.shape[1]} tokens"
+        )
         impl = {} if key_impl is None else {"impl": key_impl}  # None: a raw uint32 key
         key = jax.random.wrap_key_data(key_data, **impl)
         return decode_requests(

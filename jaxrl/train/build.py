@@ -32,6 +32,7 @@ from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config
 from jaxrl.train.objectives import Objective, on_params
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxrl.train.precision import auto_compute_dtype
 from jaxrl.train.state import TrainState, abstract_state, create_state
 from jaxrl.train.step import TrainStep
 
@@ -64,8 +65,11 @@ def build_task(cfg: RunConfig) -> ArithmeticTask | CalculatorTask:
     )
 
 
-def model_config(section: ModelSection, vocab_size: int | None) -> ModelConfig:
-    """The ``ModelConfig`` the ``model`` section describes; no weight is read.
+def model_config(
+    section: ModelSection, vocab_size: int | None, platform: str | None = None
+) -> ModelConfig:
+    """The ``ModelConfig`` the ``model`` section describes; no weight is read. ``model.dtype:
+    auto`` resolves for ``platform`` (default: this backend; ``precision.auto_compute_dtype``).
 
     ``vocab_size``: the tokenizer's, when known. ``model.init`` takes it as the vocabulary
     unless ``model.init.vocab_size`` names a larger one (padded, as HF models are); a model
@@ -73,6 +77,7 @@ def model_config(section: ModelSection, vocab_size: int | None) -> ModelConfig:
     be clamped silently. ``model.path`` errors are those of ``read_config``.
     """
     settings = {name: getattr(section, name) for name in MODEL_SECTION_KEYS}
+    settings["dtype"] = auto_compute_dtype(section.dtype, platform)
     settings["lora"] = lora_spec(section)
     if section.path is not None:
         config = read_config(section.path, **settings)

@@ -111,6 +111,7 @@ class Scorer:
         self.row_len = row_len
         self.temperature = float(temperature)
         self.compiles = 0
+        self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self._programs: dict[tuple, Any] = {}  # by the parameters' PartitionSpecs
 
     # -- the program --------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class Scorer:
 
     def _program(self, params, rows_BT, temperature, *, specs):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        self.last_compile = f"rows [C, T] = {list(rows_BT['tokens'].shape)}"
         return self._rows(params, rows_BT, temperature, specs)
 
     def _rows(self, params: Any, rows_BT: dict[str, jax.Array], temperature: jax.Array, specs):

@@ -59,6 +59,7 @@ class TrainStep:
         self.mesh = mesh
         self.frozen = frozen
         self.compiles = 0
+        self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.state_shardings = state_shardings
         grad_specs = None if state_shardings is None else _specs(state_shardings.params)
         # ZeRO-3 updates in place (below); other layouts keep the select of new and old values
@@ -138,6 +139,7 @@ class TrainStep:
 
     def _step(self, state: TrainState, batch, bounds, frozen):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
+        self.last_compile = f"rows [R, M, T] = {list(batch['tokens'].shape)}"
         sums = self._accumulate(state.params, batch, bounds, frozen)
         loss = finalize(sums.numerator, sums.denominator)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)

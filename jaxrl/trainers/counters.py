@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HostCounters", "empty_cause", "zero_advantage_warning"]
+__all__ = ["CompileWatch", "HostCounters", "empty_cause", "zero_advantage_warning"]
 
 
 @dataclasses.dataclass
@@ -38,6 +38,48 @@ class HostCounters:
         """Restore; a checkpoint written before the counters were saved starts them at 0."""
         for field in dataclasses.fields(self):
             setattr(self, field.name, int(state.get(field.name, 0)))
+
+
+class CompileWatch:
+    """The programs a run compiles (train step, scorer, sampler: each counts its traces in
+    ``compiles`` and describes the shapes of the last one in ``last_compile``), summed into the
+    ``compiles`` metric. A steady run compiles during its first step only; a later compile
+    means a new shape bucket was reached (a longer row, a larger batch), and :meth:`news`
+    names it once, so a run that keeps recompiling says why (docs/performance.md)."""
+
+    def __init__(self) -> None:
+        self._programs: dict[str, Any] = {}
+        self._seen: dict[str, int] = {}
+
+    def add(self, name: str, program: Any) -> None:
+        """Watch ``program`` (anything with ``compiles``; a backend without it counts 0), once
+        however many names it is added under."""
+        if program is not None and all(p is not program for p in self._programs.values()):
+            self._programs[name] = program
+            self._seen[name] = self._count(program)
+
+    @staticmethod
+    def _count(program: Any) -> int:
+        return int(getattr(program, "compiles", 0))
+
+    @property
+    def total(self) -> int:
+        return sum(self._count(p) for p in self._programs.values())
+
+    def news(self, step: int) -> list[str]:
+        """Lines for the programs compiled since the last call, after step 1 (compiling is what
+        a first step does)."""
+        lines = []
+        for name, program in self._programs.items():
+            count = self._count(program)
+            if count > self._seen[name] and step > 1:
+                shapes = getattr(program, "last_compile", "") or "a new shape"
+                lines.append(
+                    f"step {step}: compiled the {name} again for {shapes} (a new shape bucket; "
+                    f"{count} programs so far)"
+                )
+            self._seen[name] = count
+        return lines
 
 
 def empty_cause(config: Any, truncated: np.ndarray) -> str:

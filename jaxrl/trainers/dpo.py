@@ -81,6 +81,7 @@ class DPOTrainer:
         self.session = pre.session(dpo_objective(dpo, chunk_size=cfg.model.logprob_chunk))
         # reference values and held-out evaluation: the no-grad scorer on every device
         self.scorer = pre.scorer(self.session)
+        self.session.programs.add("scorer", self.scorer)
 
     def _documents(self, pre: Preamble) -> None:
         """Pairs of the built-in task or of ``data.train`` (and ``data.eval``, with the
@@ -137,7 +138,7 @@ class DPOTrainer:
                 else {"rows": "pack_pairs"}
             ),
             param_dtype=m.param_dtype,
-            dtype=m.dtype or m.param_dtype,
+            dtype=self.session.model_config.dtype,  # model.dtype resolved (auto included)
             fp32_lm_head=m.fp32_lm_head,
             logprob_chunk=m.logprob_chunk,
         )

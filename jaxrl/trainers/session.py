@@ -31,6 +31,7 @@ from jaxrl.models.adapters.peft import save_adapters
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
+from jaxrl.runtime.compile_cache import cache_counts, enable_compile_cache
 from jaxrl.runtime.mesh import (
     barrier,
     batch_ranks,
@@ -41,13 +42,15 @@ from jaxrl.runtime.mesh import (
 )
 from jaxrl.train.build import build_run, exact_base
 from jaxrl.train.objectives import Objective
-from jaxrl.train.precision import compute_copy, lost_update_fraction
+from jaxrl.train.precision import AUTO, auto_dtype_note, compute_copy, lost_update_fraction
 from jaxrl.train.run_io.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.run_io.metrics import MetricsWriter, to_python
-from jaxrl.trainers.counters import HostCounters
+from jaxrl.trainers.counters import CompileWatch, HostCounters
 from jaxrl.trainers.layout_change import layout_change_line, model_change_error, model_changes
 
 __all__ = ["Session", "generation_devices", "with_device_ranks"]
+
+_ANNOUNCED: list[str] = []  # the dtype model.dtype=auto resolved to, once said
 
 
 def with_device_ranks(cfg: RunConfig) -> RunConfig:
@@ -133,6 +136,7 @@ class Session:
         a session that never trains (e.g. one that only exports)."""
         self.cfg = cfg
         self.vocab_size = vocab_size
+        enable_compile_cache(cfg.compile_cache)  # before anything compiles
         self.output_dir = Path(cfg.output_dir)
         self.primary = is_primary()
         previous = self.output_dir / "config.json"  # the last run's, before it is replaced
@@ -148,9 +152,14 @@ class Session:
         self.local_ranks = local_ranks(self.mesh)  # the ranks whose rows this process packs
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", keep=cfg.checkpoint.keep)
         self.console = Console(stderr=True)
+        if cfg.model.dtype == AUTO and not _ANNOUNCED:  # once per process (a warm start too)
+            _ANNOUNCED.append(self.model_config.dtype)
+            self.say([auto_dtype_note()])
         if cfg.optimizer.master_rounding == "nearest":
             self.say([lost_updates_warning(self.state.params, cfg.optimizer.learning_rate)])
         self.counters = HostCounters()  # in every metrics row and every checkpoint
+        self.programs = CompileWatch()  # the run's compiled programs: metric `compiles`
+        self.programs.add("train step", self.step_fn)
         self.warned_empty = False
         self.started = time.perf_counter()
 
@@ -347,7 +356,9 @@ class Session:
         row["empty_steps"] = counters.empty_steps
         row["step"] = self.step
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
-        row["compiles"] = self.step_fn.compiles
+        row["compiles"] = self.programs.total
+        row["compile_cache_hits"] = cache_counts()["hits"]  # programs read from compile_cache
+        self.say(self.programs.news(self.step))
         row["elapsed_s"] = round(time.perf_counter() - self.started, 3)
         return row
 

@@ -51,6 +51,7 @@ class SFTTrainer:
                 "documents; use a multiple"
             )
         self.scorer = pre.scorer(self.session)
+        self.session.programs.add("scorer", self.scorer)
 
     # -- documents --------------------------------------------------------------------------
     def _documents(self, pre: Preamble) -> None:

@@ -86,6 +86,7 @@ from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
 from jaxrl.train.build import RunParts, build_run, build_task
 from jaxrl.train.objectives import sft_objective
+from jaxrl.train.precision import AUTO, auto_compute_dtype
 
 SEGMENT_SLOTS = 2  # documents per packed row in the abstract batch (shapes only)
 _FLOAT_FIELDS = ("loss_mask",)
@@ -97,10 +98,14 @@ _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 def plan_run(cfg: RunConfig) -> RunParts:
     """The run the trainers would build (``build_run``), on abstract values, with the SFT
-    objective. The vocabulary is ``model.path``'s config.json, else ``model.init.vocab_size``
+    objective, ``model.dtype: auto`` read as an accelerator's (bfloat16). The vocabulary is
+    ``model.path``'s config.json, else ``model.init.vocab_size``
     when given, else the built-in task's character tokenizer, as the trainers size it. A bad
     ``model`` section is a ``ConfigError`` naming it."""
     m = cfg.model
+    if m.dtype == AUTO:  # a plan is for the accelerator the run targets, where auto is bf16
+        m = dataclasses.replace(m, dtype=auto_compute_dtype(AUTO, "gpu"))
+        cfg = dataclasses.replace(cfg, model=m)
     vocab_size = None
     if m.path is None and "vocab_size" not in m.init:
         vocab_size = build_task(cfg).tokenizer().vocab_size
@@ -383,6 +388,11 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
         notes.append(
             "grpo: kv_cache_bytes sizes the prompts at the bucket of grpo.max_prompt_length; "
             "rollout.max_slots shrinks the decode cache"
+        )
+    if cfg.model.dtype == AUTO:
+        notes.append(
+            "model.dtype=auto is planned as an accelerator runs it: bfloat16 compute (a CPU "
+            "run computes in float32)"
         )
     if platform == "cpu":
         notes.append(

@@ -89,8 +89,9 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-RUN_DEPENDENT = ("elapsed_s", "compiles")  # metrics that differ between identical runs: timing
-# and the compile count (a resumed process compiles again); and every "time/..." key
+RUN_DEPENDENT = ("elapsed_s", "compiles", "compile_cache_hits")  # metrics that differ between
+# identical runs: timing, the compile count (a resumed process compiles again) and the programs
+# the persistent compilation cache supplied; and every "time/..." key
 
 
 def reproducible(row: dict[str, Any]) -> dict[str, Any]:
