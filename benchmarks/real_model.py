@@ -37,15 +37,21 @@ Stages (``all`` runs them in this order; each later stage runs ``convert`` first
     reward over the steps (and held-out accuracy at the start / end), and wall seconds per
     optimizer step (median over the steps after the first; the first step compiles).
 ``trl``
-    TRL's ``GRPOTrainer`` on the same converted model, the same prompts, the same reward
-    functions and weights, group size, completion length, batch, loss, clipping and optimizer
-    settings as the ``grpo`` stage (read from the jaxrl run's resolved config), fp32 on CPU, in
-    its own process. Reported: s/step side by side with jaxrl's, and TRL's reward curve.
+    TRL's ``GRPOTrainer`` on the same converted model, data, reward functions and weights, group
+    size, completion length, batch, loss, clipping and optimizer settings as the ``grpo`` stage
+    (read from the jaxrl run's resolved config), fp32 on CPU, in its own process. By default
+    (``--trl-mode plain``) a stock ``GRPOTrainer`` as its users run it: TRL's own prompt sampler
+    and ``constant_with_warmup`` schedule, torch's default OpenMP wait policy; this is the
+    speed comparison. ``--trl-mode same-schedule`` makes TRL follow jaxrl's prompt order and
+    learning rate at every step (``trl_peer.same_schedule_trainer``) under
+    ``OMP_WAIT_POLICY=PASSIVE``, for comparing curves: it runs ~1.8x slower than plain TRL
+    (benchmarks/README.md). Reported: s/step side by side with jaxrl's, and TRL's rewards.
 
-``--fp32`` adds ``model.dtype=float32`` (fp32 compute); the default is the shipped configs'
-precision (fp32 master weights, bf16 compute). ``--set KEY=VALUE`` is passed to every jaxrl
-stage. Threads: everything runs with ``OMP_WAIT_POLICY=PASSIVE`` (see benchmarks/README.md's
-peer section: torch's spinning OpenMP threads starve XLA's on a small shared machine).
+``--fp32`` adds ``model.dtype=float32``; the default is the shipped configs' precision (fp32
+master weights, ``model.dtype: auto`` compute: fp32 on the CPU). ``--set KEY=VALUE`` is passed
+to every jaxrl stage. Threads: the jaxrl stages run with ``OMP_WAIT_POLICY=PASSIVE`` (see
+benchmarks/README.md's peer section: torch's spinning OpenMP threads starve XLA's on a small
+shared machine; jaxrl's own processes do not use OpenMP).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from typing import Any
 
 from harness import run_fresh, seconds_per_step
 from machine import machine as describe_machine
-from trl_peer import same_schedule_trainer
+from trl_peer import plain_trainer, same_schedule_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
@@ -512,14 +518,16 @@ def dataclass_dict(obj: Any) -> dict[str, Any]:
     }
 
 
-def run_worker(name: str, job: dict[str, Any], tag: str) -> dict[str, Any]:
-    """Run ``worker_<name>(job)`` in a fresh interpreter (``harness.run_fresh``)."""
+def run_worker(
+    name: str, job: dict[str, Any], tag: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``worker_<name>(job)`` in a fresh interpreter (``harness.run_fresh``), by default
+    with ``OMP_WAIT_POLICY`` (``env``: the variables to set instead)."""
     job_file, out_file = RUNS_DIR / f"{tag}.job.json", RUNS_DIR / f"{tag}.result.json"
     out_file.unlink(missing_ok=True)
     args = [__file__, "worker", "--worker", name, "--job", str(job_file)]
-    timing = run_fresh(
-        args, job, job_file, RUNS_DIR / f"{tag}.log", env={"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
-    )
+    env = {"OMP_WAIT_POLICY": OMP_WAIT_POLICY} if env is None else env
+    timing = run_fresh(args, job, job_file, RUNS_DIR / f"{tag}.log", env=env)
     return json.loads(out_file.read_text()) | timing
 
 
@@ -669,10 +677,9 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
     funcs = resolve_reward_funcs(
         g["reward_funcs"], max_completion_length=g["max_completion_length"]
     )
-    trainer, steps = same_schedule_trainer(
+    common = dict(
         grpo=g,
         optimizer=opt,
-        lr=lr,
         seed=seed,
         max_steps=job.get("max_steps") or jx["max_steps"],
         output_dir=str(out_dir),
@@ -681,6 +688,10 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
         train_dataset=Dataset.from_list(rows),
         processing_class=tok,
     )
+    if job.get("mode", "plain") == "plain":  # TRL as its users run it: the speed comparison
+        trainer, steps = plain_trainer(**common)
+    else:  # TRL following jaxrl's prompt order and learning rates: the curve comparison
+        trainer, steps = same_schedule_trainer(lr=lr, **common)
     t0 = time.perf_counter()
     trainer.train()
     logged = [r for r in trainer.state.log_history if "reward" in r]
@@ -690,6 +701,8 @@ def worker_trl(job: dict[str, Any]) -> dict[str, Any]:
         "step_s": [x["wall_s"] for x in steps],
         "train_s": time.perf_counter() - t0,
         "torch_threads": torch.get_num_threads(),
+        "mode": job.get("mode", "plain"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
     }
 
@@ -703,8 +716,14 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
     runs = {}
     for seed in seeds:
         print(f"trl seed {seed} (load average {os.getloadavg()[0]:.1f}):", flush=True)
-        job = {"sets": stage_sets("grpo", seed, args), "max_steps": args.trl_steps}
-        run = run_worker("trl", job, f"trl{'_fp32' if args.fp32 else ''}_seed{seed}")
+        job = {
+            "sets": stage_sets("grpo", seed, args),
+            "max_steps": args.trl_steps,
+            "mode": args.trl_mode,
+        }
+        # plain: TRL as its users run it, torch's OpenMP threads in their default wait policy
+        env = {} if args.trl_mode == "plain" else None
+        run = run_worker("trl", job, f"trl{'_fp32' if args.fp32 else ''}_seed{seed}", env=env)
         reward = [r.get("reward") for r in run["rows"]]
         t = {
             "steps": len(reward),
@@ -788,6 +807,13 @@ def main() -> None:
         "--steps", type=int, default=0, help="max_steps of every stage (0: SCALE's 16)"
     )
     parser.add_argument("--fp32", action="store_true", help="also model.dtype=float32")
+    parser.add_argument(
+        "--trl-mode",
+        choices=("plain", "same-schedule"),
+        default="plain",
+        help="trl: a stock GRPOTrainer as users run it (speed), or one that follows jaxrl's "
+        "prompt order and learning rates (curves)",
+    )
     parser.add_argument("--force", action="store_true", help="convert: rebuild the directory")
     parser.add_argument("--set", action="append", default=[], help="jaxrl override KEY=VALUE")
     parser.add_argument(

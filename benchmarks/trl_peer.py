@@ -1,5 +1,10 @@
-"""TRL's ``GRPOTrainer`` set up to run exactly a jaxrl GRPO run's schedule (peer_grpo.py and
-real_model.py share it).
+"""TRL's ``GRPOTrainer`` next to a jaxrl GRPO run (peer_grpo.py and real_model.py share it), in
+two forms:
+
+- :func:`plain_trainer`: TRL as its users run it, for speed: a stock ``GRPOTrainer`` (no
+  subclass, TRL's own sampler and scheduler) with the run's GRPO fields and AdamW settings;
+- :func:`same_schedule_trainer`: TRL made to follow the jaxrl run exactly, for comparing
+  learning curves step by step:
 
 The same prompts in the same order (TRL's ``RepeatSampler`` stream with jaxrl's per-epoch
 permutation, ``repeat_sampler_indices``), the GRPO fields both frameworks name alike
@@ -45,6 +50,78 @@ def cpu_seconds() -> float:
     """User + system CPU time of this process, all threads."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def _timer(steps: list[dict[str, float]]) -> Any:
+    """A callback that appends ``{"wall_s", "cpu_s"}`` of every optimizer step to ``steps``."""
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.w0, self.c0 = time.perf_counter(), cpu_seconds()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append(
+                {"wall_s": time.perf_counter() - self.w0, "cpu_s": cpu_seconds() - self.c0}
+            )
+
+    return Timer()
+
+
+def _args(grpo: dict[str, Any], optimizer: dict[str, Any], **kw: Any) -> Any:
+    """``trl.GRPOConfig`` with the shared GRPO fields and jaxrl's AdamW settings, fp32 on CPU."""
+    import trl
+
+    g = grpo
+    return trl.GRPOConfig(
+        **{k: g[k] for k in SHARED_GRPO_FIELDS if k != "steps_per_generation"},
+        top_k=g["top_k"] or 0,
+        learning_rate=optimizer["learning_rate"],
+        adam_beta1=optimizer["b1"],
+        adam_beta2=optimizer["b2"],
+        adam_epsilon=optimizer["eps"],
+        weight_decay=optimizer["weight_decay"],
+        max_grad_norm=optimizer["max_grad_norm"],
+        optim="adamw_torch",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        **kw,
+    )
+
+
+def plain_trainer(
+    *,
+    grpo: dict[str, Any],
+    optimizer: dict[str, Any],
+    seed: int,
+    max_steps: int,
+    output_dir: str,
+    **trainer_kwargs: Any,
+) -> tuple[Any, list[dict[str, float]]]:
+    """``(trainer, step_times)``: a stock ``trl.GRPOTrainer`` (TRL's own prompt sampler, its
+    ``constant_with_warmup`` schedule over ``optimizer["warmup_steps"]``), the same GRPO fields
+    and AdamW settings as the jaxrl run, fp32 on the CPU; only a timing callback is added."""
+    import trl
+
+    steps: list[dict[str, float]] = []
+    args = _args(
+        grpo,
+        optimizer,
+        output_dir=output_dir,
+        max_steps=max_steps,
+        seed=seed,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=int(optimizer.get("warmup_steps", 0)),
+    )
+    callbacks = [*trainer_kwargs.pop("callbacks", []), _timer(steps)]
+    return trl.GRPOTrainer(args=args, callbacks=callbacks, **trainer_kwargs), steps
 
 
 def same_schedule_trainer(
