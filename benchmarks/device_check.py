@@ -130,7 +130,11 @@ def worker_probe(job: dict[str, Any]) -> dict[str, Any]:
 
 def train_overrides(job: dict[str, Any]) -> list[str]:
     """Overrides of configs/sft_tiny.yaml for the ``train``, ``memory`` and ``zero3`` parts."""
-    shape = [f"model.init.{k}={v}" for k, v in job["shape"].items()]
+    # floats as 1.000000e-06: YAML 1.1 reads a plain 1e-06 as a string
+    shape = [
+        f"model.init.{k}={f'{v:.6e}' if isinstance(v, float) else v}"
+        for k, v in job["shape"].items()
+    ]
     mesh = (
         [f"mesh.fsdp={job['fsdp']}", "mesh.data=1"] if job.get("fsdp", 1) > 1 else ["mesh.data=1"]
     )
