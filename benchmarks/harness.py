@@ -36,10 +36,12 @@ def run_fresh(
     *,
     env: dict[str, str] | None = None,
     cpus: Sequence[int] | None = None,
+    timeout: float | None = None,
 ) -> dict[str, float]:
     """Write ``job`` to ``job_file``, then run ``python ARGS`` in a fresh interpreter with the
     repository on PYTHONPATH, ``env`` added, pinned to ``cpus`` (None: any), output in
-    ``log_file``. Returns the wall seconds and the load average before and after."""
+    ``log_file``, killed after ``timeout`` seconds (None: no limit). Returns the wall seconds and
+    the load average before and after."""
     job_file.parent.mkdir(parents=True, exist_ok=True)
     job_file.write_text(json.dumps(job, indent=1))
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -47,10 +49,16 @@ def run_fresh(
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     load, t0 = os.getloadavg()[0], time.perf_counter()
     with open(log_file, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
-            preexec_fn=pin,
-        )  # fmt: skip
+        try:
+            proc = subprocess.run(
+                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                preexec_fn=pin, timeout=timeout,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise SystemExit(
+                f"{log_file.stem} timed out after {timeout:.0f} s ({log_file}):\n"
+                f"{log_file.read_text()[-4000:]}\ntimed out after {timeout:.0f} s"
+            ) from None
     if proc.returncode != 0:
         raise SystemExit(f"{log_file.stem} failed ({log_file}):\n{log_file.read_text()[-4000:]}")
     return {
