@@ -145,6 +145,7 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             entropy_threshold=mb["entropy_threshold"][0] if use_entropy_mask else None,
             is_weight_BT=weight_BT,
             token_adv_BT=mb.get("token_advantage"),
+            kl_bias_correction=config.use_bias_correction_kl,
         )
         terms.metrics.update(weight_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
