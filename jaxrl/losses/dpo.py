@@ -35,6 +35,7 @@ from jaxrl.losses.normalize import LossTerms, documents_present, pair_terms, seg
 from jaxrl.losses.policy import Metrics
 
 IGNORE_INDEX = -100
+MARGIN_TOLERANCE = 1e-5  # nats per loss token: |z| below this is fp32 noise (rewards/accuracy)
 
 
 DPOLossTerms = LossTerms  # (numerator, denominator, metrics) of one micro-batch
@@ -137,14 +138,17 @@ def dpo_metrics(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     valid: jax.Array | None = None,
+    tolerance: jax.Array | float = 0.0,
 ) -> Metrics:
     """Metrics as (sum, count) over the valid pairs; the step reports Σ sum / Σ count.
 
-    ``rewards/accuracy`` is strict (ties are wrong); ``rewards/margin`` is the mean of r_c − r_r.
+    ``rewards/accuracy`` counts a pair iff r_c − r_r > β·``tolerance`` (per pair, in the units
+    of the sequence values; ties are wrong); ``rewards/margin`` is the mean of r_c − r_r.
     """
     r_c, r_r = dpo_rewards(
         policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta, loss_type=loss_type
     )
+    above_B = (r_c - r_r) > beta * jax.lax.stop_gradient(jnp.asarray(tolerance, jnp.float32))
     w = jnp.ones_like(r_c) if valid is None else valid.astype(jnp.float32)
     on = w > 0
     total = lambda x: jnp.sum(jnp.where(on, x, 0.0))
@@ -154,7 +158,7 @@ def dpo_metrics(
     return {
         "rewards/chosen": (total(r_c), count),
         "rewards/rejected": (total(r_r), count),
-        "rewards/accuracy": (total((r_c > r_r).astype(jnp.float32)), count),
+        "rewards/accuracy": (total(above_B.astype(jnp.float32)), count),
         "rewards/margin": (total(r_c - r_r), count),
         "logps/chosen": (total(logp_c), count),
         "logps/rejected": (total(logp_r), count),
@@ -264,6 +268,30 @@ def dpo_loss_terms(
     tokens_BPr = pair_tokens(seg_BT, num_segments)
     numerator, denominator = pair_terms(losses_BPr, valid_BPr, tokens_BPr, normalize)
     metrics = dpo_metrics(
-        pc_BPr, pr_BPr, rc_BPr, rr_BPr, beta=beta, loss_type=loss_type, valid=valid_BPr
+        pc_BPr,
+        pr_BPr,
+        rc_BPr,
+        rr_BPr,
+        beta=beta,
+        loss_type=loss_type,
+        valid=valid_BPr,
+        tolerance=margin_tolerance(loss_mask_BT, seg_BT, num_segments, uses_mean_logps(loss_type)),
     )
     return DPOLossTerms(numerator, denominator, metrics)
+
+
+def margin_tolerance(
+    loss_mask_BT: jax.Array, segment_ids_BT: jax.Array, num_segments: int, mean: bool
+) -> jax.Array:
+    """``[B, Pr]`` the margin |z| under which ``rewards/accuracy`` counts a pair as a tie:
+    ``MARGIN_TOLERANCE`` nats per loss token of the pair (chosen + rejected) for summed
+    log-probs, ``2 · MARGIN_TOLERANCE`` for per-token means. The reference cache and the step's
+    forward are two compiled programs whose fp32 sums may round apart (~1e-7), so at step 1
+    (policy = reference) a strict ``z > 0`` would be a coin flip; docs/algorithms/dpo.md §5."""
+    m_BT = ((loss_mask_BT > 0) & (segment_ids_BT > 0)).astype(jnp.float32)
+    if mean:
+        n_BS = documents_present(segment_ids_BT, num_segments).astype(jnp.float32)
+    else:
+        n_BS = segment_sum(m_BT, segment_ids_BT, num_segments)
+    chosen_BPr, rejected_BPr = pair_documents(n_BS)
+    return MARGIN_TOLERANCE * (chosen_BPr + rejected_BPr)
