@@ -31,6 +31,7 @@ from jaxrl.train.forward import micro_batch_logprobs
 Objective = Callable[[Transformer, dict[str, jax.Array]], LossTerms]
 
 REF_FIELD = "ref_logp"  # DPO's per-document reference value: chosen → ref_c, rejected → ref_r
+NLL_WEIGHT_FIELD = "nll_weight"  # ORPO's N_pairs / N_chosen_tokens of the step, [1] per slot
 MISMATCH = "sampler/logprob_mismatch"
 OFF_POLICY = "policy/abs_log_ratio"
 
@@ -65,7 +66,8 @@ def sft_objective(config: SFTConfig, *, chunk_size: int = 0) -> Objective:
 def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
     """DPO and its variants (``dpo_loss_terms``) on pairs laid out as adjacent chosen / rejected
     documents; the reference log-probs come per document in ``mb[REF_FIELD]`` (from the
-    reference cache) unless the loss needs none (SimPO)."""
+    reference cache) unless the loss needs none (SimPO, ORPO). ORPO reads the step constant
+    ``mb[NLL_WEIGHT_FIELD]`` (``[1]``: N_pairs / N_chosen_tokens, from the host plan)."""
     kwargs = dict(
         beta=config.beta,
         loss_type=config.loss_type,
@@ -74,6 +76,7 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
         normalize=config.normalize,
     )
     needs_ref = config.needs_reference
+    orpo = config.loss_type == "orpo"
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
         logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
@@ -85,6 +88,7 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
             ref_c_BPr,
             ref_r_BPr,
             num_segments=mb["doc_sample_index"].shape[-1],
+            nll_weight=mb[NLL_WEIGHT_FIELD][0] if orpo else None,
             **kwargs,
         )
 
