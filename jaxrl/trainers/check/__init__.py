@@ -18,7 +18,22 @@ import numpy as np
 from jaxrl.config import RunConfig
 from jaxrl.runtime.mesh import to_host
 
-__all__ = ["StepOutcome", "one_step", "compare", "max_relative_difference"]
+__all__ = [
+    "SUPPORTED",
+    "TOLERANCE",
+    "StepOutcome",
+    "compare",
+    "layout_overrides",
+    "max_relative_difference",
+    "one_step",
+    "verdict_lines",
+]
+
+SUPPORTED = ("sft", "dpo")  # algorithms whose first step one_step can take
+# Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
+# sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
+TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
+MIN_ADAM_EPS = 1e-3  # Adam's ε for the check's step (see layout_overrides)
 
 
 @dataclasses.dataclass
@@ -39,10 +54,13 @@ class StepOutcome:
 
 def _trainer(cfg: RunConfig) -> Any:
     if cfg.algorithm == "dpo":
+        from jaxrl.train.objectives import REF_FIELD
         from jaxrl.trainers.dpo import DPOTrainer
 
         trainer = DPOTrainer(cfg)
-        trainer.build_references()
+        trainer.build_references()  # as DPOTrainer.run does before its first step
+        if trainer.dpo.needs_reference:
+            trainer.doc_fields[REF_FIELD] = trainer.refs["train"].document_values()
         return trainer
     if cfg.algorithm == "sft":
         from jaxrl.trainers.sft import SFTTrainer
@@ -84,3 +102,59 @@ def compare(a: StepOutcome, b: StepOutcome) -> dict[str, float]:
         "grad_norm": rel(a.grad_norm, b.grad_norm),
         "params": max_relative_difference(a.params, b.params),
     }
+
+
+def layout_overrides(cfg: RunConfig, devices: int) -> tuple[list[str], list[str], str, str]:
+    """``--set`` overrides of the two layouts and one line describing each.
+
+    Both: no SFT warm start (the step starts from the config's model), no LR warmup (the step
+    moves the parameters), Adam's ε at least ``MIN_ADAM_EPS`` (with ε = 1e-8, Adam's first step
+    lr·g/(|g| + ε) turns the fp32 rounding of a gradient entry near 0 into up to ~1e-4 of a
+    parameter; ε = 1e-3 keeps the update a smooth function of the gradient, so the parameters
+    measure the gradient). Layout A is the config's mesh and micro-batch budget; layout B
+    swaps the data and fsdp sizes (the same data-parallel ranks, so the same global batch,
+    grouped otherwise) and halves ``schedule.max_tokens``.
+    """
+    from jaxrl.runtime.mesh import resolve_shape
+
+    m = cfg.mesh
+    data, fsdp, tensor = resolve_shape(m.data, m.fsdp, m.tensor, devices)
+    common = [
+        "sft_warmup_steps=0",
+        "optimizer.warmup_steps=0",
+        f"optimizer.eps={max(cfg.optimizer.eps, MIN_ADAM_EPS)}",
+    ]
+    tokens = cfg.schedule.max_tokens
+    a = [*common, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]
+    b = [
+        *common,
+        f"mesh.data={fsdp}",
+        f"mesh.fsdp={data}",
+        f"mesh.tensor={tensor}",
+        f"schedule.max_tokens={max(tokens // 2, 1)}",
+    ]
+    line_a = f"mesh data={data} fsdp={fsdp} tensor={tensor}, schedule.max_tokens={tokens}"
+    line_b = f"mesh data={fsdp} fsdp={data} tensor={tensor}, schedule.max_tokens={tokens // 2}"
+    return a, b, line_a, line_b
+
+
+def verdict_lines(a: StepOutcome, b: StepOutcome) -> tuple[list[str], list[str]]:
+    """The report's lines (one per quantity) and the names of the quantities over tolerance."""
+    diffs = compare(b, a)
+    lines, failed = [], []
+    for name, value_a, value_b in (
+        ("loss", a.loss, b.loss),
+        ("grad_norm", a.grad_norm, b.grad_norm),
+        ("params", None, None),
+    ):
+        tol, diff = TOLERANCE[name], diffs[name]
+        ok = diff <= tol
+        failed += [] if ok else [name]
+        values = (
+            f"A {value_a:.9g}  B {value_b:.9g}  " if value_a is not None else "max over leaves  "
+        )
+        lines.append(
+            f"{name:<10} {values}relative difference {diff:.2e} "
+            f"{'<=' if ok else '>'} {tol:.0e}  {'ok' if ok else 'DIFFERENT'}"
+        )
+    return lines, failed
