@@ -114,23 +114,22 @@ def _check(args: argparse.Namespace) -> int:
         return _fail(
             ConfigError(
                 f"algorithm={cfg.algorithm!r}: jaxrl check runs {', '.join(check.SUPPORTED)} "
-                "configs so far (GRPO-family, PPO and KTO are not covered yet)"
+                "configs"
             ),
             2,
         )
     from jaxrl.config import load_run_config
 
     a_sets, b_sets, line_a, line_b = check.layout_overrides(cfg, jax.device_count())
-    outcomes = []
     with tempfile.TemporaryDirectory(prefix="jaxrl-check-") as tmp:
-        for name, sets in (("a", a_sets), ("b", b_sets)):
-            where = f"output_dir={tmp}/{name}"
-            try:
-                layout = load_run_config(args.config, [*args.set, *sets, where])
-                outcomes.append(check.one_step(layout))
-            except (ConfigError, ValueError) as e:
-                return _fail(e, 2)
-    a, b = outcomes
+        try:
+            cfg_a, cfg_b = (
+                load_run_config(args.config, [*args.set, *sets, f"output_dir={tmp}/{name}"])
+                for name, sets in (("a", a_sets), ("b", b_sets))
+            )
+            a, b = check.two_layouts(cfg_a, cfg_b)
+        except (ConfigError, ValueError) as e:
+            return _fail(e, 2)
     print(f"jaxrl check {args.config}: one {cfg.algorithm} step in two layouts")
     for tag, line, out in (("A", line_a, a), ("B", line_b, b)):
         print(f"layout {tag}: {line}: {out.row['num_micro_batches']} micro-batches")

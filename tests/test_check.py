@@ -34,17 +34,16 @@ def test_layouts_regroup_the_ranks_and_halve_the_budget():
     assert max(TOLERANCE.values()) <= 1e-5
 
 
-def test_unsupported_algorithm_is_a_usage_error(capsys):
-    assert _check("configs/grpo_tiny.yaml") == 2
-    assert "jaxrl check runs sft, dpo" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config,sets",
     [
         ("configs/sft_tiny.yaml", SMALL),
         ("configs/dpo_tiny.yaml", [*SMALL, "dpo.per_device_train_batch_size=4"]),
+        (  # layout A generates; both layouts train on that generation
+            "configs/grpo_tiny.yaml",
+            [*SMALL, "grpo.per_device_train_batch_size=8", "grpo.num_generations=4"],
+        ),
     ],
 )
 def test_shipped_tiny_configs_pass(config, sets, capsys):

@@ -26,10 +26,11 @@ __all__ = [
     "layout_overrides",
     "max_relative_difference",
     "one_step",
+    "two_layouts",
     "verdict_lines",
 ]
 
-SUPPORTED = ("sft", "dpo")  # algorithms whose first step one_step can take
+SUPPORTED = ("sft", "dpo", "grpo")  # algorithms whose first step the check can take
 # Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
 # sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
 TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
@@ -70,12 +71,51 @@ def _trainer(cfg: RunConfig) -> Any:
 
 
 def one_step(cfg: RunConfig) -> StepOutcome:
-    """The first optimizer step of ``cfg`` (no SFT warm start: the caller resolves it)."""
+    """The first optimizer step of an SFT or DPO-family ``cfg`` (no SFT warm start: the caller
+    resolves it)."""
     trainer = _trainer(cfg)
-    session = trainer.session
-    row = session.train_on(trainer.next_batch())
-    params = [np.asarray(x, np.float64) for x in _leaves(to_host(session.state.params))]
-    return StepOutcome(row, params)
+    row = trainer.session.train_on(trainer.next_batch())
+    return _outcome(trainer, row)
+
+
+def _outcome(trainer: Any, row: dict[str, Any]) -> StepOutcome:
+    params = to_host(trainer.session.state.params)
+    return StepOutcome(row, [np.asarray(x, np.float64) for x in _leaves(params)])
+
+
+def _grpo_trainer(cfg: RunConfig) -> Any:
+    """A GRPO trainer past its start (a fresh output_dir: nothing to resume), without the
+    held-out evaluation a run measures first."""
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(cfg)
+    trainer.session.resume({})
+    trainer._started = True  # noqa: SLF001 (the check's step needs no starting evaluation)
+    return trainer
+
+
+def two_layouts(cfg_a: RunConfig, cfg_b: RunConfig) -> tuple[StepOutcome, StepOutcome]:
+    """The first step of the same config in two layouts. GRPO: layout A generates the first
+    generation (its prompts, the policy's samples, the user's reward functions) and both
+    layouts train on that same generation (sampling itself is not part of the update)."""
+    if cfg_a.algorithm != "grpo":
+        return one_step(cfg_a), one_step(cfg_b)
+    import copy
+
+    first = _grpo_trainer(cfg_a)
+    generation = copy.deepcopy(first.generate())  # loaded into A's queue, kept for B
+    a = _outcome(first, _grpo_step(first))
+    del first
+    second = _grpo_trainer(cfg_b)
+    second.rollouts.load(generation)
+    return a, _outcome(second, _grpo_step(second))
+
+
+def _grpo_step(trainer: Any) -> dict[str, Any]:
+    """One optimizer step on the generation in the trainer's buffer (``GRPOTrainer.step``
+    without making a generation: the buffer serves its micro-steps, then the window trains)."""
+    trainer.rule.run_step(trainer.rollouts.serve, lambda: len(trainer.rollouts))
+    return trainer._train_pending()  # noqa: SLF001
 
 
 def _leaves(tree: Any) -> list[Any]:
@@ -122,6 +162,7 @@ def layout_overrides(cfg: RunConfig, devices: int) -> tuple[list[str], list[str]
     common = [
         "sft_warmup_steps=0",
         "optimizer.warmup_steps=0",
+        "grpo.warmup_steps=0",
         f"optimizer.eps={max(cfg.optimizer.eps, MIN_ADAM_EPS)}",
     ]
     tokens = cfg.schedule.max_tokens
