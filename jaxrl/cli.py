@@ -142,6 +142,12 @@ def _check(args: argparse.Namespace) -> int:
             "(a per-micro-batch or per-device mean, a count taken inside a micro-batch)"
         )
         return 1
+    if a.grad_norm == 0 and b.grad_norm == 0:
+        print(
+            "note: the gradient is 0 in both layouts (e.g. a GRPO generation whose rewards do "
+            "not vary within any group), so the parameters were not compared in motion; use a "
+            "model that already earns some reward (an SFT warm start) or another seed"
+        )
     print("verdict: PASS: the step does not depend on the layout (within tolerance)")
     return 0
 

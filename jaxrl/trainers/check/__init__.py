@@ -34,6 +34,9 @@ SUPPORTED = ("sft", "dpo", "grpo")  # algorithms whose first step the check can 
 # Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
 # sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
 TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
+# A GRPO-family loss is a sum of advantage-weighted terms that cancel to near 0 (advantages sum
+# to 0 per group): its difference is measured relative to at least this (an absolute 1e-7).
+LOSS_FLOOR = 1e-2
 MIN_ADAM_EPS = 1e-3  # Adam's ε for the check's step (see layout_overrides)
 
 
@@ -135,10 +138,11 @@ def max_relative_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def compare(a: StepOutcome, b: StepOutcome) -> dict[str, float]:
-    """Relative differences of ``a`` from ``b``: loss, grad norm, updated parameters."""
-    rel = lambda x, y: abs(x - y) / max(abs(y), 1e-30) if x != y else 0.0
+    """Relative differences of ``a`` from ``b``: loss (relative to at least ``LOSS_FLOOR``),
+    grad norm, updated parameters."""
+    rel = lambda x, y, floor=1e-30: abs(x - y) / max(abs(y), floor) if x != y else 0.0
     return {
-        "loss": rel(a.loss, b.loss),
+        "loss": rel(a.loss, b.loss, LOSS_FLOOR),
         "grad_norm": rel(a.grad_norm, b.grad_norm),
         "params": max_relative_difference(a.params, b.params),
     }
