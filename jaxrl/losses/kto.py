@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.losses.loss_types import KTO_LOSS_TYPES
 from jaxrl.losses.normalize import LossTerms, documents_present, segment_sum
-
-KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
 def mismatched_completions(n: int, rng: np.random.Generator) -> np.ndarray:

@@ -55,3 +55,6 @@ DPO_REFERENCE_FREE = ("simpo", "orpo")  # no reference model, no reference cache
 DPO_PAIR_ONLY = ("orpo",)  # types whose step normalisation is fixed (normalize must be pair)
 DPO_ALIASES = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}
 DPO_NORMALIZE = ("pair", "token")  # DPOConfig.normalize: pair → Σℓ/N_pairs, token → Σ T_p ℓ_p/Σ T_p
+
+# KTO (``KTOConfig.loss_type``, see ``jaxrl.losses.kto``).
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")

@@ -30,7 +30,7 @@ __all__ = [
     "verdict_lines",
 ]
 
-SUPPORTED = ("sft", "dpo", "grpo")  # algorithms whose first step the check can take
+SUPPORTED = ("sft", "dpo", "grpo", "kto")  # algorithms whose first step the check can take
 # Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
 # sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
 TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
@@ -65,6 +65,12 @@ def _trainer(cfg: RunConfig) -> Any:
         trainer.build_references()  # as DPOTrainer.run does before its first step
         if trainer.dpo.needs_reference:
             trainer.doc_fields[REF_FIELD] = trainer.refs["train"].document_values()
+        return trainer
+    if cfg.algorithm == "kto":
+        from jaxrl.trainers.kto import KTOTrainer
+
+        trainer = KTOTrainer(cfg)
+        trainer.build_references()
         return trainer
     if cfg.algorithm == "sft":
         from jaxrl.trainers.sft import SFTTrainer
