@@ -67,12 +67,12 @@ def test_bad_rows_and_batches_are_clear_errors(tmp_path):
 
 def _step(name, tmp_path):
     """One step of LAYOUTS[name] against a reference that is not the policy (the starting
-    weights × 1.1), so z₀ and the rewards are not 0; returns the outcome and z₀."""
+    weights × 1.5), so z₀ and the rewards are not 0; returns the outcome and z₀."""
     sets, devices = LAYOUTS[name]
     cfg = load_run_config("configs/kto_tiny.yaml", [*SMALL, *sets, f"output_dir={tmp_path / name}"])
     with use_devices(jax.devices()[:devices]):
         trainer = KTOTrainer(cfg)
-        trainer.reference = jax.tree.map(lambda x: x * 1.1, trainer.reference)
+        trainer.reference = jax.tree.map(lambda x: x * 1.5, trainer.reference)
         trainer.build_references()
         batch = trainer.next_batch()
         z0 = float(batch.arrays["kto_z0"].reshape(-1)[0])
