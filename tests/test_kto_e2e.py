@@ -92,7 +92,10 @@ def test_kto_step_and_z0_are_the_same_in_every_layout(tmp_path):
     assert ref.row["num_micro_batches"] == 1 and out["dp1_4mb"][0].row["num_micro_batches"] >= 4
     assert ref.row["denominator"] == 16
     for name, (outcome, z) in out.items():
-        assert z == z0, name  # the same bits: one global ratio from layout-free scoring
+        if name == "d2f2t2":  # tensor parallel splits the forward's sums: fp32 rounding
+            assert z == pytest.approx(z0, rel=1e-5), name  # measured 2.1e-6
+        else:  # data parallel and micro-batching: the same bits (layout-free scoring)
+            assert z == z0, name
         diffs = compare(outcome, ref)
         assert max(diffs.values()) <= 1e-6, (name, diffs)
 
