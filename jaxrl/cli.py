@@ -95,6 +95,63 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    """``jaxrl check``: exit 0 when the step is the same in both layouts, 1 when a quantity
+    differs beyond its tolerance (named), 2 for usage errors (``jaxrl.trainers.check``)."""
+    import tempfile
+
+    from jaxrl.config import ConfigError
+
+    try:
+        cfg = _load_config(args)
+    except ConfigError as e:
+        return _fail(e, 2)
+    import jax
+
+    from jaxrl.trainers import check
+
+    if cfg.algorithm not in check.SUPPORTED:
+        return _fail(
+            ConfigError(
+                f"algorithm={cfg.algorithm!r}: jaxrl check runs {', '.join(check.SUPPORTED)} "
+                "configs"
+            ),
+            2,
+        )
+    from jaxrl.config import load_run_config
+
+    a_sets, b_sets, line_a, line_b = check.layout_overrides(cfg, jax.device_count())
+    with tempfile.TemporaryDirectory(prefix="jaxrl-check-") as tmp:
+        try:
+            cfg_a, cfg_b = (
+                load_run_config(args.config, [*args.set, *sets, f"output_dir={tmp}/{name}"])
+                for name, sets in (("a", a_sets), ("b", b_sets))
+            )
+            a, b = check.two_layouts(cfg_a, cfg_b)
+        except (ConfigError, ValueError) as e:
+            return _fail(e, 2)
+    print(f"jaxrl check {args.config}: one {cfg.algorithm} step in two layouts")
+    for tag, line, out in (("A", line_a, a), ("B", line_b, b)):
+        print(f"layout {tag}: {line}: {out.row['num_micro_batches']} micro-batches")
+    lines, failed = check.verdict_lines(a, b)
+    print("\n".join(lines))
+    if failed:
+        print(
+            f"verdict: FAIL: {', '.join(failed)} differ between the layouts: the objective "
+            "depends on how the step is cut into micro-batches or spread over devices "
+            "(a per-micro-batch or per-device mean, a count taken inside a micro-batch)"
+        )
+        return 1
+    if a.grad_norm == 0 and b.grad_norm == 0:
+        print(
+            "note: the gradient is 0 in both layouts (e.g. a GRPO generation whose rewards do "
+            "not vary within any group), so the parameters were not compared in motion; use a "
+            "model that already earns some reward (an SFT warm start) or another seed"
+        )
+    print("verdict: PASS: the step does not depend on the layout (within tolerance)")
+    return 0
+
+
 def _disk_full(e: BaseException) -> OSError | None:
     """The ENOSPC/EDQUOT ``OSError`` behind ``e`` (libraries such as orbax re-raise it wrapped,
     or as a side effect of a background writer), if any."""
@@ -267,7 +324,19 @@ def _main(argv: list[str] | None) -> int:
     )
     add_schedule_arguments(sched)
     sched.set_defaults(func=_schedule)
-    for sub_parser in (memory, sched):
+    check = sub.add_parser(
+        "check",
+        help="one optimizer step in two layouts: is the update independent of the layout?",
+        description="Runs the first optimizer step of the config from the same initial weights "
+        "in two layouts (as given; and with the data and fsdp sizes swapped and "
+        "schedule.max_tokens halved) and prints the relative differences of the loss, the "
+        "gradient norm and the updated parameters. Exit 0 when all are within tolerance, 1 "
+        "when one is not (the objective depends on the layout), 2 on a usage error.",
+    )
+    check.add_argument("config", help="path to a YAML config, e.g. configs/dpo_tiny.yaml")
+    _add_set(check)
+    check.set_defaults(func=_check)
+    for sub_parser in (memory, sched, check):
         sub_parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = parser.parse_args(argv)
     from jaxrl.runtime.shutdown import install_hooks

@@ -72,7 +72,7 @@ def test_derived_properties():
     assert DPOConfig(loss_type="dpo_norm").canonical_loss_type == "sigmoid_norm"
     assert DPOConfig(loss_type="ipo").canonical_loss_type == "ipo"
     means = {t for t in dpo_losses.LOSS_TYPES if DPOConfig(loss_type=t).uses_mean_logps}
-    assert means == {"sigmoid_norm", "dpo_norm", "ipo", "simpo"}
+    assert means == {"sigmoid_norm", "dpo_norm", "ipo", "simpo", "orpo"}
     assert not DPOConfig(loss_type="simpo").needs_reference
     assert DPOConfig(loss_type="wpo").needs_reference
     assert (

@@ -48,6 +48,8 @@ def ref_loss(pc, pr, rc, rr, *, beta, loss_type, eps=0.0, gamma=0.3, w=None):
     smooth = lambda x: -(1 - eps) * logsig(x) - eps * logsig(-x)
     if loss_type == "simpo":
         return smooth(beta * ((pc - pr) - gamma))
+    if loss_type == "orpo":  # the odds-ratio term (the NLL: tests/test_orpo.py)
+        return -beta * logsig((pc - pr) - (np.log1p(-np.exp(pc)) - np.log1p(-np.exp(pr))))
     z = (pc - pr) - (rc - rr)
     if loss_type in ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm"):
         return smooth(beta * z)
@@ -161,6 +163,8 @@ def test_variants_match_float64_reference(loss_type):
     rng = np.random.default_rng(len(loss_type))
     pc, pr, rc, rr = (rng.normal(size=16).astype(np.float32) * 3 - 10 for _ in range(4))
     eps = 0.15 if loss_type in ("sigmoid", "sigmoid_norm", "robust", "simpo", "wpo") else 0.0
+    if loss_type == "orpo":  # per-token means of log-probs: < 0
+        pc, pr = -np.abs(pc) / 10, -np.abs(pr) / 10
     w = wpo_weights(jnp.asarray(pc) / 20, jnp.asarray(pr) / 20)
     got = dpo_loss(
         pc,
@@ -268,7 +272,7 @@ def _packed_case(seed=0, rows=ROWS, T=40):
 
 
 @pytest.mark.parametrize("normalize", ["pair", "token"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "orpo"])  # test_orpo.py
 def test_dpo_loss_terms_match_loop_reference(loss_type, normalize):
     seg, labels, lp, ref_c, ref_r = _packed_case(seed=3)
     mean = uses_mean_logps(loss_type)
@@ -470,3 +474,31 @@ def test_metrics_without_mask_count_every_pair():
         jnp.array([0.0, -1.0]), jnp.array([-1.0, 0.0]), jnp.zeros(2), jnp.zeros(2), beta=1.0
     )
     assert [float(x) for x in m["rewards/accuracy"]] == [1.0, 2.0]
+
+
+def test_accuracy_counts_a_margin_only_above_the_tolerance():
+    """rewards/accuracy: z ≤ MARGIN_TOLERANCE per loss token is a tie (the fp32 noise between
+    the reference cache and the step's forward at step 1); above it, a win. Two pairs of one row:
+    pair 1 has 3 + 2 loss tokens (tolerance 5e-5 in sums, 2e-5 in means), pair 2 likewise."""
+    from jaxrl.losses.dpo import MARGIN_TOLERANCE, margin_tolerance
+
+    seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 0]], jnp.int32)
+    labels = jnp.asarray([[IGNORE, 5, 5, 5, IGNORE, 5, 5, IGNORE, 5, 5, 5, IGNORE, 5, 5, IGNORE]])
+    mask = target_mask(labels, seg).astype(jnp.float32)
+    tol_sum = np.asarray(margin_tolerance(mask, seg, 5, mean=False))
+    tol_mean = np.asarray(margin_tolerance(mask, seg, 5, mean=True))
+    np.testing.assert_allclose(tol_sum, [[5 * MARGIN_TOLERANCE, 5 * MARGIN_TOLERANCE]])
+    np.testing.assert_allclose(tol_mean, [[2 * MARGIN_TOLERANCE, 2 * MARGIN_TOLERANCE]])
+    z = jnp.asarray([[1e-7, 1e-3]])  # noise, and a real margin
+    m = dpo_metrics(z, jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 2)), beta=0.1,
+                    tolerance=jnp.asarray(tol_sum))  # fmt: skip
+    assert [float(x) for x in m["rewards/accuracy"]] == [1.0, 2.0]
+    # through the loss terms: policy = reference (z = 0 up to noise) → accuracy exactly 0
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(-rng.uniform(0.1, 3.0, size=seg.shape), jnp.float32)
+    seq = sequence_logps(logp, mask, seg, 5, mean=False)
+    ref_c, ref_r = pair_documents(seq)
+    noisy_c = ref_c + jnp.asarray([[-2e-7, 0.0]])  # the cache rounded the other way
+    terms = dpo_loss_terms(logp, mask, seg, noisy_c, ref_r, num_segments=5, beta=0.1)
+    assert float(terms.metrics["rewards/accuracy"][0]) == 0.0
+    assert float(terms.metrics["rewards/margin"][0]) > 0.0  # the noise is there, just not a win

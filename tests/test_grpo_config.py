@@ -310,3 +310,13 @@ def test_an_unknown_world_size_defers_what_needs_it():
         given.for_world_size(2)
     with pytest.raises(ConfigError, match="both configured"):  # needs no P: fails at once
         cfg(world_size=None, generation_batch_size=8, steps_per_generation=1)
+
+
+def test_use_bias_correction_kl_default_and_kl_in_reward_conflict():
+    """jaxrl keeps plain k3 by default (docs/algorithms/grpo.md §7); the option weights the
+    loss's KL term, so it cannot go with the KL in the reward."""
+    assert GRPOConfig().use_bias_correction_kl is False
+    assert cfg(beta=0.04, use_bias_correction_kl=True).use_bias_correction_kl is True
+    with pytest.raises(ConfigError, match="use_bias_correction_kl=True.*kl_in_reward"):
+        cfg(beta=0.04, advantage_estimator="reinforce_pp", kl_in_reward=True,
+            use_bias_correction_kl=True)  # fmt: skip

@@ -3,6 +3,7 @@
 from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
+from jaxrl.config.kto import KTOConfig
 from jaxrl.config.loading import anchor_reward_paths, load_run_config
 from jaxrl.config.run import (
     CheckpointConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "DistributedConfig",
     "DPOConfig",
     "GRPOConfig",
+    "KTOConfig",
     "ExportConfig",
     "LoggingConfig",
     "RolloutConfig",

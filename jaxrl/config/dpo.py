@@ -18,6 +18,8 @@ from jaxrl.losses.loss_types import (
     DPO_LOSS_TYPES,
     DPO_MEAN_LOSS_TYPES,
     DPO_NORMALIZE,
+    DPO_PAIR_ONLY,
+    DPO_REFERENCE_FREE,
     DPO_SMOOTHING_LOSS_TYPES,
 )
 
@@ -29,7 +31,8 @@ class DPOConfig:
     RUN_FIELDS: ClassVar[Mapping[str, str]] = WORLD_SIZE_FROM_MESH  # not config-file keys
 
     beta: float = 0.1  # β, > 0
-    loss_type: str = "sigmoid"  # sigmoid (dpo), sigmoid_norm (dpo_norm), ipo, hinge, robust, ...
+    loss_type: str = "sigmoid"  # sigmoid (dpo), sigmoid_norm (dpo_norm), ipo, hinge, robust,
+    # simpo, wpo, orpo (NLL + odds ratio, no reference)
     label_smoothing: float = 0.0  # ε in [0, 0.5); only for sigmoid-family, simpo, wpo, robust
     simpo_gamma: float = 0.3  # SimPO margin over β (open-instruct's gamma_beta_ratio)
     normalize: str = "pair"  # pair: Σℓ/N_pairs; token: Σ T_p ℓ_p / Σ T_p
@@ -63,6 +66,13 @@ class DPOConfig:
         )
         require_choice("normalize", self.normalize, DPO_NORMALIZE)
         require(
+            self.normalize == "pair" or self.loss_type not in DPO_PAIR_ONLY,
+            "normalize",
+            self.normalize,
+            f"loss_type={self.loss_type!r} divides its NLL by the step's chosen tokens and its "
+            "odds-ratio term by its pairs (docs/losses.md); set normalize=pair",
+        )
+        require(
             self.learning_rate is None or self.learning_rate > 0,
             "learning_rate",
             self.learning_rate,
@@ -95,8 +105,9 @@ class DPOConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """Every type but ``simpo`` needs reference log-probs (no cache is built for simpo)."""
-        return self.loss_type != "simpo"
+        """Every type but ``simpo`` and ``orpo`` needs reference log-probs (no cache is built
+        for those)."""
+        return self.loss_type not in DPO_REFERENCE_FREE
 
     @property
     def pairs_per_step(self) -> int:

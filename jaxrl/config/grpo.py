@@ -161,6 +161,8 @@ class GRPOConfig:
     # the cap on the importance weight itself (required; ScaleRL: 5.0)
     delta: float | None = None  # cap on the unclipped ratio (two-sided clipping), > 1
     beta: float = 0.0  # KL coefficient; 0 → no reference model
+    use_bias_correction_kl: bool = False  # multiply each token's k3 by the differentiable
+    # ratio ρ (TRL's option, on by default in TRL 1.16); docs/algorithms/grpo.md §4
     loss_type: str = "dapo"  # grpo, bnpo, dr_grpo, dapo, seq_mean_token_sum, cispo
     importance_sampling_level: str = "token"  # token, or sequence (GSPO)
     importance_sampling_correction: str | None = None  # weight the loss by π_old/π_sampler:
@@ -270,6 +272,14 @@ class GRPOConfig:
                 self.multi_objective_aggregation,
                 f"normalize_then_sum is GRPO's; with advantage_estimator="
                 f"{self.advantage_estimator!r} use sum_then_normalize",
+            )
+        if self.use_bias_correction_kl:
+            require(
+                not self.kl_in_reward,
+                "use_bias_correction_kl",
+                self.use_bias_correction_kl,
+                "it weights the KL term of the loss, and kl_in_reward puts the KL in the reward: "
+                "set one of them to false",
             )
         if self.kl_in_reward:
             require(

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from jaxrl.config.base import ConfigError, config_error, require, require_choice, section, suggest
 from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
+from jaxrl.config.kto import KTOConfig
 from jaxrl.config.sft import SFTConfig
 from jaxrl.models.model_config import (
     ALL_LINEAR,
@@ -524,7 +525,7 @@ def check_max_steps(value: int) -> None:
 
 def check_algorithm(value: str) -> None:
     """``algorithm`` must be a known trainer."""
-    require_choice("algorithm", value, ("sft", "grpo", "dpo"))
+    require_choice("algorithm", value, ("sft", "grpo", "dpo", "kto"))
 
 
 __all__ = [
@@ -556,7 +557,7 @@ def _algorithm_section(cls: type) -> Any:
 class RunConfig:
     """A whole run, as ``jaxrl train CONFIG.yaml`` reads it."""
 
-    algorithm: Literal["sft", "grpo", "dpo"] = "sft"  # which trainer runs
+    algorithm: Literal["sft", "grpo", "dpo", "kto"] = "sft"  # which trainer runs
     output_dir: str = "runs/default"  # metrics.jsonl, checkpoints and plots go here
     seed: int = 0  # seeds data order, initialisation and sampling
     max_steps: int = 100  # optimizer steps
@@ -580,6 +581,7 @@ class RunConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # GRPO generation
     grpo: GRPOConfig = _algorithm_section(GRPOConfig)  # world_size: the mesh's data × fsdp
     dpo: DPOConfig = _algorithm_section(DPOConfig)  # world_size: the mesh's data × fsdp
+    kto: KTOConfig = _algorithm_section(KTOConfig)  # world_size: the mesh's data × fsdp
 
     def __post_init__(self):
         check_algorithm(self.algorithm)
@@ -660,6 +662,9 @@ class RunConfig:
         with section("dpo"):
             if self.dpo.world_size != ranks:
                 out["dpo"] = dataclasses.replace(self.dpo, world_size=ranks)
+        with section("kto"):
+            if self.kto.world_size != ranks:
+                out["kto"] = dataclasses.replace(self.kto, world_size=ranks)
         return out
 
     def _check_decode_layout(self) -> None:

@@ -47,8 +47,14 @@ DPO_LOSS_TYPES = (
     "robust",
     "simpo",
     "wpo",
+    "orpo",
 )
 DPO_SMOOTHING_LOSS_TYPES = ("sigmoid", "dpo", "sigmoid_norm", "dpo_norm", "simpo", "wpo", "robust")
-DPO_MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo")  # per-token mean log-probs
+DPO_MEAN_LOSS_TYPES = ("sigmoid_norm", "dpo_norm", "ipo", "simpo", "orpo")  # per-token means
+DPO_REFERENCE_FREE = ("simpo", "orpo")  # no reference model, no reference cache
+DPO_PAIR_ONLY = ("orpo",)  # types whose step normalisation is fixed (normalize must be pair)
 DPO_ALIASES = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}
 DPO_NORMALIZE = ("pair", "token")  # DPOConfig.normalize: pair → Σℓ/N_pairs, token → Σ T_p ℓ_p/Σ T_p
+
+# KTO (``KTOConfig.loss_type``, see ``jaxrl.losses.kto``).
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")

@@ -178,6 +178,7 @@ def policy_loss_terms(
     entropy_threshold: jax.Array | None = None,
     is_weight_BT: jax.Array | None = None,
     token_adv_BT: jax.Array | None = None,
+    kl_bias_correction: bool = False,
 ) -> PolicyLossTerms:
     """Numerator, denominator and metric sums of one packed micro-batch (module docstring).
 
@@ -190,7 +191,10 @@ def policy_loss_terms(
     multiplies each token's policy term, not its KL term (TRL's order). ``token_adv_BT``:
     per-token advantages (REINFORCE++ with the KL in the reward,
     ``advantages.kl_in_reward_advantages``) used in the policy term instead of ``A_d``; the
-    sequence-level clip metrics still read the sign of ``A_d``.
+    sequence-level clip metrics still read the sign of ``A_d``. ``kl_bias_correction``
+    (TRL's ``use_bias_correction_kl``) multiplies each token's k3 by the differentiable ratio
+    ρ_t (token level) or ρ_d (sequence level): ``β ρ k3``; on-policy ρ = 1 in value but its
+    gradient ∂lp adds ``β k3 ∂lp``. The ``kl`` metric is then the mean of ρ·k3, as TRL logs it.
     """
     if loss_type not in GRPO_LOSS_MODES:
         raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {GRPO_LOSS_TYPES}")
@@ -254,6 +258,8 @@ def policy_loss_terms(
         loss_BT = loss_BT * jax.lax.stop_gradient(is_weight_BT)
     if beta != 0.0:
         kl_BT = k3_kl(jax.lax.stop_gradient(ref_logp_BT), logp_BT, m_BT)
+        if kl_bias_correction:
+            kl_BT = kl_BT * ratio_BT
         loss_BT = loss_BT + beta * kl_BT
         metrics["kl"] = (jnp.sum(segsum(kl_BT * mf_BT)[:, 1:]), jnp.sum(ntok_BS[:, 1:]))
     if entropy_BT is not None:

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.config import DPOConfig, GRPOConfig, SFTConfig
+from jaxrl.config import DPOConfig, GRPOConfig, KTOConfig, SFTConfig
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
+from jaxrl.losses.kto import kto_loss_terms
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.policy import policy_loss_terms
 from jaxrl.losses.sampler_correction import sampler_weights
@@ -31,6 +32,9 @@ from jaxrl.train.forward import micro_batch_logprobs
 Objective = Callable[[Transformer, dict[str, jax.Array]], LossTerms]
 
 REF_FIELD = "ref_logp"  # DPO's per-document reference value: chosen → ref_c, rejected → ref_r
+NLL_WEIGHT_FIELD = "nll_weight"  # ORPO's N_pairs / N_chosen_tokens of the step, [1] per slot
+LABEL_FIELD = "label"  # KTO: 1 desirable, 0 undesirable, per document
+Z0_FIELD = "kto_z0"  # KTO's reference point z₀ of the step, [1] per slot
 MISMATCH = "sampler/logprob_mismatch"
 OFF_POLICY = "policy/abs_log_ratio"
 
@@ -65,7 +69,8 @@ def sft_objective(config: SFTConfig, *, chunk_size: int = 0) -> Objective:
 def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
     """DPO and its variants (``dpo_loss_terms``) on pairs laid out as adjacent chosen / rejected
     documents; the reference log-probs come per document in ``mb[REF_FIELD]`` (from the
-    reference cache) unless the loss needs none (SimPO)."""
+    reference cache) unless the loss needs none (SimPO, ORPO). ORPO reads the step constant
+    ``mb[NLL_WEIGHT_FIELD]`` (``[1]``: N_pairs / N_chosen_tokens, from the host plan)."""
     kwargs = dict(
         beta=config.beta,
         loss_type=config.loss_type,
@@ -74,6 +79,7 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
         normalize=config.normalize,
     )
     needs_ref = config.needs_reference
+    orpo = config.loss_type == "orpo"
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
         logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
@@ -84,6 +90,34 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
             mb["segment_ids"],
             ref_c_BPr,
             ref_r_BPr,
+            num_segments=mb["doc_sample_index"].shape[-1],
+            nll_weight=mb[NLL_WEIGHT_FIELD][0] if orpo else None,
+            **kwargs,
+        )
+
+    return objective
+
+
+def kto_objective(config: KTOConfig, *, chunk_size: int = 0) -> Objective:
+    """KTO (``kto_loss_terms``): one example per document, its reference value in
+    ``mb[REF_FIELD]`` and label in ``mb[LABEL_FIELD]`` (per document), the step's z₀ in
+    ``mb[Z0_FIELD]`` (a constant from the host's no-grad pre-pass)."""
+    kwargs = dict(
+        beta=config.beta,
+        loss_type=config.loss_type,
+        desirable_weight=config.desirable_weight,
+        undesirable_weight=config.undesirable_weight,
+    )
+
+    def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
+        logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
+        return kto_loss_terms(
+            logp_BT,
+            mb["loss_mask"],
+            mb["segment_ids"],
+            mb[REF_FIELD],
+            mb[LABEL_FIELD],
+            mb[Z0_FIELD][0],
             num_segments=mb["doc_sample_index"].shape[-1],
             **kwargs,
         )
@@ -145,6 +179,7 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             entropy_threshold=mb["entropy_threshold"][0] if use_entropy_mask else None,
             is_weight_BT=weight_BT,
             token_adv_BT=mb.get("token_advantage"),
+            kl_bias_correction=config.use_bias_correction_kl,
         )
         terms.metrics.update(weight_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)

@@ -17,10 +17,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         from jaxrl.trainers.sft import SFTTrainer
 
         return SFTTrainer(cfg).run()
-    if cfg.algorithm not in ("grpo", "dpo"):
+    if cfg.algorithm not in ("grpo", "dpo", "kto"):
         raise NotImplementedError(f"algorithm={cfg.algorithm!r} has no trainer")
     from jaxrl.trainers.dpo import DPOTrainer
     from jaxrl.trainers.grpo import GRPOTrainer, load_reward_funcs
+    from jaxrl.trainers.kto import KTOTrainer
     from jaxrl.trainers.session import with_device_ranks
     from jaxrl.trainers.warm_start import warm_start
 
@@ -28,7 +29,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     funcs = load_reward_funcs(cfg.grpo) if cfg.algorithm == "grpo" else None
     start = time.perf_counter()
     stage_cfg = warm_start(cfg)
-    trainer = GRPOTrainer(stage_cfg, reward_funcs=funcs) if funcs else DPOTrainer(stage_cfg)
+    if funcs:
+        trainer = GRPOTrainer(stage_cfg, reward_funcs=funcs)
+    else:
+        trainer = KTOTrainer(stage_cfg) if cfg.algorithm == "kto" else DPOTrainer(stage_cfg)
     summary = trainer.run()
     summary["stage_wall_s"] = summary.get("wall_s")
     summary["wall_s"] = round(time.perf_counter() - start, 1)

@@ -26,7 +26,7 @@ from jaxrl.data.documents import dpo_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.data.tasks import TASK_SOURCE
 from jaxrl.train.build import build_task
-from jaxrl.train.objectives import REF_FIELD, dpo_objective
+from jaxrl.train.objectives import NLL_WEIGHT_FIELD, REF_FIELD, dpo_objective
 from jaxrl.train.ref_cache import (
     CacheIdentity,
     ReferenceCache,
@@ -38,6 +38,16 @@ from jaxrl.train.ref_cache import (
 )
 from jaxrl.trainers.preamble import Preamble
 from jaxrl.trainers.session import with_device_ranks
+
+
+def orpo_nll_weight(pair_ids: Any, masks: Any) -> float:
+    """ORPO's ``N_pairs / N_chosen_tokens`` of a step, from the host's data before the step:
+    pair p's chosen document is 2p, and its loss tokens are its target-aligned mask
+    (``masks[2p][1:] > 0``, the positions ``jaxrl.data.batching.packing`` marks), so every rank
+    divides its chosen-token NLL by the same global count (docs/losses.md)."""
+    ids = np.asarray(pair_ids, np.int64)
+    tokens = sum(int(np.count_nonzero(np.asarray(masks[2 * p])[1:] > 0)) for p in ids)
+    return float(ids.size) / max(tokens, 1)
 
 
 class DPOTrainer:
@@ -212,7 +222,7 @@ class DPOTrainer:
                 f"step {self.session.step + 1}: the data ran out with {len(ids)} pairs "
                 f"available for a step of {want}"
             )
-        return self.session.plan(
+        batch = self.session.plan(
             ids,
             pairs=True,
             lengths=self.train.pair_lengths,
@@ -220,6 +230,11 @@ class DPOTrainer:
             loss_masks=self.train.masks,
             doc_fields=self.doc_fields,
         )
+        if self.dpo.loss_type == "orpo":  # the step's N_pairs / N_chosen_tokens, all ranks
+            weight = orpo_nll_weight(batch.used, self.train.masks)
+            shape = batch.packed.num_docs.shape
+            batch.arrays[NLL_WEIGHT_FIELD] = np.full(shape, weight, np.float32)
+        return batch
 
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -40,6 +40,8 @@ def stage_config(cfg: RunConfig) -> RunConfig:
         }
     elif cfg.algorithm == "dpo":
         stage = {"learning_rate": cfg.dpo.learning_rate}
+    elif cfg.algorithm == "kto":
+        stage = {"learning_rate": cfg.kto.learning_rate}
     stage = {k: v for k, v in stage.items() if v is not None}
     if not stage:
         return cfg

@@ -59,7 +59,8 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     when the mesh does not fit the devices or the sections' batches do not fit the ranks.
     Resolved once: a config whose sections know their world size (a fixed mesh, resolved when
     the config was loaded, or an earlier call) comes back as it is, devices untouched."""
-    if cfg.grpo.world_size is not None and cfg.dpo.world_size is not None:
+    sections = (cfg.grpo, cfg.dpo, cfg.kto)
+    if all(section.world_size is not None for section in sections):
         return cfg
     devices = len(run_devices(cfg.mesh.sizes))
     devices -= generation_devices(cfg, devices)

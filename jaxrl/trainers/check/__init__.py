@@ -1,0 +1,211 @@
+"""One optimizer step of a config, as numbers to compare across layouts (``jaxrl check``).
+
+:func:`one_step` builds the config's trainer on the devices in scope
+(``jaxrl.runtime.mesh.use_devices``), takes its first step's batch exactly as ``jaxrl train``
+would, runs one optimizer step and returns the step's loss, gradient norm and the updated
+parameters on the host. Two layouts of the same config (mesh, micro-batch budget) start from
+the same weights (the seed fixes them) and see the same global batch, so their outcomes must
+agree to float rounding: :func:`compare` measures that (docs/algorithms/accumulation.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxrl.config import RunConfig
+from jaxrl.runtime.mesh import to_host
+
+__all__ = [
+    "SUPPORTED",
+    "TOLERANCE",
+    "StepOutcome",
+    "compare",
+    "layout_overrides",
+    "max_relative_difference",
+    "one_step",
+    "two_layouts",
+    "verdict_lines",
+]
+
+SUPPORTED = ("sft", "dpo", "grpo", "kto")  # algorithms whose first step the check can take
+# Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
+# sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
+TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
+# A GRPO-family loss is a sum of advantage-weighted terms that cancel to near 0 (advantages sum
+# to 0 per group): its difference is measured relative to at least this (an absolute 1e-7).
+LOSS_FLOOR = 1e-2
+MIN_ADAM_EPS = 1e-3  # Adam's ε for the check's step (see layout_overrides)
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What one optimizer step produced: its metrics row and the updated parameters."""
+
+    row: dict[str, Any]
+    params: list[np.ndarray]  # leaves of the updated (trainable) parameters, tree order
+
+    @property
+    def loss(self) -> float:
+        return float(self.row["loss"])
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.row["grad_norm"])
+
+
+def _trainer(cfg: RunConfig) -> Any:
+    if cfg.algorithm == "dpo":
+        from jaxrl.train.objectives import REF_FIELD
+        from jaxrl.trainers.dpo import DPOTrainer
+
+        trainer = DPOTrainer(cfg)
+        trainer.build_references()  # as DPOTrainer.run does before its first step
+        if trainer.dpo.needs_reference:
+            trainer.doc_fields[REF_FIELD] = trainer.refs["train"].document_values()
+        return trainer
+    if cfg.algorithm == "kto":
+        from jaxrl.trainers.kto import KTOTrainer
+
+        trainer = KTOTrainer(cfg)
+        trainer.build_references()
+        return trainer
+    if cfg.algorithm == "sft":
+        from jaxrl.trainers.sft import SFTTrainer
+
+        return SFTTrainer(cfg)
+    raise NotImplementedError(f"algorithm={cfg.algorithm!r}")
+
+
+def one_step(cfg: RunConfig) -> StepOutcome:
+    """The first optimizer step of an SFT or DPO-family ``cfg`` (no SFT warm start: the caller
+    resolves it)."""
+    trainer = _trainer(cfg)
+    row = trainer.session.train_on(trainer.next_batch())
+    return _outcome(trainer, row)
+
+
+def _outcome(trainer: Any, row: dict[str, Any]) -> StepOutcome:
+    params = to_host(trainer.session.state.params)
+    return StepOutcome(row, [np.asarray(x, np.float64) for x in _leaves(params)])
+
+
+def _grpo_trainer(cfg: RunConfig) -> Any:
+    """A GRPO trainer past its start (a fresh output_dir: nothing to resume), without the
+    held-out evaluation a run measures first."""
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(cfg)
+    trainer.session.resume({})
+    trainer._started = True  # noqa: SLF001 (the check's step needs no starting evaluation)
+    return trainer
+
+
+def two_layouts(cfg_a: RunConfig, cfg_b: RunConfig) -> tuple[StepOutcome, StepOutcome]:
+    """The first step of the same config in two layouts. GRPO: layout A generates the first
+    generation (its prompts, the policy's samples, the user's reward functions) and both
+    layouts train on that same generation (sampling itself is not part of the update)."""
+    if cfg_a.algorithm != "grpo":
+        return one_step(cfg_a), one_step(cfg_b)
+    import copy
+
+    first = _grpo_trainer(cfg_a)
+    generation = copy.deepcopy(first.generate())  # loaded into A's queue, kept for B
+    a = _outcome(first, _grpo_step(first))
+    del first
+    second = _grpo_trainer(cfg_b)
+    second.rollouts.load(generation)
+    return a, _outcome(second, _grpo_step(second))
+
+
+def _grpo_step(trainer: Any) -> dict[str, Any]:
+    """One optimizer step on the generation in the trainer's buffer (``GRPOTrainer.step``
+    without making a generation: the buffer serves its micro-steps, then the window trains)."""
+    trainer.rule.run_step(trainer.rollouts.serve, lambda: len(trainer.rollouts))
+    return trainer._train_pending()  # noqa: SLF001
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def max_relative_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """max over leaves of max|a − b| / max|b| (a leaf of zeros compares absolutely)."""
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        scale = float(np.max(np.abs(y))) if y.size else 0.0
+        diff = float(np.max(np.abs(x - y))) if y.size else 0.0
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def compare(a: StepOutcome, b: StepOutcome) -> dict[str, float]:
+    """Relative differences of ``a`` from ``b``: loss (relative to at least ``LOSS_FLOOR``),
+    grad norm, updated parameters."""
+    rel = lambda x, y, floor=1e-30: abs(x - y) / max(abs(y), floor) if x != y else 0.0
+    return {
+        "loss": rel(a.loss, b.loss, LOSS_FLOOR),
+        "grad_norm": rel(a.grad_norm, b.grad_norm),
+        "params": max_relative_difference(a.params, b.params),
+    }
+
+
+def layout_overrides(cfg: RunConfig, devices: int) -> tuple[list[str], list[str], str, str]:
+    """``--set`` overrides of the two layouts and one line describing each.
+
+    Both: no SFT warm start (the step starts from the config's model), no LR warmup (the step
+    moves the parameters), Adam's ε at least ``MIN_ADAM_EPS`` (with ε = 1e-8, Adam's first step
+    lr·g/(|g| + ε) turns the fp32 rounding of a gradient entry near 0 into up to ~1e-4 of a
+    parameter; ε = 1e-3 keeps the update a smooth function of the gradient, so the parameters
+    measure the gradient). Layout A is the config's mesh and micro-batch budget; layout B
+    swaps the data and fsdp sizes (the same data-parallel ranks, so the same global batch,
+    grouped otherwise) and halves ``schedule.max_tokens``.
+    """
+    from jaxrl.runtime.mesh import resolve_shape
+
+    m = cfg.mesh
+    data, fsdp, tensor = resolve_shape(m.data, m.fsdp, m.tensor, devices)
+    common = [
+        "sft_warmup_steps=0",
+        "optimizer.warmup_steps=0",
+        "grpo.warmup_steps=0",
+        f"optimizer.eps={max(cfg.optimizer.eps, MIN_ADAM_EPS)}",
+    ]
+    tokens = cfg.schedule.max_tokens
+    a = [*common, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]
+    b = [
+        *common,
+        f"mesh.data={fsdp}",
+        f"mesh.fsdp={data}",
+        f"mesh.tensor={tensor}",
+        f"schedule.max_tokens={max(tokens // 2, 1)}",
+    ]
+    line_a = f"mesh data={data} fsdp={fsdp} tensor={tensor}, schedule.max_tokens={tokens}"
+    line_b = f"mesh data={fsdp} fsdp={data} tensor={tensor}, schedule.max_tokens={tokens // 2}"
+    return a, b, line_a, line_b
+
+
+def verdict_lines(a: StepOutcome, b: StepOutcome) -> tuple[list[str], list[str]]:
+    """The report's lines (one per quantity) and the names of the quantities over tolerance."""
+    diffs = compare(b, a)
+    lines, failed = [], []
+    for name, value_a, value_b in (
+        ("loss", a.loss, b.loss),
+        ("grad_norm", a.grad_norm, b.grad_norm),
+        ("params", None, None),
+    ):
+        tol, diff = TOLERANCE[name], diffs[name]
+        ok = diff <= tol
+        failed += [] if ok else [name]
+        values = (
+            f"A {value_a:.9g}  B {value_b:.9g}  " if value_a is not None else "max over leaves  "
+        )
+        lines.append(
+            f"{name:<10} {values}relative difference {diff:.2e} "
+            f"{'<=' if ok else '>'} {tol:.0e}  {'ok' if ok else 'DIFFERENT'}"
+        )
+    return lines, failed
