@@ -91,12 +91,6 @@ class GRPOTrainer:
             old_logprobs=self.computes_old_logprobs,
         )  # fmt: skip
         self.generator, self.scorer, self.evaluator = parts.generator, parts.scorer, parts.evaluator
-        for name, program in (
-            ("sampler", self.generator.sampler),
-            ("scorer", self.generator.scorer),
-            ("training scorer", self.scorer),  # the same one unless generation has its devices
-        ):
-            self.session.programs.add(name, program)
         self.generation_mesh = parts.generation_mesh
         self.prompt_sampler = PromptSampler(
             len(data.train_prompts),

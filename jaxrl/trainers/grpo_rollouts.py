@@ -236,7 +236,18 @@ def build_rollout_parts(
             chunk_size=chunk,
         )
     evaluator = _evaluator(cfg, session, tokenizer, data, generator, episodes)
+    [session.programs.add(*p) for p in _programs(generator, scorer)]  # metric `compiles`
     return RolloutParts(generator, scorer, evaluator, mesh)
+
+
+def _programs(generator: RolloutGenerator, scorer: Scorer) -> list[tuple[str, Any]]:
+    """The rollout side's compiled programs; the training scorer is the generator's own unless
+    generation has devices of its own."""
+    return [
+        ("sampler", generator.sampler),
+        ("scorer", generator.scorer),
+        ("training scorer", scorer),
+    ]
 
 
 def replicated(mesh: Mesh) -> jax.sharding.NamedSharding:

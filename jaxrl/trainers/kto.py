@@ -60,6 +60,7 @@ class KTOTrainer:
         self.feed = DocumentFeed(len(self.train), seed=self.cfg.seed)
         self.session = pre.session(kto_objective(self.kto, chunk_size=cfg.model.logprob_chunk))
         self.scorer = pre.scorer(self.session)
+        self.session.programs.add("scorer", self.scorer)
         self.reference = self.session.reference_params()  # the starting model, kept
         self.doc_fields: dict[str, np.ndarray] = {}
         self.eval_reference: np.ndarray | None = None
