@@ -138,6 +138,7 @@ class VLLMBackend:
         self.clients = [ServerClient(u, vllm.timeout) for u in vllm.urls]
         self._checked: set[str] = set()  # servers whose config was checked
         self._leaves: list[Any] | None = None  # the arrays of the version loaded last
+        self._unversioned = False  # the last load named no version
         self._pool = concurrent.futures.ThreadPoolExecutor(
             MAX_CONCURRENT * max(1, len(self.clients)), thread_name_prefix="jaxrl-vllm"
         )
@@ -151,17 +152,16 @@ class VLLMBackend:
     ) -> None:
         """Send these weights to every server as ``version`` (default: the last + 1); nothing
         is sent when they are the arrays sent last, or when ``version`` is given and the
-        servers' version is less than ``sync_every`` older. ``copy`` is unused (the servers
-        hold their own copy)."""
+        servers' version (itself given with one) is less than ``sync_every`` older. ``copy``
+        is unused (the servers hold their own copy)."""
         del copy
         leaves = jax.tree.leaves(params)
         same = self._leaves is not None and len(leaves) == len(self._leaves)
         if same and all(a is b for a, b in zip(leaves, self._leaves, strict=True)):
             return
         v = self.weight_version + 1 if version is None else int(version)
-        if version is not None and 0 <= self.weight_version and v - self.weight_version < (
-            self.sync_every
-        ):
+        current = 0 <= self.weight_version and not self._unversioned
+        if version is not None and current and v - self.weight_version < self.sync_every:
             return  # rollout.sync_every: the servers keep the version they have
         start = time.perf_counter()
         path = export_weights(
@@ -181,6 +181,8 @@ class VLLMBackend:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
         self.weight_version, self._leaves = v, leaves
+        # weights loaded without a version (an evaluation's) are not taken for a step's
+        self._unversioned = version is None
         self.sync_s += time.perf_counter() - start
         self.syncs += 1
 
@@ -192,9 +194,10 @@ class VLLMBackend:
         temperature = self.sampling.temperature
         mode = "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
         if self.vllm.command is not None:
-            command = [a.replace("{model}", str(path)).replace("{port}", str(port)) for a in (
-                self.vllm.command
-            )]
+            command = [
+                a.replace("{model}", str(path)).replace("{port}", str(port))
+                for a in (self.vllm.command)
+            ]
         else:
             command = default_command(
                 str(path),
@@ -208,7 +211,9 @@ class VLLMBackend:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{self.vllm.kv_cache_gb:g}",
         }
-        server = LocalServer(command, port=port, log_path=self._log_dir / "vllm_server.log", env=env)
+        server = LocalServer(
+            command, port=port, log_path=self._log_dir / "vllm_server.log", env=env
+        )
         self.servers.append(server)
         server.wait_ready(self.vllm.start_timeout)
         self.clients = [ServerClient(server.url, self.vllm.timeout)]
@@ -370,17 +375,19 @@ class VLLMBackend:
         bad = f"vLLM server {url}: POST /v1/completions"
         choices = answer.get("choices")
         want = 1 if greedy else rows
-        if not isinstance(choices, list) or len(choices) != want:
+        if not isinstance(choices, list) or len(choices) != want:  # fewer (or more) than asked
             got = len(choices) if isinstance(choices, list) else "no"
             raise VLLMError(
                 f"{bad} returned {got} completions for n={want}; the server is not a "
                 "compatible vLLM (>= 0.10, token ids in and out) or failed: check its log"
             )
+        if not all(isinstance(c, dict) for c in choices):
+            raise VLLMError(f"{bad} returned completions that are not objects: check its log")
         out = []
-        for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
-            ids = choice.get("token_ids") if isinstance(choice, dict) else None
-            lps = ((choice.get("logprobs") or {}).get("token_logprobs")) if ids is not None else None
-            reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+        for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+            ids = choice.get("token_ids")
+            lps = (choice.get("logprobs") or {}).get("token_logprobs")
+            reason = choice.get("finish_reason")
             ok = (
                 isinstance(ids, list)
                 and 1 <= len(ids) <= limit

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -76,14 +75,14 @@ class ServerClient:
                 f"{where} answered HTTP {e.code}{detail}; "
                 f"{fix or 'check the server log (it may have died or run out of memory)'}"
             ) from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise VLLMError(
                 f"{where} gave no answer within rollout.vllm.timeout={timeout:g} s; the server "
                 "hangs or is overloaded: check it, or raise rollout.vllm.timeout"
             ) from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
             reason = getattr(e, "reason", e)
-            if isinstance(reason, TimeoutError | socket.timeout):
+            if isinstance(reason, TimeoutError):
                 raise VLLMError(
                     f"{where} gave no answer within rollout.vllm.timeout={timeout:g} s; the "
                     "server hangs or is overloaded: check it, or raise rollout.vllm.timeout"

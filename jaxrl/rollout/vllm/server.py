@@ -4,8 +4,9 @@ The server runs in a process group of its own (``start_new_session``); :meth:`Lo
 ends the whole group (the API server and its engine-core processes): SIGTERM, then SIGKILL
 after a grace period. Every exit path stops it: the trainer's ``finally`` (errors and Ctrl-C),
 the interpreter's exit, ``jaxrl.runtime.shutdown.exit_now`` (the CLI's hard exit after Ctrl-C
-runs the callbacks of ``on_exit``), the object's finalizer, and, should jaxrl itself be killed,
-the kernel (``PR_SET_PDEATHSIG`` sends the server SIGTERM when its parent dies; Linux).
+runs the callbacks of ``on_exit``) and the object's finalizer. A jaxrl process killed by SIGKILL
+runs none of them: its server is then left running (no ``preexec_fn`` death signal, which would
+make ``subprocess`` fork a multithreaded JAX process).
 """
 
 from __future__ import annotations
@@ -80,13 +81,6 @@ def default_command(
     ]
 
 
-def _set_parent_death_signal() -> None:  # runs in the child before exec
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class LocalServer:
     """``command`` started in a process group of its own, its output in ``log_path``; ready
     once ``/health`` answers (at most ``start_timeout`` seconds)."""
@@ -112,7 +106,6 @@ class LocalServer:
                     stderr=subprocess.STDOUT,
                     env={**os.environ, **(env or {})},
                     start_new_session=True,
-                    preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
                 )
             except OSError as e:
                 raise VLLMError(
