@@ -281,3 +281,48 @@ def test_config_keys():
     ]:
         with pytest.raises(ConfigError, match=field):
             load_run_config("configs/grpo_tiny.yaml", [bad])
+
+
+def test_grpo_with_the_server_as_generator_tags_versions_and_staleness(tmp_path):
+    """A GRPO run whose rollouts come from the (stub) server: rollout.sync_every=2 sends the
+    weights every other step, the rows of the step in between carry the older version
+    (staleness 1, measured by the trainer) and the server's log-probs reach
+    sampler/logprob_mismatch."""
+    from test_grpo_e2e import CONFIG, TINY
+
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    stub = StubVLLM(10)  # ids below every task vocabulary
+    try:
+        cfg = load_run_config(
+            CONFIG,
+            [*TINY, f"output_dir={tmp_path}", "rollout.backend=vllm", "rollout.sync_every=2",
+             f"rollout.vllm.url={stub.url}", "task.eval_size=4"],
+        )  # fmt: skip
+        t = GRPOTrainer(cfg)
+        rows = [t.step() for _ in range(3)]
+        t.generator.close()
+    finally:
+        stub.stop()
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 0]
+    assert [r["vllm/syncs"] for r in rows] == [1.0, 0.0, 1.0]
+    # 2 distinct prompts (× G = 4) per step; the first row also holds the starting evaluation's
+    assert [r["vllm/requests_0"] for r in rows[1:]] == [2.0, 2.0] and rows[0]["vllm/requests_0"] > 2
+    assert all(r["sampler/logprob_mismatch"] > 0.1 for r in rows)  # the stub's made-up log-probs
+    assert len(stub.reloads) == 2 and live_servers() == []
+
+
+def test_cli_one_line_when_the_server_is_down(tmp_path, capsys):
+    from test_grpo_e2e import CONFIG, TINY
+
+    from jaxrl.cli import main
+    from jaxrl.rollout.vllm.server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    sets = [*TINY, f"output_dir={tmp_path}", "rollout.backend=vllm", f"rollout.vllm.url={url}"]
+    start = time.monotonic()
+    code = main(["train", CONFIG, *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and time.monotonic() - start < 60
+    assert err[0].startswith(f"error: vLLM server {url}: POST /pause failed"), err
+    assert "down or unreachable" in err[0] and len(err) <= 2  # + the --debug hint

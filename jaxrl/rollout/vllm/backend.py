@@ -158,6 +158,12 @@ class VLLMBackend:
         leaves = jax.tree.leaves(params)
         same = self._leaves is not None and len(leaves) == len(self._leaves)
         if same and all(a is b for a, b in zip(leaves, self._leaves, strict=True)):
+            if version is not None and int(version) != self.weight_version:
+                # the weights an evaluation sent are this step's: they take its version
+                tag = self._tag(int(version))
+                self._each(lambda c: c.set_weight_version(tag))
+                self.weight_version = int(version)
+            self._unversioned &= version is None
             return
         v = self.weight_version + 1 if version is None else int(version)
         current = 0 <= self.weight_version and not self._unversioned
