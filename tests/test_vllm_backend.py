@@ -49,10 +49,10 @@ def stubs():
         s.stop()
 
 
-def _backend(cfg, urls, *, timeout=5.0, **kw) -> VLLMBackend:
+def _backend(cfg, urls, *, timeout=5.0, verify=False, **kw) -> VLLMBackend:
     return VLLMBackend(
         cfg,
-        VLLMConfig(url=urls, timeout=timeout),
+        VLLMConfig(url=urls, timeout=timeout, verify=verify),
         max_new_tokens=4,
         eos_id=EOS,
         pad_id=PAD,
@@ -154,6 +154,35 @@ def test_a_half_done_update_or_another_version_is_never_sampled(model, stubs):
     be.close()
 
 
+def test_each_sync_checks_the_servers_logprobs_against_jaxrls_scorer(model, stubs):
+    """After the reload every server scores a probe sequence; a server whose answer is not
+    jaxrl's scorer's on the weights sent (vLLM's stale tied head, another model) stops the
+    run."""
+    from jaxrl.train.score import Scorer
+
+    cfg, (p0, p1, _) = model
+    a = stubs[0]
+    be = _backend(cfg, a.url, verify=True)
+    graphdef = be._graphdef
+    scorer = Scorer(graphdef, row_len=8)
+    truth = {"params": p0}
+
+    def score(ids):
+        return scorer.token_logprobs(truth["params"], [np.asarray(ids, np.int32)])[0][1:]
+
+    a.prompt_logprobs = score
+    be.load_params(p0, version=0)  # the server's answer is the weights sent: passes
+    probe = next(r for r in a.requests if r.get("prompt_logprobs") == 0)
+    assert probe["max_tokens"] == 1 and len(probe["prompt"]) == 8
+    with pytest.raises(VLLMError, match="serves other weights than jaxrl sent") as e:
+        be.load_params(p1, version=1)  # the server still answers with p0: stale
+    _one_line(e, a.url)
+    truth["params"] = p1
+    be.load_params(p1, version=2)
+    assert be.weight_version == 2
+    be.close()
+
+
 @pytest.mark.parametrize(
     ("fault", "says"),
     [
@@ -226,7 +255,7 @@ def test_a_started_server_is_owned_and_leaves_no_process(model, tmp_path):
     cfg, (p0, *_) = model
     command = [sys.executable, STUB, "{port}", str(VOCAB)]
     be = VLLMBackend(
-        cfg, VLLMConfig(command=command, timeout=5.0, start_timeout=60.0),
+        cfg, VLLMConfig(command=command, timeout=5.0, start_timeout=60.0, verify=False),
         max_new_tokens=4, eos_id=EOS, pad_id=PAD, log_dir=tmp_path,
     )  # fmt: skip
     be.load_params(p0, version=0)
@@ -297,7 +326,7 @@ def test_grpo_with_the_server_as_generator_tags_versions_and_staleness(tmp_path)
         cfg = load_run_config(
             CONFIG,
             [*TINY, f"output_dir={tmp_path}", "rollout.backend=vllm", "rollout.sync_every=2",
-             f"rollout.vllm.url={stub.url}", "task.eval_size=4"],
+             f"rollout.vllm.url={stub.url}", "task.eval_size=4", "rollout.vllm.verify=false"],
         )  # fmt: skip
         t = GRPOTrainer(cfg)
         rows = [t.step() for _ in range(3)]

@@ -148,7 +148,8 @@ def test_killing_the_server_mid_run_is_one_line_and_leaves_no_process(tmp_path):
             f"rollout.vllm.timeout={timeout}"]  # fmt: skip
     cmd = [sys.executable, "-m", "jaxrl.cli", "train", CONFIG]
     cmd += [a for s in sets for a in ("--set", s)]
-    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user's
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     metrics = Path(tmp_path) / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):

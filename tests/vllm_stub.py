@@ -31,6 +31,7 @@ class StubVLLM:
         self.reloads: list[str] = []  # weights paths loaded
         self.requests: list[dict] = []  # completion request bodies
         self.calls: list[str] = []  # "METHOD /path" in order
+        self.prompt_logprobs = None  # ids -> log-probs of ids[1:] (the weight check's answer)
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -105,7 +106,7 @@ class StubVLLM:
         return None
 
     def complete(self, body) -> dict:
-        prompt, n, limit = body["prompt"], body["n"], body["max_tokens"]
+        prompt, n, limit = body["prompt"], body.get("n", 1), body["max_tokens"]
         eos = set(body.get("stop_token_ids") or [])
         shift = len(self.reloads)
         choices = []
@@ -129,6 +130,11 @@ class StubVLLM:
             )  # fmt: skip
         if self.fault == "fewer":
             choices = choices[:-1]
+        if body.get("prompt_logprobs") is not None and self.prompt_logprobs is not None:
+            values = self.prompt_logprobs(prompt)
+            pairs = zip(prompt[1:], values, strict=True)
+            per_token = [{str(t): {"logprob": float(v), "rank": 1}} for t, v in pairs]
+            choices[0]["prompt_logprobs"] = [None, *per_token]
         return {"id": "cmpl-stub", "model": "jaxrl", "choices": choices}
 
     def stop(self) -> None:

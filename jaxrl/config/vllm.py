@@ -24,6 +24,8 @@ class VLLMConfig:
     kv_cache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE of a started server (CPU build)
     extra_args: list[str] = dataclasses.field(default_factory=list)  # more argv for the
     # server jaxrl starts from the installed vllm (e.g. ["--max-num-seqs", "256"])
+    verify: bool = True  # after each weight sync, check every server's log-probs of a probe
+    # sequence against jaxrl's scorer on the weights sent (a stale or wrong model is an error)
 
     def __post_init__(self):
         urls = [self.url] if isinstance(self.url, str) else list(self.url or [])

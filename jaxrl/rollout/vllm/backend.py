@@ -11,7 +11,9 @@
   renamed into place when complete, and every server reloads them (``client.py``); the version
   is stored on the server (``/update_weight_version``), tagged with this backend's run id, and
   read back before every generation, so a server that restarted, was updated by someone else or
-  stopped half-way through an update is an error, never a silent source of samples. Given the
+  stopped half-way through an update is an error, never a silent source of samples. After each
+  sync every server scores a probe sequence, which must match jaxrl's scorer on the weights
+  sent (``rollout.vllm.verify``). Given the
   same arrays again, nothing is sent. With ``rollout.sync_every = k`` a new version is sent
   only when the last one is k versions old; samples carry the version that made them.
 - **Generation.** ``/v1/completions`` with token ids in and out: one request per distinct
@@ -57,10 +59,12 @@ from jaxrl.models.hf import save_pretrained
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.vllm.client import ServerClient, VLLMError
 from jaxrl.rollout.vllm.server import LocalServer, default_command, free_port
+from jaxrl.train.score import Scorer
 
 __all__ = ["VLLMBackend", "export_weights"]
 
 MAX_CONCURRENT = 64  # requests in flight per server
+PROBE_TOL = 1e-3  # the weight check's mean |Δ log-prob|, both sides fp32
 
 
 def export_weights(
@@ -139,6 +143,8 @@ class VLLMBackend:
         self._checked: set[str] = set()  # servers whose config was checked
         self._leaves: list[Any] | None = None  # the arrays of the version loaded last
         self._unversioned = False  # the last load named no version
+        self._scorer: Scorer | None = None  # the post-sync weight check's (vllm.verify)
+        self._probe = [(7 * k + 3) % config.vocab_size for k in range(8)]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             MAX_CONCURRENT * max(1, len(self.clients)), thread_name_prefix="jaxrl-vllm"
         )
@@ -183,6 +189,8 @@ class VLLMBackend:
             self._start_server(path, tag)
         else:
             self._each(lambda c: c.reload_weights(str(path), tag))
+        if self.vllm.verify:
+            self._verify(params)
         for old in self._dir.glob("v*"):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
@@ -191,6 +199,42 @@ class VLLMBackend:
         self._unversioned = version is None
         self.sync_s += time.perf_counter() - start
         self.syncs += 1
+
+    def _verify(self, params: Any) -> None:
+        """Every server's log-probs of a fixed probe sequence are jaxrl's scorer's on
+        ``params`` (mean |Δ| within ``PROBE_TOL``): the reload took, all of it (a server
+        started from a checkpoint with a tied output head keeps the old head: vLLM 0.32)."""
+        if self._scorer is None:
+            self._scorer = Scorer(self._graphdef, row_len=len(self._probe))
+        want = self._scorer.token_logprobs(params, [np.asarray(self._probe, np.int32)])[0][1:]
+        body = {
+            "prompt": self._probe, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0,
+            "return_tokens_as_token_ids": True,
+        }  # fmt: skip
+        tol = PROBE_TOL if self.vllm.dtype == self.config.dtype == "float32" else 0.1
+        answers = self._each(lambda c: c.completions(body))
+        for client, answer in zip(self.clients, answers, strict=True):
+            try:
+                per_token = answer["choices"][0]["prompt_logprobs"]
+                got = np.asarray(
+                    [per_token[i][str(t)]["logprob"] for i, t in enumerate(self._probe) if i],
+                    np.float64,
+                )
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise VLLMError(
+                    f"vLLM server {client.url}: POST /v1/completions gave no prompt log-probs "
+                    "for the weight check; the server is not a compatible vLLM, or set "
+                    "rollout.vllm.verify=false"
+                ) from None
+            gap = float(np.abs(got - want).mean())
+            if not gap <= tol:
+                raise VLLMError(
+                    f"vLLM server {client.url}: after the weight update its log-probs of a probe "
+                    f"differ from jaxrl's by {gap:.3g} on average (> {tol:g}): it serves other "
+                    "weights than jaxrl sent. Start it from jaxrl's export (a checkpoint with "
+                    "tie_word_embeddings true keeps its old output head in vLLM's reload) of "
+                    "the run's model"
+                )
 
     def _tag(self, version: int) -> str:
         return f"{self.run_id}:{version}"
