@@ -161,6 +161,8 @@ class VLLMBackend:
         servers' version (itself given with one) is less than ``sync_every`` older. ``copy``
         is unused (the servers hold their own copy)."""
         del copy
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
         leaves = jax.tree.leaves(params)
         same = self._leaves is not None and len(leaves) == len(self._leaves)
         if same and all(a is b for a, b in zip(leaves, self._leaves, strict=True)):
