@@ -110,6 +110,9 @@ def test_protocol_spreads_requests_and_tags_the_version(model, stubs):
     res = be.generate([[2, 3]] * 3, KEY, SamplingParams(temperature=0.0))
     assert [r["n"] for r in a.requests] == [1] and a.requests[0]["temperature"] == 0.0
     np.testing.assert_array_equal(res.tokens, [[5, 6, 7, 8]] * 3)
+    with pytest.raises(VLLMError, match="exceeds its max_model_len=64") as e:
+        be.generate([[3] * 62], KEY)  # the server's /server_info says 64
+    _one_line(e, a.url)
     be.close()
 
 

@@ -25,6 +25,7 @@ class StubVLLM:
     def __init__(self, vocab: int, *, logprobs_mode: str = "raw_logprobs"):
         self.vocab = vocab
         self.logprobs_mode = logprobs_mode
+        self.max_model_len = 64
         self.fault: str | None = None
         self.hang_s = 30.0
         self.version: str | None = None
@@ -85,7 +86,8 @@ class StubVLLM:
         if path == "/v1/models":
             return 200, {"data": [{"id": "jaxrl", "max_model_len": 4096}]}
         if path == "/server_info":
-            return 200, {"vllm_config": {"model_config": {"logprobs_mode": self.logprobs_mode}}}
+            model = {"logprobs_mode": self.logprobs_mode, "max_model_len": self.max_model_len}
+            return 200, {"vllm_config": {"model_config": model}}
         if path == "/weight_info":
             return 200, {"weight_version": self.version}
         if path == "/update_weight_version":

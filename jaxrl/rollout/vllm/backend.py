@@ -141,6 +141,7 @@ class VLLMBackend:
         self.servers: list[LocalServer] = []
         self.clients = [ServerClient(u, vllm.timeout) for u in vllm.urls]
         self._checked: set[str] = set()  # servers whose config was checked
+        self._max_len: dict[str, int] = {}  # each server's max_model_len (0: not known)
         self._leaves: list[Any] | None = None  # the arrays of the version loaded last
         self._unversioned = False  # the last load named no version
         self._scorer: Scorer | None = None  # the post-sync weight check's (vllm.verify)
@@ -300,8 +301,7 @@ class VLLMBackend:
                 "log_softmax(logits/T): start it with --logprobs-mode processed_logprobs (or "
                 "let jaxrl start it: leave rollout.vllm.url out)"
             )
-        if t in (0.0, 1.0) and mode == "processed_logprobs" and not _filtered(sampling):
-            pass  # processed == raw without temperature, top-k or top-p
+        self._max_len[client.url] = int(model.get("max_model_len") or 0)
         self._checked.add(key)
 
     def _check_versions(self) -> None:
@@ -360,7 +360,7 @@ class VLLMBackend:
         for g, ((prompt, limit), rows) in enumerate(groups.items()):
             server = g % len(self.clients)
             self.requests[server] += 1
-            body = self._body(prompt, limit, 1 if greedy else len(rows), s)
+            body = self._body(prompt, limit, 1 if greedy else len(rows), s, server)
             jobs.append((server, rows, limit, self._pool.submit(self._complete, server, body)))
         tokens = np.full((b, n), self.pad_id, np.int32)
         logprobs = np.zeros((b, n), np.float32)
@@ -385,13 +385,15 @@ class VLLMBackend:
     __call__ = generate
 
     def _body(
-        self, prompt: tuple[int, ...], limit: int, count: int, s: SamplingParams
+        self, prompt: tuple[int, ...], limit: int, count: int, s: SamplingParams, server: int
     ) -> dict[str, Any]:
-        if len(prompt) + limit > self.max_model_len and self.servers:
+        url = self.clients[server].url
+        longest = self._max_len.get(url) or (self.max_model_len if self.servers else 0)
+        if longest and len(prompt) + limit > longest:
             raise VLLMError(
-                f"vLLM server {self.clients[0].url}: a prompt of {len(prompt)} tokens plus "
-                f"{limit} new ones exceeds the server's max_model_len={self.max_model_len}; "
-                "raise schedule.max_tokens (it sizes the server jaxrl starts)"
+                f"vLLM server {url}: a prompt of {len(prompt)} tokens plus {limit} new ones "
+                f"exceeds its max_model_len={longest}; start it with a larger --max-model-len "
+                "(a server jaxrl starts takes schedule.max_tokens)"
             )
         return {
             "model": None,
@@ -477,7 +479,3 @@ class VLLMBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with contextlib.suppress(OSError):
             shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _filtered(s: SamplingParams) -> bool:
-    return s.top_k > 0 or s.top_p < 1
