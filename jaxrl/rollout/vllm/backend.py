@@ -43,6 +43,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ class VLLMBackend:
         self.weight_version = -1
         self.run_id = uuid.uuid4().hex[:12]  # server versions read "<run_id>:<version>"
         self._dir = Path(tempfile.mkdtemp(prefix="jaxrl-vllm-"))
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # also without close()
         self._log_dir = Path(log_dir) if log_dir is not None else self._dir
         self.servers: list[LocalServer] = []
         self.clients = [ServerClient(u, vllm.timeout) for u in vllm.urls]
