@@ -12,6 +12,7 @@ from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.kto import KTOConfig
 from jaxrl.config.sft import SFTConfig
+from jaxrl.config.vllm import VLLMConfig
 from jaxrl.models.model_config import (
     ALL_LINEAR,
     ATTENTION_IMPLS,
@@ -444,8 +445,19 @@ class RolloutConfig:
     # many devices decode tensor-parallel, the groups data-parallel; 1 = a whole compute-dtype
     # copy per device; 0 = auto: the fewest devices whose share fits weight_budget_gb
     weight_budget_gb: float = 20.0  # auto tensor_parallel: the sampler's weights per device
+    backend: Literal["engine", "vllm"] = "engine"  # who generates: jaxrl's engine, or vLLM
+    # servers (rollout.vllm; docs/rollout.md)
+    sync_every: int = 1  # vllm: send the weights to the servers every k optimizer steps (the
+    # samples carry the version they were made with)
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)  # backend: vllm's servers
 
     def __post_init__(self):
+        require(
+            isinstance(self.sync_every, int) and self.sync_every >= 1,
+            "rollout.sync_every",
+            self.sync_every,
+            "use 1 (every step) or k >= 1 optimizer steps between weight syncs",
+        )
         require(
             isinstance(self.max_staleness, int) and self.max_staleness >= 0,
             "rollout.max_staleness",

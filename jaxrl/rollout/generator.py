@@ -99,6 +99,7 @@ class RolloutGenerator:
         episodes: EpisodeRunner | None = None,
         rollout: RolloutConfig | None = None,
         copy_params: bool = True,
+        log_dir: str | None = None,
     ):
         """``reward_funcs``: the loaded functions (``jaxrl.rollout.rewards.specs``);
         ``old_logprobs``: score every batch under the generating parameters
@@ -109,7 +110,8 @@ class RolloutGenerator:
         (``max_slots``, 0 = one per completion) and its decode layout on ``mesh``'s devices
         (``tensor_parallel``, auto from ``weight_budget_gb``: ``jaxrl.generate.decode_layout``;
         None: the defaults); ``copy_params``: whether the sampler copies the weights at each
-        sync (needed when generation overlaps training; docs/rollout.md)."""
+        sync (needed when generation overlaps training; docs/rollout.md); ``log_dir``: where a
+        vLLM server that jaxrl starts writes its log (``rollout.backend: vllm``)."""
         self.config = config
         self.episodes = episodes
         self.tokenizer = tokenizer
@@ -130,18 +132,35 @@ class RolloutGenerator:
         decoding = None  # the sampler's own layout over the same devices
         if mesh is not None:
             decoding = sampler_mesh(mesh, dense, rollout.tensor_parallel, rollout.weight_budget_gb)
-        self.sampler: RolloutBackend = Sampler(
-            dense,
-            max_new_tokens=config.max_completion_length,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            sampling=SamplingParams(
-                temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
-            ),
-            mesh=decoding,
-            max_slots=rollout.max_slots,
-            copy_params=copy_params,
+        sampling = SamplingParams(
+            temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
         )
+        self.sampler: RolloutBackend
+        if rollout.backend == "vllm":  # vLLM servers (docs/rollout.md, "vLLM")
+            from jaxrl.rollout.vllm import VLLMBackend
+
+            self.sampler = VLLMBackend(
+                dense,
+                rollout.vllm,
+                max_new_tokens=config.max_completion_length,
+                eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id,
+                sampling=sampling,
+                max_model_len=row_len,
+                sync_every=rollout.sync_every,
+                log_dir=log_dir,
+            )
+        else:
+            self.sampler = Sampler(
+                dense,
+                max_new_tokens=config.max_completion_length,
+                eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id,
+                sampling=sampling,
+                mesh=decoding,
+                max_slots=rollout.max_slots,
+                copy_params=copy_params,
+            )
         self.scorer = Scorer(
             graphdef,
             mesh=mesh,
@@ -234,7 +253,9 @@ class RolloutGenerator:
         one value per row) reach the reward functions as TRL passes them
         (``jaxrl.rollout.rewards.compute``), with the completions' ids and ``trainer_state``.
         """
-        self.sampler.load_params(self.sampler_params(params))  # the one weight sync
+        version = None if trainer_state is None else trainer_state.global_step
+        # the one weight sync; the version (optimizer updates taken) tags the samples
+        self.sampler.load_params(self.sampler_params(params), version=version)
         if self.episodes is not None:  # multi-turn episodes with tools (docs/tools.md)
             ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
             rewards_BW = score_completions(
@@ -272,6 +293,12 @@ class RolloutGenerator:
             return params
         return lora.merged_state(self.lora_graphdef, params, self.sampler.config.dtype)
 
+    def close(self) -> None:
+        """Release what the rollout backend holds outside this process (vLLM servers)."""
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()
+
     def metrics(self, batches: Sequence[RolloutBatch]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""
         c = self.config
@@ -289,6 +316,9 @@ class RolloutGenerator:
         out["completions/mean_length"] = float(lengths.mean())
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(truncated.mean())
+        backend_metrics = getattr(self.sampler, "metrics", None)
+        if backend_metrics is not None:  # vLLM: weight-sync time, requests per server
+            out.update(backend_metrics())
         stats = [b.episode_stats for b in batches if b.episode_stats is not None]
         if stats:  # tool episodes (external rollouts have none)
             out.update(episode_metrics(stats))

@@ -26,13 +26,15 @@
 from __future__ import annotations
 
 import _thread
+import atexit
 import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["exit_now", "install_hooks", "is_background_noise"]
+__all__ = ["exit_now", "install_hooks", "is_background_noise", "on_exit"]
 
 CLOSED_LOOP = "Event loop is closed"
 UNRETRIEVED = "exception was never retrieved"  # asyncio: "Task/Future exception was never ..."
@@ -105,8 +107,35 @@ def install_hooks(*, debug: bool = False, redeliver: bool = False) -> None:
     sys.unraisablehook = hook
 
 
+_ON_EXIT: dict[int, Callable[[], None]] = {}
+
+
+def on_exit(callback: Callable[[], None]) -> Callable[[], None]:
+    """Run ``callback`` when the process ends, by :func:`exit_now` too (which skips ``atexit``),
+    e.g. to stop a server the run started; returns the function that unregisters it."""
+    key = id(callback)
+    _ON_EXIT[key] = callback
+    atexit.register(callback)
+
+    def unregister() -> None:
+        _ON_EXIT.pop(key, None)
+        atexit.unregister(callback)
+
+    return unregister
+
+
+def _run_on_exit() -> None:
+    for callback in list(_ON_EXIT.values()):
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - ending anyway; the others still run
+            pass
+
+
 def exit_now(code: int) -> None:
-    """End the process with ``code`` without interpreter teardown (see the module docstring)."""
+    """End the process with ``code`` without interpreter teardown (see the module docstring),
+    after the callbacks of :func:`on_exit`."""
+    _run_on_exit()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -272,9 +272,9 @@ class GRPOTrainer:
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
         session = self.session
-        self._start()
         start = time.perf_counter()
         try:
+            self._start()
             last = session.loop(
                 "grpo",
                 self.step,
@@ -291,6 +291,7 @@ class GRPOTrainer:
             summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
         finally:
             self.pipeline.close()
+            self.generator.close()  # vLLM servers jaxrl started
         return {
             **summary,
             **{f"{k}_start": v for k, v in self.start_eval.items()},

@@ -225,6 +225,7 @@ def build_rollout_parts(
         # synchronous: the sampler reads the trainer's weights in place (no copy) when
         # they are in the compute dtype; generation overlapping training needs its copy
         copy_params=cfg.rollout.max_staleness > 0,
+        log_dir=cfg.output_dir,
     )
     scorer = generator.scorer
     if generation:
@@ -317,7 +318,9 @@ class Producer:
         else:
             sampled = self._sample_next(params, step)
         batch = self.generator.build(params, *sampled)
-        batch.policy_version = step
+        # the version of the weights that made it (rollout.sync_every may keep an older one)
+        made_by = self.generator.sampler.weight_version
+        batch.policy_version = step if made_by < 0 else min(step, made_by)
         return batch, stats
 
     def _sample_next(self, params: Any, step: int) -> Sampled:
