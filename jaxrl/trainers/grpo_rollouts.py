@@ -195,9 +195,8 @@ def build_rollout_parts(
     mesh = make_mesh(devices=generation) if generation else session.mesh
     ref_params = None
     if config.beta != 0.0:
-        # the frozen initial parameters, a real copy (the train step donates its buffers), in
-        # the compute dtype (docs/precision.md), where generation runs
-        # (with LoRA: the same model with its adapters disabled, no second copy)
+        # the frozen initial parameters in the compute dtype, a real copy (the step donates its
+        # buffers), where generation runs; LoRA: the model, adapters off (docs/precision.md)
         ref_params = session.reference_params()
         if generation:
             ref_params = jax.device_put(ref_params, replicated(mesh))
@@ -237,18 +236,16 @@ def build_rollout_parts(
             chunk_size=chunk,
         )
     evaluator = _evaluator(cfg, session, tokenizer, data, generator, episodes)
-    [session.programs.add(*p) for p in _programs(generator, scorer)]  # metric `compiles`
+    _watch_programs(session, generator, scorer)
     return RolloutParts(generator, scorer, evaluator, mesh)
 
 
-def _programs(generator: RolloutGenerator, scorer: Scorer) -> list[tuple[str, Any]]:
-    """The rollout side's compiled programs; the training scorer is the generator's own unless
-    generation has devices of its own."""
-    return [
-        ("sampler", generator.sampler),
-        ("scorer", generator.scorer),
-        ("training scorer", scorer),
-    ]
+def _watch_programs(session: Any, generator: RolloutGenerator, scorer: Scorer) -> None:
+    """Count the rollout side's compiled programs in the run's ``compiles`` metric; the
+    training scorer is the generator's own unless generation has devices of its own."""
+    session.programs.add("sampler", generator.sampler)
+    session.programs.add("scorer", generator.scorer)
+    session.programs.add("training scorer", scorer)
 
 
 def replicated(mesh: Mesh) -> jax.sharding.NamedSharding:
