@@ -10,7 +10,9 @@ host (as TRL's GRPOTrainer).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -113,6 +115,7 @@ class RolloutGenerator:
         sync (needed when generation overlaps training; docs/rollout.md); ``log_dir``: where a
         vLLM server that jaxrl starts writes its log (``rollout.backend: vllm``)."""
         self.config = config
+        self._phases: dict[str, float] = {}  # seconds per phase since the last metrics row
         self.episodes = episodes
         self.tokenizer = tokenizer
         self.reward_funcs = list(reward_funcs)
@@ -169,6 +172,16 @@ class RolloutGenerator:
             chunk_size=chunk_size,
         )
 
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time a phase of making a generation (``time/<name>_s`` in the next metrics row):
+        sync (weights to the sampler), sampling, rewards, scoring (old / reference log-probs)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phases[name] = self._phases.get(name, 0.0) + time.perf_counter() - start
+
     def reward_columns(self, num_columns: int) -> tuple[Any, list[str]]:
         """(weights, names) of a reward matrix: the reward functions' when the width matches
         (internal generations, or external ``[B, F]`` rewards), else one unweighted column."""
@@ -217,10 +230,12 @@ class RolloutGenerator:
             episode_stats=None if episodes is None else episodes.stats,
         )
         if self.old_logprobs:
-            old = self.scorer.token_logprobs(params, batch.sequences)
+            with self._phase("scoring"):
+                old = self.scorer.token_logprobs(params, batch.sequences)
             batch.set_completion_field("old_logp", _completion_parts(old, batch.prompt_lengths))
         if self.ref_params is not None:
-            ref = self.scorer.token_logprobs(self.ref_params, batch.sequences)
+            with self._phase("scoring"):
+                ref = self.scorer.token_logprobs(self.ref_params, batch.sequences)
             batch.set_completion_field("ref_logp", _completion_parts(ref, batch.prompt_lengths))
         if c.kl_in_reward:  # REINFORCE++: per-token returns with −β·KL, whitened
             masks = _completion_parts(batch.loss_masks, batch.prompt_lengths)
@@ -255,35 +270,40 @@ class RolloutGenerator:
         """
         version = None if trainer_state is None else trainer_state.global_step
         # the one weight sync; the version (optimizer updates taken) tags the samples
-        self.sampler.load_params(self.sampler_params(params), version=version)
+        with self._phase("sync"):
+            self.sampler.load_params(self.sampler_params(params), version=version)
         if self.episodes is not None:  # multi-turn episodes with tools (docs/tools.md)
-            ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
-            rewards_BW = score_completions(
-                self.reward_funcs,
-                list(prompts),
-                ep.reward_completions,
-                ep.columns,
-                completion_ids=ep.completions,
-                trainer_state=trainer_state,
-                timeout=self.config.reward_timeout,
-            )
+            with self._phase("sampling"):
+                ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
+            with self._phase("rewards"):
+                rewards_BW = score_completions(
+                    self.reward_funcs,
+                    list(prompts),
+                    ep.reward_completions,
+                    ep.columns,
+                    completion_ids=ep.completions,
+                    trainer_state=trainer_state,
+                    timeout=self.config.reward_timeout,
+                )
             return Sampled(
                 list(prompt_ids), ep.completions, ep.logps, ep.truncated, rewards_BW, ep.rows
             )
-        res = self.sampler.generate(list(prompt_ids), key)
-        completions = res.completions()
-        reward_prompts, texts = reward_inputs(
-            prompts, [self.tokenizer.decode(x) for x in completions]
-        )
-        rewards_BW = score_completions(
-            self.reward_funcs,
-            reward_prompts,
-            texts,
-            columns,
-            completion_ids=completions,
-            trainer_state=trainer_state,
-            timeout=self.config.reward_timeout,
-        )
+        with self._phase("sampling"):
+            res = self.sampler.generate(list(prompt_ids), key)
+            completions = res.completions()
+        with self._phase("rewards"):
+            reward_prompts, texts = reward_inputs(
+                prompts, [self.tokenizer.decode(x) for x in completions]
+            )
+            rewards_BW = score_completions(
+                self.reward_funcs,
+                reward_prompts,
+                texts,
+                columns,
+                completion_ids=completions,
+                trainer_state=trainer_state,
+                timeout=self.config.reward_timeout,
+            )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
         return Sampled(list(prompt_ids), completions, logps, np.asarray(res.truncated), rewards_BW)
 
@@ -316,6 +336,8 @@ class RolloutGenerator:
         out["completions/mean_length"] = float(lengths.mean())
         out["completions/max_length"] = float(lengths.max())
         out["completions/clipped_ratio"] = float(truncated.mean())
+        phases, self._phases = self._phases, {}  # seconds per phase since the last row
+        out.update({f"time/{name}_s": seconds for name, seconds in phases.items()})
         backend_metrics = getattr(self.sampler, "metrics", None)
         if backend_metrics is not None:  # vLLM: weight-sync time, requests per server
             out.update(backend_metrics())
