@@ -53,7 +53,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.data.batching.packing import BucketSpec
-from jaxrl.generate.cache_geometry import CacheGeometry, batch_bucket, cache_geometry
+from jaxrl.generate.cache_geometry import (
+    CacheGeometry,
+    batch_bucket,
+    cache_geometry,
+    prompt_rows,
+)
 from jaxrl.generate.engine import EngineShape, decode_requests
 from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
 from jaxrl.generate.sampling import (
@@ -92,7 +97,9 @@ class Sampler:
     (:class:`StopStrings`, built over the tokenizer's vocabulary). ``prefill_chunk``: prefill
     prompts C tokens at a time (0 = whole). ``attention_block``: decode-attention block (the
     cache length is a multiple of it). ``copy_params``: see the module doc. ``mesh``: split the
-    slots over its batch axes (None: run where the parameters are).
+    slots over its batch axes (None: run where the parameters are). ``pack_prompts``:
+    prefill several distinct prompts per row (``cache_geometry.prompt_rows``; False: one
+    right-padded prompt per row).
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class Sampler:
         prefill_chunk: int = 0,
         attention_block: int = DECODE_BLOCK,
         copy_params: bool = True,
+        pack_prompts: bool = True,
     ):
         eos_ids = stop_token_ids("Sampler", config.vocab_size, eos_id, pad_id)
         for name, value, low in (
@@ -141,6 +149,7 @@ class Sampler:
         self.prefill_chunk = prefill_chunk
         self.attention_block = attention_block
         self.copy_params = copy_params
+        self.pack_prompts = pack_prompts
         self.compiles = 0
         self.weights = SamplerWeights(abstract_params, mesh)
         self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
@@ -230,13 +239,20 @@ class Sampler:
         unique = list(groups)
         geometry = self.cache_geometry(b, len(unique), max(len(p) for p in unique))
         length = geometry.prompt_length
-        ranks = row_ranks(self.mesh)  # the groups' prefill is split over the row ranks
-        r_pad, q_pad = batch_bucket(b), -(-geometry.groups // ranks) * ranks
-        prompts_QP = np.full((q_pad, length), self.pad_id, np.int32)
-        lengths_Q = np.zeros(q_pad, np.int32)
+        ranks = row_ranks(self.mesh)  # the prefill's rows are split over the row ranks
+        r_pad = batch_bucket(b)
+        lengths_Q = np.asarray([len(p) for p in unique], np.int32)
+        packing = prompt_rows(lengths_Q, length, ranks=ranks, pack=self.pack_prompts)
+        prompts_RW = np.full((packing.rows, packing.width), self.pad_id, np.int32)
+        segment_ids_RW = np.zeros((packing.rows, packing.width), np.int32)
+        positions_RW = np.zeros((packing.rows, packing.width), np.int32)
         for q, p in enumerate(unique):
-            prompts_QP[q, : len(p)], lengths_Q[q] = p, len(p)
+            row, col = packing.row_Q[q], packing.offset_Q[q]
+            prompts_RW[row, col : col + len(p)] = p
+            segment_ids_RW[row, col : col + len(p)] = q + 1
+            positions_RW[row, col : col + len(p)] = np.arange(len(p))
         pad_Rq = np.zeros(r_pad - b, np.int32)
+        pad_Q = lambda x: np.concatenate([x, np.zeros(geometry.groups - len(x), np.int32)])  # noqa: E731
         shape = EngineShape(
             slots=geometry.slots,
             max_new_tokens=n,
@@ -246,6 +262,7 @@ class Sampler:
             prefill_chunk=self.prefill_chunk,
             pad_id=self.pad_id,
             eos_ids=self.eos_ids,
+            prompt_length=length,
         )
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key_impl, key_data = str(jax.random.key_impl(key)), jax.random.key_data(key)
@@ -256,8 +273,11 @@ class Sampler:
         with on_mesh(self.mesh):
             out = self._jitted(
                 params,
-                put_rows(prompts_QP, self.mesh),
-                put_rows(lengths_Q, self.mesh),
+                put_rows(prompts_RW, self.mesh),
+                put_rows(segment_ids_RW, self.mesh),
+                put_rows(positions_RW, self.mesh),
+                rep(pad_Q(packing.start_Q)),
+                rep(pad_Q(lengths_Q)),
                 rep(np.concatenate([np.asarray(group_Rq, np.int32), pad_Rq])),
                 rep(np.concatenate([limits.astype(np.int32), pad_Rq])),
                 rep(np.int32(b)),
@@ -283,8 +303,9 @@ class Sampler:
     __call__ = generate
 
     def _program(
-        self, params, prompts_QP, lengths_Q, group_Rq, max_tokens_Rq, num_requests, key_data,
-        temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
+        self, params, prompts_RW, segment_ids_RW, positions_RW, start_Q, lengths_Q, group_Rq,
+        max_tokens_Rq, num_requests, key_data, temperature, top_k, top_p, stop_ZV, *, shape,
+        key_impl,
     ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
         impl = {} if key_impl is None else {"impl": key_impl}  # None: a raw uint32 key
@@ -292,7 +313,10 @@ class Sampler:
         return decode_requests(
             nnx.merge(self._graphdef, params),
             shape,
-            prompts_QP=prompts_QP,
+            prompts_RW=prompts_RW,
+            segment_ids_RW=segment_ids_RW,
+            positions_RW=positions_RW,
+            start_Q=start_Q,
             prompt_lengths_Q=lengths_Q,
             group_Rq=group_Rq,
             max_tokens_Rq=max_tokens_Rq,

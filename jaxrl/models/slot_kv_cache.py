@@ -176,16 +176,21 @@ class SlotKVCache:
         return self
 
     def fill_prompts(
-        self, prompt_keys: jax.Array, prompt_values: jax.Array, group_B: jax.Array,
-        refill_B: jax.Array,
+        self, prompt_keys: jax.Array, prompt_values: jax.Array, start_B: jax.Array,
+        refill_B: jax.Array, length: int = 0,
     ) -> SlotKVCache:  # fmt: skip
-        """Slots where ``refill_B`` get prompt ``group_B[s]``'s keys and values
-        (``[Nl, Q, P, K, Dh]``, from a prefill) at entries ``[0, P)``; others are unchanged."""
-        p = prompt_keys.shape[2]
+        """Slots where ``refill_B`` get entries ``[0, P)`` from a prompt cache ``[Nl, R, W, K, Dh]``
+        (a prefill of prompts packed in rows): its entries ``start_B[s], start_B[s] + 1, ...`` in
+        the flat ``row * W + column`` order; P = ``length`` (0: W). Entries past a prompt's end
+        come from whatever follows it (padding, another prompt): they lie past the slot's
+        length, invisible until overwritten. Other slots are unchanged."""
+        nl, r, w, k, dh = prompt_keys.shape
+        p = length or w
+        idx_BP = jnp.clip(start_B[:, None] + jnp.arange(p)[None, :], 0, r * w - 1)
 
         def fill(buf, prompt):
             head = lax.slice_in_dim(buf, 0, p, axis=2)
-            new = jnp.take(prompt, group_B, axis=1, mode="clip")
+            new = jnp.take(prompt.reshape(nl, r * w, k, dh), idx_BP, axis=1)
             head = jnp.where(refill_B[None, :, None, None, None], new.astype(buf.dtype), head)
             return lax.dynamic_update_slice_in_dim(buf, head, 0, axis=2)
 
