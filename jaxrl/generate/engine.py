@@ -45,7 +45,14 @@ from jaxrl.models.slot_kv_cache import SlotKVCache
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.spmd import constrain_rows
 
-__all__ = ["DecodeState", "EngineShape", "decode_requests", "prefill_prompts"]
+__all__ = [
+    "DecodeState",
+    "EngineShape",
+    "continue_slots",
+    "decode_requests",
+    "prefill_prompts",
+    "prefill_rows",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,3 +291,61 @@ def decode_requests(
     state = _initial_state(shape, r, jnp.zeros((s, v), prompt_logits_QV.dtype), cache, rows)
     out = lax.while_loop(cond, body, state)
     return out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
+
+
+def continue_slots(
+    model: Transformer,
+    shape: EngineShape,
+    cache: SlotKVCache,
+    *,
+    lengths_Sl: jax.Array,
+    new_SlE: jax.Array,
+    new_lengths_Sl: jax.Array,
+    keys_Sl: jax.Array,
+    max_tokens_Sl: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    stop_ZV: jax.Array | None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, ...]:
+    """One turn of live slots (``generate/session.py``): slot s holds ``lengths_Sl[s]`` entries;
+    its ``new_lengths_Sl[s]`` new tokens (``new_SlE``, right padded) are appended at entries
+    ``lengths, lengths + 1, ...`` (attending to everything the slot holds), then the slot
+    generates one request from the last of them, token t drawn with ``fold_in(keys_Sl[s], t)``,
+    up to ``max_tokens_Sl[s]`` tokens. Slots with ``max_tokens_Sl == 0`` sit the turn out and
+    keep their entries. ``(tokens [Sl, N], logprobs [Sl, N], lengths [Sl], truncated [Sl],
+    decode steps, cache)``; a slot then holds ``lengths + new_lengths + generated`` entries (its
+    last token included)."""
+    s, e = new_SlE.shape
+    rows = lambda x: constrain_rows(x, mesh)  # noqa: E731
+    cache = dataclasses.replace(
+        cache,
+        keys=constrain_rows(cache.keys, mesh, axis=1, tensor_axis=3),
+        values=constrain_rows(cache.values, mesh, axis=1, tensor_axis=3),
+    )
+    idx_1E = jnp.arange(e, dtype=jnp.int32)[None, :]
+    segment_ids_SlE = (idx_1E < new_lengths_Sl[:, None]).astype(jnp.int32)
+    hidden_SlED, cache = model.decode(new_SlE, lengths_Sl[:, None] + idx_1E, segment_ids_SlE, cache)
+    last_Sl = jnp.maximum(new_lengths_Sl - 1, 0)
+    last_SlD = jnp.take_along_axis(hidden_SlED, last_Sl[:, None, None], axis=1)[:, 0]
+    logits_SlV = model.logits(last_SlD[:, None])[:, 0]
+    state = _initial_state(shape, s, logits_SlV, cache, rows)
+    run_Sl = max_tokens_Sl > 0
+    state = dataclasses.replace(
+        state,
+        request_Sl=jnp.where(run_Sl, jnp.arange(s, dtype=jnp.int32), -1),
+        position_Sl=lengths_Sl + new_lengths_Sl,
+    )
+    slot_key = lambda r_Sl, t_Sl: jax.vmap(jax.random.fold_in)(keys_Sl[r_Sl], t_Sl)  # noqa: E731
+
+    def body(state: DecodeState) -> DecodeState:
+        return _decode_step(
+            model, shape, state, slot_key, max_tokens_Sl, temperature, top_k, top_p, stop_ZV,
+            rows,
+        )  # fmt: skip
+
+    out = lax.while_loop(lambda st: jnp.any(st.request_Sl >= 0), body, state)
+    return (
+        out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step, out.cache
+    )  # fmt: skip

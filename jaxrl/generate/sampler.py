@@ -59,7 +59,7 @@ from jaxrl.generate.cache_geometry import (
     cache_geometry,
     prompt_rows,
 )
-from jaxrl.generate.engine import EngineShape, decode_requests
+from jaxrl.generate.engine import EngineShape, continue_slots, decode_requests
 from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
 from jaxrl.generate.sampling import (
     SampleResult,
@@ -69,6 +69,7 @@ from jaxrl.generate.sampling import (
     stop_token_ids,
     token_key,
 )
+from jaxrl.generate.session import EngineSession
 from jaxrl.generate.stop import StopStrings
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device
@@ -154,6 +155,9 @@ class Sampler:
         self.weights = SamplerWeights(abstract_params, mesh)
         self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
         self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
+        self._jitted_session = jax.jit(
+            self._session_program, static_argnames=("shape", "key_impl"), donate_argnums=(1,)
+        )
 
     # -- weights ------------------------------------------------------------------------------
     def load_params(
@@ -208,7 +212,26 @@ class Sampler:
             return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.weights.abstract))
         return bytes_per_device(self.weights.abstract, self.weights.shardings)
 
+    def engine_shape(self, slots: int, cache_length: int, prompt_length: int) -> EngineShape:
+        """The static part of an engine program of this sampler."""
+        return EngineShape(
+            slots=slots,
+            max_new_tokens=self.max_new_tokens,
+            cache_length=cache_length,
+            block=self.attention_block,
+            refill_every=self.refill_every,
+            prefill_chunk=self.prefill_chunk,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            prompt_length=prompt_length,
+        )
+
     # -- generation ---------------------------------------------------------------------------
+    def session(self, slots: int, max_length: int) -> EngineSession:
+        """``slots`` decode slots of ``max_length`` entries that keep what they hold between
+        calls, for conversations that go on (``session.py``; tool episodes)."""
+        return EngineSession(self, slots, max_length)
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -253,17 +276,7 @@ class Sampler:
             positions_RW[row, col : col + len(p)] = np.arange(len(p))
         pad_Rq = np.zeros(r_pad - b, np.int32)
         pad_Q = lambda x: np.concatenate([x, np.zeros(geometry.groups - len(x), np.int32)])  # noqa: E731
-        shape = EngineShape(
-            slots=geometry.slots,
-            max_new_tokens=n,
-            cache_length=geometry.cache_length,
-            block=self.attention_block,
-            refill_every=self.refill_every,
-            prefill_chunk=self.prefill_chunk,
-            pad_id=self.pad_id,
-            eos_ids=self.eos_ids,
-            prompt_length=length,
-        )
+        shape = self.engine_shape(geometry.slots, geometry.cache_length, length)
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key_impl, key_data = str(jax.random.key_impl(key)), jax.random.key_data(key)
         else:  # a raw uint32 key (jax.random.PRNGKey)
@@ -322,6 +335,29 @@ class Sampler:
             max_tokens_Rq=max_tokens_Rq,
             num_requests=num_requests,
             key=key,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ZV=stop_ZV,
+            mesh=self.mesh,
+        )
+
+    def _session_program(
+        self, params, cache, lengths_Sl, new_SlE, new_lengths_Sl, key_data_Sl, max_tokens_Sl,
+        temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
+    ):  # fmt: skip
+        self.compiles += 1
+        impl = {} if key_impl is None else {"impl": key_impl}
+        keys_Sl = jax.random.wrap_key_data(key_data_Sl, **impl)
+        return continue_slots(
+            nnx.merge(self._graphdef, params),
+            shape,
+            cache,
+            lengths_Sl=lengths_Sl,
+            new_SlE=new_SlE,
+            new_lengths_Sl=new_lengths_Sl,
+            keys_Sl=keys_Sl,
+            max_tokens_Sl=max_tokens_Sl,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
