@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,6 @@ from jaxrl.models.slot_kv_cache import SlotKVCache
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
-if TYPE_CHECKING:
-    from jaxrl.generate.sampler import Sampler
-
 __all__ = ["EngineSession"]
 
 
@@ -45,7 +42,9 @@ class EngineSession:
     """``slots`` live decode slots of ``max_length`` entries (module doc). Slot s is empty until
     its first :meth:`generate`; ``lengths[s]`` is what it holds."""
 
-    def __init__(self, sampler: Sampler, slots: int, max_length: int):
+    def __init__(self, sampler: Any, slots: int, max_length: int):
+        """``sampler``: the ``jaxrl.generate.sampler.Sampler`` whose weights and programs the
+        session uses (``Sampler.session`` opens one)."""
         if slots < 1 or max_length < 2:
             raise ValueError(f"EngineSession: slots={slots}, max_length={max_length}: need >= 1, 2")
         self.sampler = sampler
