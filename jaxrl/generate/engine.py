@@ -148,11 +148,14 @@ def _decode_step(
     top_p: jax.Array,
     stop_ZV: jax.Array | None,
     rows: Callable[[jax.Array], jax.Array],
+    keep_idle: bool = False,
 ) -> DecodeState:
     """One decode step of every slot (module doc, steps 1-3). ``key_Sl(r_Sl, t_Sl)``: the keys
     of token t of request r. A slot whose request stops runs its last token too, so its cache
-    holds the whole sequence (a session continues it); an empty slot writes a throwaway entry
-    at its position, past everything it holds."""
+    holds the whole sequence (a session continues it). An empty slot writes a throwaway entry:
+    at entry 0 (it will be refilled, and its attention then spans one block), or with
+    ``keep_idle`` (a session's slot sitting the turn out) at its position, past everything it
+    holds."""
     s, r = state.request_Sl.shape[0], state.tokens_RqN.shape[0]
     eos_E = jnp.asarray(shape.eos_ids, jnp.int32)
     req_Sl, t_Sl, stop_state_Sl = state.request_Sl, state.emitted_Sl, state.stop_state_Sl
@@ -174,6 +177,8 @@ def _decode_step(
     lengths_Rq = state.lengths_Rq.at[end_Sl].set(t_Sl, mode="drop")
     truncated_Rq = state.truncated_Rq.at[end_Sl].set(~eos_Sl, mode="drop")
     feed_Sl = jnp.minimum(state.position_Sl, state.cache.length - 1)
+    if not keep_idle:
+        feed_Sl = jnp.where(active_Sl, feed_Sl, 0)
     hidden_Sl1D, cache = model.decode(
         tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache
     )
@@ -342,7 +347,7 @@ def continue_slots(
     def body(state: DecodeState) -> DecodeState:
         return _decode_step(
             model, shape, state, slot_key, max_tokens_Sl, temperature, top_k, top_p, stop_ZV,
-            rows,
+            rows, keep_idle=True,
         )  # fmt: skip
 
     out = lax.while_loop(lambda st: jnp.any(st.request_Sl >= 0), body, state)

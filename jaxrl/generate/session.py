@@ -15,7 +15,8 @@ slots). With ``keys[s] = fold_in(k, 0)`` a slot draws exactly the tokens request
 ``Sampler.generate([conversation], k)`` draws; the log-probs agree to float reduction order (the
 conversation's keys and values were computed turn by turn, not in one prefill).
 
-Programs: one per (slots, L, bucket of the longest new-token list); the sampling parameters,
+Programs: one per (slots, L, E), E the bucket of the longest new-token list so far in the
+session (a later turn's shorter lists reuse the first turn's program); the sampling parameters,
 keys, limits and tokens are traced.
 """
 
@@ -55,6 +56,7 @@ class EngineSession:
         self.cache_length = -(-max_length // block) * block
         self.lengths = np.zeros(slots, np.int64)
         self._cache: SlotKVCache | None = None
+        self._width = 0
 
     def generate(
         self,
@@ -90,7 +92,8 @@ class EngineSession:
                 f" would outgrow their {self.cache_length} entries; open the session with a "
                 "larger max_length"
             )
-        width = batch_bucket(int(sizes.max()))
+        # the widest new-token bucket so far: later turns (shorter) reuse the first's program
+        self._width = width = max(self._width, batch_bucket(int(sizes.max())))
         rows = self._rows
         new_SlE = np.full((rows, width), sampler.pad_id, np.int32)
         for i, t in enumerate(new_tokens):
