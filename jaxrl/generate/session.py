@@ -15,9 +15,9 @@ slots). With ``keys[s] = fold_in(k, 0)`` a slot draws exactly the tokens request
 ``Sampler.generate([conversation], k)`` draws; the log-probs agree to float reduction order (the
 conversation's keys and values were computed turn by turn, not in one prefill).
 
-Programs: one per (slots, L, E), E the bucket of the longest new-token list so far in the
-session (a later turn's shorter lists reuse the first turn's program); the sampling parameters,
-keys, limits and tokens are traced.
+Programs: one per (slots, L, E), E the longest new-token list so far in the session rounded up
+to a power of two >= 8 (a later turn's shorter lists reuse the first turn's program); the
+sampling parameters, keys, limits and tokens are traced.
 """
 
 from __future__ import annotations
@@ -61,14 +61,15 @@ class EngineSession:
     def generate(
         self,
         new_tokens: Sequence[Sequence[int] | None],
-        keys: Sequence[jax.Array | None],
+        keys: jax.Array | Sequence[jax.Array | None],
         sampling: SamplingParams | None = None,
         *,
         max_tokens: Sequence[int],
     ) -> SampleResult:
         """One turn: slot s (``new_tokens[s]`` not None, non-empty) appends its new tokens and
-        generates up to ``max_tokens[s]`` tokens with ``keys[s]``; slots given None sit the turn
-        out (their rows of the result are empty). Rows of the result are the slots."""
+        generates up to ``max_tokens[s]`` tokens with ``keys[s]`` (``keys``: a typed key array
+        ``[S]``, or one key per slot, None where it sits out); slots given None sit the turn out
+        (their rows of the result are empty). Rows of the result are the slots."""
         sampler = self.sampler
         n, s = sampler.max_new_tokens, self.slots
         if len(new_tokens) != s or len(keys) != s or len(max_tokens) != s:
@@ -93,16 +94,16 @@ class EngineSession:
                 "larger max_length"
             )
         # the widest new-token bucket so far: later turns (shorter) reuse the first's program
-        self._width = width = max(self._width, batch_bucket(int(sizes.max())))
+        self._width = width = max(self._width, 8, 1 << (int(sizes.max()) - 1).bit_length())
         rows = self._rows
         new_SlE = np.full((rows, width), sampler.pad_id, np.int32)
         for i, t in enumerate(new_tokens):
             if t is not None:
                 new_SlE[i, : len(t)] = t
         pad = lambda x: np.concatenate([x, np.zeros(rows - s, x.dtype)])  # noqa: E731
-        key_data, key_impl = _key_data([k for k, r in zip(keys, run, strict=True) if r])
+        key_data, key_impl = _key_data(keys, run)
         keys_Sl = np.zeros((rows, *key_data.shape[1:]), key_data.dtype)
-        keys_Sl[np.flatnonzero(run)] = key_data
+        keys_Sl[:s] = key_data
         if self._cache is None:
             self._cache = self._empty_cache()
         sp = sampling or sampler.sampling
@@ -150,10 +151,14 @@ class EngineSession:
         self._cache = None
 
 
-def _key_data(keys: Sequence[jax.Array]) -> tuple[np.ndarray, str | None]:
-    """Stacked raw key data of typed (or raw uint32) keys, and the typed keys' implementation."""
-    key = keys[0]
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        impl = str(jax.random.key_impl(key))
-        return np.stack([np.asarray(jax.random.key_data(k)) for k in keys]), impl
-    return np.stack([np.asarray(k) for k in keys]), None
+def _key_data(keys: Any, run: Sequence[bool]) -> tuple[np.ndarray, str | None]:
+    """Raw key data ``[S, ...]`` of per-slot keys (a typed key array ``[S]``, or a sequence of
+    typed or raw keys, None where a slot sits out), and the typed keys' implementation."""
+    if isinstance(keys, jax.Array) and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(keys)), str(jax.random.key_impl(keys))
+    given = [k for k, r in zip(keys, run, strict=True) if r]
+    typed = jnp.issubdtype(given[0].dtype, jax.dtypes.prng_key)
+    data = np.stack([np.asarray(jax.random.key_data(k) if typed else k) for k in given])
+    out = np.zeros((len(run), *data.shape[1:]), data.dtype)
+    out[np.flatnonzero(run)] = data
+    return out, str(jax.random.key_impl(given[0])) if typed else None

@@ -35,10 +35,12 @@ episodes (tokens and masks; log-probs to float reduction order).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError
@@ -261,10 +263,7 @@ class EpisodeRunner:
                 live = [not ep.done for ep in episodes]
                 if not any(live):
                     break
-                keys = [
-                    jax.random.fold_in(episode_key(key, r, turn), 0) if go else None
-                    for r, go in enumerate(live)
-                ]
+                keys = _request_keys(key, len(episodes), turn)
                 limits = [min(n, self.budget - len(ep.tokens)) for ep in episodes]
                 res = session.generate(
                     [p if go else None for p, go in zip(pending, live, strict=True)],
@@ -359,6 +358,12 @@ class EpisodeRunner:
         ep.mask += [0.0] * len(env_ids)
         ep.logps += [0.0] * len(env_ids)
         return list(env_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _request_keys(key: jax.Array, rows: int, turn: int | jax.Array) -> jax.Array:
+    """``fold_in(episode_key(key, r, turn), 0)`` for every row r, in one program."""
+    return jax.vmap(lambda r: jax.random.fold_in(episode_key(key, r, turn), 0))(jnp.arange(rows))
 
 
 def episode_rows(episodes: Sequence[Episode]) -> EpisodeRows:
