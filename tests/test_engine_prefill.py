@@ -74,12 +74,7 @@ def test_packed_prefill_equals_one_prompt_per_row(tiny, chunk):
             )
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [dict(temperature=1.0), dict(temperature=0.0)],
-    ids=["sampled", "greedy"],
-)
-def test_packed_sampler_completions_equal_one_prompt_per_row(tiny, settings):
+def test_packed_sampler_completions_equal_one_prompt_per_row(tiny):
     """20 distinct prompts (x 2 completions), fewer slots than requests, per-request limits:
     packed and unpacked prefill give the same tokens; log-probs to fp32 rounding."""
     prompts = [x for x in _prompts(20, seed=3) for _ in range(2)]
@@ -92,7 +87,7 @@ def test_packed_sampler_completions_equal_one_prompt_per_row(tiny, settings):
         )  # fmt: skip
         sampler.load_params(tiny)
         out[pack] = sampler.generate(
-            prompts, jax.random.key(7), SamplingParams(**settings), max_tokens=limits
+            prompts, jax.random.key(7), SamplingParams(temperature=1.0), max_tokens=limits
         )
     a, b = out[True], out[False]
     np.testing.assert_array_equal(a.tokens, b.tokens)
