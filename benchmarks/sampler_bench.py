@@ -139,6 +139,11 @@ def main() -> None:
     ap.add_argument("--equal-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="also time the engine with one prompt per prefill row",
+    )
     ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
     ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
@@ -164,9 +169,9 @@ def main() -> None:
     print(f"model {args.shape}: D={config.hidden_size} layers={config.num_hidden_layers} "
           f"V={config.vocab_size}, fp32, greedy; prompts {args.prompt_len} tokens")  # fmt: skip
 
-    def engine(prompts, limits, slots):
+    def engine(prompts, limits, slots, pack=True):
         sampler = Sampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD,
-                          max_slots=slots)  # fmt: skip
+                          max_slots=slots, pack_prompts=pack)  # fmt: skip
         sampler.load_params(model)
         return lambda: sampler.generate(prompts, key, GREEDY, max_tokens=limits).tokens
 
@@ -190,6 +195,11 @@ def main() -> None:
         prompts, limits, slots, what = cases[name]
         methods = {f"engine, {s or 'one per request'} slots": engine(prompts, limits, s)
                    for s in slots}  # fmt: skip
+        if args.unpacked:
+            for s in slots:
+                methods[f"engine, {s or 'one per request'} slots, unpacked"] = engine(
+                    prompts, limits, s, pack=False
+                )
         methods["static sampler"] = static(prompts, limits)
         if not args.skip_hf:
             methods["HF generate"] = hf_fn(prompts, limits)

@@ -9,10 +9,16 @@ memory planner (``jaxrl.train.run_io.memory``) counts the caches' bytes with it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
 
 from jaxrl.data.batching.packing import BucketSpec, pick_bucket
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
+
+PACK_WIDTH = 512  # packed prompt rows are at most this wide, or P when P is wider
+PACK_MIN_PROMPTS = 16  # fewer distinct prompts are prefilled one per row (prompt_rows)
 
 
 def batch_bucket(b: int) -> int:
@@ -93,3 +99,59 @@ def cache_geometry(
         prompt_length=p,
         groups=batch_bucket(num_groups),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRows:
+    """Where a call's distinct prompts lie in the rows the engine prefills (``engine.py``)."""
+
+    rows: int  # R rows (bucketed, a multiple of the row ranks)
+    width: int  # W tokens per row
+    row_Q: np.ndarray  # int32: the row prompt q lies in
+    offset_Q: np.ndarray  # int32: the column its first token lies at
+
+    @property
+    def start_Q(self) -> np.ndarray:
+        """Flat entry ``row * W + column`` of each prompt's first token."""
+        return (self.row_Q * self.width + self.offset_Q).astype(np.int32)
+
+
+def _first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """First-fit decreasing of prompts into rows of ``width``: (row, offset, rows used)."""
+    row_Q, offset_Q = np.zeros(len(lengths), np.int32), np.zeros(len(lengths), np.int32)
+    free = np.full(len(lengths), width, np.int64)
+    used = 0
+    for q in np.argsort(-lengths, kind="stable"):
+        j = int(np.argmax(free >= lengths[q]))
+        row_Q[q], offset_Q[q] = j, width - free[j]
+        free[j] -= lengths[q]
+        used = max(used, j + 1)
+    return row_Q, offset_Q, used
+
+
+def prompt_rows(
+    lengths: Sequence[int], prompt_length: int, *, ranks: int = 1, pack: bool = True
+) -> PromptRows:
+    """The rows a call's distinct prompts are prefilled in. ``pack=False``, or fewer than
+    ``PACK_MIN_PROMPTS`` prompts: prompt q alone in row q, right-padded to ``prompt_length`` P
+    (``batch_bucket(Q)`` rows; the shapes depend on Q's bucket and P only). ``pack=True``:
+    several prompts per row (first-fit decreasing; a prompt attends to its own tokens only), in
+    rows of W = P, 2P or 4P tokens (W <= max(P, PACK_WIDTH)), whichever prefills the fewest
+    tokens with the row count bucketed (ties: the narrowest), so the prefill costs about the
+    prompts' own tokens, not Q x P. The row count is then a batch bucket of at most Q's, and W
+    one of three per P: a few programs per (Q bucket, P), not one per length mix."""
+    lengths_Q = np.asarray(lengths, np.int64)
+    q = len(lengths_Q)
+    rows = lambda n: -(-batch_bucket(n) // ranks) * ranks  # noqa: E731
+    if not pack or q < PACK_MIN_PROMPTS:
+        ar = np.arange(q, dtype=np.int32)
+        return PromptRows(rows(q), prompt_length, ar, np.zeros(q, np.int32))
+    best = None
+    for width in (prompt_length, 2 * prompt_length, 4 * prompt_length):
+        if width > max(prompt_length, PACK_WIDTH):
+            break
+        row_Q, offset_Q, used = _first_fit(lengths_Q, width)
+        cand = PromptRows(rows(used), width, row_Q, offset_Q)
+        if best is None or cand.rows * cand.width < best.rows * best.width:
+            best = cand
+    return best

@@ -31,6 +31,7 @@ padding or mesh, up to float reduction order in the matmuls.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,14 @@ from jaxrl.models.slot_kv_cache import SlotKVCache
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.spmd import constrain_rows
 
-__all__ = ["DecodeState", "EngineShape", "decode_requests", "prefill_prompts"]
+__all__ = [
+    "DecodeState",
+    "EngineShape",
+    "continue_slots",
+    "decode_requests",
+    "prefill_prompts",
+    "prefill_rows",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +67,7 @@ class EngineShape:
     prefill_chunk: int  # C: prefill this many prompt tokens at a time; 0 = all P at once
     pad_id: int  # written after a request's last token
     eos_ids: tuple[int, ...]  # E stop token ids
+    prompt_length: int = 0  # P: entries a refill copies from the prompt cache (0: its width)
 
 
 @jax.tree_util.register_dataclass
@@ -80,44 +89,144 @@ class DecodeState:
     truncated_Rq: jax.Array  # bool: stopped at its limit, without eos or stop string
 
 
+def prefill_rows(
+    model: Transformer,
+    tokens_RW: jax.Array,
+    segment_ids_RW: jax.Array,
+    positions_RW: jax.Array,
+    last_Q: jax.Array,
+    chunk: int,
+) -> tuple[jax.Array, KVCache]:
+    """Prompts packed into R rows of W tokens (``segment_ids`` 1.. per prompt, 0 = padding;
+    ``positions`` from 0 in each prompt) into a fresh cache of W entries per row: ``(next-token
+    logits [Q, V], cache)``. ``last_Q`` is the flat entry ``row * W + column`` of prompt q's last
+    token. A prompt attends to its own tokens only (``kv_cache.py``), so its keys, values and
+    logits are those of a prefill of the prompt alone, up to float reduction order. With
+    ``chunk`` (W a multiple of it), C tokens at a time: each chunk's queries attend to the cache
+    filled so far (prefix chunks) and themselves."""
+    r, w = tokens_RW.shape
+    cache = KVCache.empty(model.config, r, w)
+    if not chunk or chunk >= w:
+        hidden_RWD, cache = model.decode(tokens_RW, positions_RW, segment_ids_RW, cache)
+        hidden_ND = hidden_RWD.reshape(r * w, -1)
+    else:
+
+        def one_chunk(cache, c):
+            cut = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=1)  # noqa: E731
+            hidden_RCD, cache = model.decode(
+                cut(tokens_RW), cut(positions_RW), cut(segment_ids_RW), cache
+            )
+            return cache, hidden_RCD
+
+        cache, hidden_cRCD = lax.scan(one_chunk, cache, jnp.arange(w // chunk))
+        hidden_ND = jnp.moveaxis(hidden_cRCD, 0, 1).reshape(r * w, -1)  # [R, c, C, D] -> [R*W, D]
+    last_QD = jnp.take(hidden_ND, last_Q, axis=0, mode="clip")
+    return model.logits(last_QD[:, None])[:, 0], cache
+
+
 def prefill_prompts(
     model: Transformer, tokens_QP: jax.Array, lengths_Q: jax.Array, chunk: int
 ) -> tuple[jax.Array, KVCache]:
-    """Right-padded prompts into a fresh cache of P entries: ``(next-token logits [Q, V],
-    cache)``. With ``chunk`` (P a multiple of it), C tokens at a time: each chunk's queries
-    attend to the cache filled so far (prefix chunks) and themselves."""
+    """Right-padded prompts, one per row, into a fresh cache of P entries (:func:`prefill_rows`
+    with prompt q alone in row q)."""
     q, p = tokens_QP.shape
     idx_1P = jnp.arange(p, dtype=jnp.int32)[None, :]
     segment_ids_QP = (idx_1P < lengths_Q[:, None]).astype(jnp.int32)
     positions_QP = jnp.broadcast_to(idx_1P, (q, p))
-    last_Q = jnp.maximum(lengths_Q - 1, 0)
-    cache = KVCache.empty(model.config, q, p)
-    if not chunk or chunk >= p:
-        hidden_QPD, cache = model.decode(tokens_QP, positions_QP, segment_ids_QP, cache)
-        last_QD = jnp.take_along_axis(hidden_QPD, last_Q[:, None, None], axis=1)[:, 0]
-    else:
+    last_Q = jnp.arange(q, dtype=jnp.int32) * p + jnp.maximum(lengths_Q - 1, 0)
+    return prefill_rows(model, tokens_QP, segment_ids_QP, positions_QP, last_Q, chunk)
 
-        def one_chunk(carry, c):
-            cache, last_QD = carry
-            cut = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=1)  # noqa: E731
-            hidden_QCD, cache = model.decode(
-                cut(tokens_QP), cut(positions_QP), cut(segment_ids_QP), cache
-            )
-            here_Q = (last_Q >= c * chunk) & (last_Q < (c + 1) * chunk)
-            at_Q = jnp.clip(last_Q - c * chunk, 0, chunk - 1)
-            pick_QD = jnp.take_along_axis(hidden_QCD, at_Q[:, None, None], axis=1)[:, 0]
-            return (cache, jnp.where(here_Q[:, None], pick_QD, last_QD)), None
 
-        zeros_QD = jnp.zeros((q, model.config.hidden_size), model.config.dtype)
-        (cache, last_QD), _ = lax.scan(one_chunk, (cache, zeros_QD), jnp.arange(p // chunk))
-    return model.logits(last_QD[:, None])[:, 0], cache
+def _decode_step(
+    model: Transformer,
+    shape: EngineShape,
+    state: DecodeState,
+    key_Sl: Callable[[jax.Array, jax.Array], jax.Array],
+    max_tokens_Rq: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    stop_ZV: jax.Array | None,
+    rows: Callable[[jax.Array], jax.Array],
+    keep_idle: bool = False,
+) -> DecodeState:
+    """One decode step of every slot (module doc, steps 1-3). ``key_Sl(r_Sl, t_Sl)``: the keys
+    of token t of request r. A slot whose request stops runs its last token too, so its cache
+    holds the whole sequence (a session continues it). An empty slot writes a throwaway entry:
+    at entry 0 (it will be refilled, and its attention then spans one block), or with
+    ``keep_idle`` (a session's slot sitting the turn out) at its position, past everything it
+    holds."""
+    s, r = state.request_Sl.shape[0], state.tokens_RqN.shape[0]
+    eos_E = jnp.asarray(shape.eos_ids, jnp.int32)
+    req_Sl, t_Sl, stop_state_Sl = state.request_Sl, state.emitted_Sl, state.stop_state_Sl
+    active_Sl = req_Sl >= 0
+    r_Sl = jnp.maximum(req_Sl, 0)
+    tok_Sl, logp_Sl = sample_tokens(key_Sl(r_Sl, t_Sl), state.logits_SlV, temperature, top_k, top_p)
+    write_Sl = jnp.where(active_Sl, req_Sl, r)  # request r is out of bounds: dropped
+    tokens_RqN = state.tokens_RqN.at[write_Sl, t_Sl].set(tok_Sl, mode="drop")
+    logprobs_RqN = state.logprobs_RqN.at[write_Sl, t_Sl].set(logp_Sl, mode="drop")
+    t_Sl = t_Sl + 1
+    eos_Sl = jnp.any(tok_Sl[:, None] == eos_E[None, :], axis=-1)
+    if stop_ZV is not None:
+        next_state_Sl = stop_ZV[stop_state_Sl, tok_Sl]
+        eos_Sl = eos_Sl | (next_state_Sl == MATCHED)
+        stop_state_Sl = jnp.maximum(next_state_Sl, 0)
+    limit_Sl = t_Sl >= jnp.take(max_tokens_Rq, r_Sl)
+    finished_Sl = active_Sl & (eos_Sl | limit_Sl)
+    end_Sl = jnp.where(finished_Sl, req_Sl, r)
+    lengths_Rq = state.lengths_Rq.at[end_Sl].set(t_Sl, mode="drop")
+    truncated_Rq = state.truncated_Rq.at[end_Sl].set(~eos_Sl, mode="drop")
+    feed_Sl = jnp.minimum(state.position_Sl, state.cache.length - 1)
+    if not keep_idle:
+        feed_Sl = jnp.where(active_Sl, feed_Sl, 0)
+    hidden_Sl1D, cache = model.decode(
+        tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache
+    )
+    return DecodeState(
+        step=state.step + 1,
+        cache=cache,
+        logits_SlV=rows(model.logits(hidden_Sl1D)[:, 0]),
+        request_Sl=jnp.where(finished_Sl, -1, req_Sl),
+        position_Sl=jnp.where(active_Sl, state.position_Sl + 1, state.position_Sl),
+        emitted_Sl=t_Sl,
+        stop_state_Sl=stop_state_Sl,
+        next_request=state.next_request,
+        tokens_RqN=tokens_RqN,
+        logprobs_RqN=logprobs_RqN,
+        lengths_Rq=lengths_Rq,
+        truncated_Rq=truncated_Rq,
+    )
+
+
+def _initial_state(
+    shape: EngineShape, r: int, logits_SlV: jax.Array, cache: SlotKVCache, rows: Callable
+) -> DecodeState:
+    """The loop's first state: every slot empty, no request generated yet."""
+    zeros_Sl = rows(jnp.zeros((logits_SlV.shape[0],), jnp.int32))
+    return DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits_SlV=rows(logits_SlV),
+        request_Sl=zeros_Sl - 1,  # every slot empty
+        position_Sl=zeros_Sl,
+        emitted_Sl=zeros_Sl,
+        stop_state_Sl=zeros_Sl,
+        next_request=jnp.zeros((), jnp.int32),
+        tokens_RqN=jnp.full((r, shape.max_new_tokens), shape.pad_id, jnp.int32),
+        logprobs_RqN=jnp.zeros((r, shape.max_new_tokens), jnp.float32),
+        lengths_Rq=jnp.zeros((r,), jnp.int32),
+        truncated_Rq=jnp.zeros((r,), bool),
+    )
 
 
 def decode_requests(
     model: Transformer,
     shape: EngineShape,
     *,
-    prompts_QP: jax.Array,
+    prompts_RW: jax.Array,
+    segment_ids_RW: jax.Array,
+    positions_RW: jax.Array,
+    start_Q: jax.Array,
     prompt_lengths_Q: jax.Array,
     group_Rq: jax.Array,
     max_tokens_Rq: jax.Array,
@@ -130,12 +239,14 @@ def decode_requests(
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, ...]:
     """Generate every request (module doc): ``(tokens [Rq, N], logprobs [Rq, N], lengths [Rq],
-    truncated [Rq], decode steps)``. Requests ``>= num_requests`` are padding, never run."""
-    s, n, r = shape.slots, shape.max_new_tokens, group_Rq.shape[0]
-    prompt_logits_QV, prompt_cache = prefill_prompts(
-        model, prompts_QP, prompt_lengths_Q, shape.prefill_chunk
+    truncated [Rq], decode steps)``. Requests ``>= num_requests`` are padding, never run. The Q
+    prompts come packed in rows (:func:`prefill_rows`); prompt q starts at the flat entry
+    ``start_Q[q]`` (``row * W + column``)."""
+    s, r = shape.slots, group_Rq.shape[0]
+    last_Q = start_Q + jnp.maximum(prompt_lengths_Q - 1, 0)
+    prompt_logits_QV, prompt_cache = prefill_rows(
+        model, prompts_RW, segment_ids_RW, positions_RW, last_Q, shape.prefill_chunk
     )
-    eos_E = jnp.asarray(shape.eos_ids, jnp.int32)
     cache = SlotKVCache.empty(model.config, s, shape.cache_length, shape.block)
     cache = dataclasses.replace(
         cache,
@@ -150,7 +261,9 @@ def decode_requests(
         cand_Sl = state.next_request + jnp.cumsum(free_Sl.astype(jnp.int32)) - 1
         take_Sl = free_Sl & (cand_Sl < num_requests)
         g_Sl = jnp.take(group_Rq, cand_Sl, mode="clip")
-        cache = state.cache.fill_prompts(prompt_cache.keys, prompt_cache.values, g_Sl, take_Sl)
+        cache = state.cache.fill_prompts(
+            prompt_cache.keys, prompt_cache.values, start_Q[g_Sl], take_Sl, shape.prompt_length
+        )
         return dataclasses.replace(
             state,
             cache=cache,
@@ -165,6 +278,8 @@ def decode_requests(
     def cond(state: DecodeState) -> jax.Array:
         return (state.next_request < num_requests) | jnp.any(state.request_Sl >= 0)
 
+    request_key = lambda r_Sl, t_Sl: jax.vmap(token_key, in_axes=(None, 0, 0))(key, r_Sl, t_Sl)  # noqa: E731
+
     def body(state: DecodeState) -> DecodeState:
         due = (
             (state.step % shape.refill_every == 0)
@@ -172,60 +287,70 @@ def decode_requests(
             & (state.next_request < num_requests)
         )
         state = lax.cond(due, refill, lambda st: st, state)
-        req_Sl, t_Sl, stop_state_Sl = state.request_Sl, state.emitted_Sl, state.stop_state_Sl
-        active_Sl = req_Sl >= 0
-        r_Sl = jnp.maximum(req_Sl, 0)
-        keys_Sl = jax.vmap(token_key, in_axes=(None, 0, 0))(key, r_Sl, t_Sl)
-        tok_Sl, logp_Sl = sample_tokens(keys_Sl, state.logits_SlV, temperature, top_k, top_p)
-        write_Sl = jnp.where(active_Sl, req_Sl, r)  # request r is out of bounds: dropped
-        tokens_RqN = state.tokens_RqN.at[write_Sl, t_Sl].set(tok_Sl, mode="drop")
-        logprobs_RqN = state.logprobs_RqN.at[write_Sl, t_Sl].set(logp_Sl, mode="drop")
-        t_Sl = t_Sl + 1
-        eos_Sl = jnp.any(tok_Sl[:, None] == eos_E[None, :], axis=-1)
-        if stop_ZV is not None:
-            next_state_Sl = stop_ZV[stop_state_Sl, tok_Sl]
-            eos_Sl = eos_Sl | (next_state_Sl == MATCHED)
-            stop_state_Sl = jnp.maximum(next_state_Sl, 0)
-        limit_Sl = t_Sl >= jnp.take(max_tokens_Rq, r_Sl)
-        finished_Sl = active_Sl & (eos_Sl | limit_Sl)
-        end_Sl = jnp.where(finished_Sl, req_Sl, r)
-        lengths_Rq = state.lengths_Rq.at[end_Sl].set(t_Sl, mode="drop")
-        truncated_Rq = state.truncated_Rq.at[end_Sl].set(~eos_Sl, mode="drop")
-        live_Sl = active_Sl & ~finished_Sl
-        feed_Sl = jnp.where(live_Sl, state.position_Sl, 0)  # idle: entry 0, refilled before use
-        hidden_Sl1D, cache = model.decode(
-            tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache
-        )
-        return DecodeState(
-            step=state.step + 1,
-            cache=cache,
-            logits_SlV=rows(model.logits(hidden_Sl1D)[:, 0]),
-            request_Sl=jnp.where(finished_Sl, -1, req_Sl),
-            position_Sl=jnp.where(live_Sl, state.position_Sl + 1, state.position_Sl),
-            emitted_Sl=t_Sl,
-            stop_state_Sl=stop_state_Sl,
-            next_request=state.next_request,
-            tokens_RqN=tokens_RqN,
-            logprobs_RqN=logprobs_RqN,
-            lengths_Rq=lengths_Rq,
-            truncated_Rq=truncated_Rq,
-        )
+        return _decode_step(
+            model, shape, state, request_key, max_tokens_Rq, temperature, top_k, top_p,
+            stop_ZV, rows,
+        )  # fmt: skip
 
     v = prompt_logits_QV.shape[-1]
-    zeros_Sl = rows(jnp.zeros((s,), jnp.int32))
-    state = DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        cache=cache,
-        logits_SlV=rows(jnp.zeros((s, v), prompt_logits_QV.dtype)),
-        request_Sl=zeros_Sl - 1,  # every slot empty
-        position_Sl=zeros_Sl,
-        emitted_Sl=zeros_Sl,
-        stop_state_Sl=zeros_Sl,
-        next_request=jnp.zeros((), jnp.int32),
-        tokens_RqN=jnp.full((r, n), shape.pad_id, jnp.int32),
-        logprobs_RqN=jnp.zeros((r, n), jnp.float32),
-        lengths_Rq=jnp.zeros((r,), jnp.int32),
-        truncated_Rq=jnp.zeros((r,), bool),
-    )
+    state = _initial_state(shape, r, jnp.zeros((s, v), prompt_logits_QV.dtype), cache, rows)
     out = lax.while_loop(cond, body, state)
     return out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
+
+
+def continue_slots(
+    model: Transformer,
+    shape: EngineShape,
+    cache: SlotKVCache,
+    *,
+    lengths_Sl: jax.Array,
+    new_SlE: jax.Array,
+    new_lengths_Sl: jax.Array,
+    keys_Sl: jax.Array,
+    max_tokens_Sl: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    stop_ZV: jax.Array | None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, ...]:
+    """One turn of live slots (``generate/session.py``): slot s holds ``lengths_Sl[s]`` entries;
+    its ``new_lengths_Sl[s]`` new tokens (``new_SlE``, right padded) are appended at entries
+    ``lengths, lengths + 1, ...`` (attending to everything the slot holds), then the slot
+    generates one request from the last of them, token t drawn with ``fold_in(keys_Sl[s], t)``,
+    up to ``max_tokens_Sl[s]`` tokens. Slots with ``max_tokens_Sl == 0`` sit the turn out and
+    keep their entries. ``(tokens [Sl, N], logprobs [Sl, N], lengths [Sl], truncated [Sl],
+    decode steps, cache)``; a slot then holds ``lengths + new_lengths + generated`` entries (its
+    last token included)."""
+    s, e = new_SlE.shape
+    rows = lambda x: constrain_rows(x, mesh)  # noqa: E731
+    cache = dataclasses.replace(
+        cache,
+        keys=constrain_rows(cache.keys, mesh, axis=1, tensor_axis=3),
+        values=constrain_rows(cache.values, mesh, axis=1, tensor_axis=3),
+    )
+    idx_1E = jnp.arange(e, dtype=jnp.int32)[None, :]
+    segment_ids_SlE = (idx_1E < new_lengths_Sl[:, None]).astype(jnp.int32)
+    hidden_SlED, cache = model.decode(new_SlE, lengths_Sl[:, None] + idx_1E, segment_ids_SlE, cache)
+    last_Sl = jnp.maximum(new_lengths_Sl - 1, 0)
+    last_SlD = jnp.take_along_axis(hidden_SlED, last_Sl[:, None, None], axis=1)[:, 0]
+    logits_SlV = model.logits(last_SlD[:, None])[:, 0]
+    state = _initial_state(shape, s, logits_SlV, cache, rows)
+    run_Sl = max_tokens_Sl > 0
+    state = dataclasses.replace(
+        state,
+        request_Sl=jnp.where(run_Sl, jnp.arange(s, dtype=jnp.int32), -1),
+        position_Sl=lengths_Sl + new_lengths_Sl,
+    )
+    slot_key = lambda r_Sl, t_Sl: jax.vmap(jax.random.fold_in)(keys_Sl[r_Sl], t_Sl)  # noqa: E731
+
+    def body(state: DecodeState) -> DecodeState:
+        return _decode_step(
+            model, shape, state, slot_key, max_tokens_Sl, temperature, top_k, top_p, stop_ZV,
+            rows, keep_idle=True,
+        )  # fmt: skip
+
+    out = lax.while_loop(lambda st: jnp.any(st.request_Sl >= 0), body, state)
+    return (
+        out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step, out.cache
+    )  # fmt: skip

@@ -53,8 +53,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.data.batching.packing import BucketSpec
-from jaxrl.generate.cache_geometry import CacheGeometry, batch_bucket, cache_geometry
-from jaxrl.generate.engine import EngineShape, decode_requests
+from jaxrl.generate.cache_geometry import (
+    CacheGeometry,
+    batch_bucket,
+    cache_geometry,
+    prompt_rows,
+)
+from jaxrl.generate.engine import EngineShape, continue_slots, decode_requests
 from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
 from jaxrl.generate.sampling import (
     SampleResult,
@@ -64,6 +69,7 @@ from jaxrl.generate.sampling import (
     stop_token_ids,
     token_key,
 )
+from jaxrl.generate.session import EngineSession
 from jaxrl.generate.stop import StopStrings
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device
@@ -92,7 +98,9 @@ class Sampler:
     (:class:`StopStrings`, built over the tokenizer's vocabulary). ``prefill_chunk``: prefill
     prompts C tokens at a time (0 = whole). ``attention_block``: decode-attention block (the
     cache length is a multiple of it). ``copy_params``: see the module doc. ``mesh``: split the
-    slots over its batch axes (None: run where the parameters are).
+    slots over its batch axes (None: run where the parameters are). ``pack_prompts``:
+    prefill several distinct prompts per row (``cache_geometry.prompt_rows``; False: one
+    right-padded prompt per row).
     """
 
     def __init__(
@@ -111,6 +119,7 @@ class Sampler:
         prefill_chunk: int = 0,
         attention_block: int = DECODE_BLOCK,
         copy_params: bool = True,
+        pack_prompts: bool = True,
     ):
         eos_ids = stop_token_ids("Sampler", config.vocab_size, eos_id, pad_id)
         for name, value, low in (
@@ -141,11 +150,15 @@ class Sampler:
         self.prefill_chunk = prefill_chunk
         self.attention_block = attention_block
         self.copy_params = copy_params
+        self.pack_prompts = pack_prompts
         self.compiles = 0
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.weights = SamplerWeights(abstract_params, mesh)
         self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
         self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
+        self._jitted_session = jax.jit(
+            self._session_program, static_argnames=("shape", "key_impl"), donate_argnums=(1,)
+        )
 
     # -- weights ------------------------------------------------------------------------------
     def load_params(
@@ -200,7 +213,26 @@ class Sampler:
             return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.weights.abstract))
         return bytes_per_device(self.weights.abstract, self.weights.shardings)
 
+    def engine_shape(self, slots: int, cache_length: int, prompt_length: int) -> EngineShape:
+        """The static part of an engine program of this sampler."""
+        return EngineShape(
+            slots=slots,
+            max_new_tokens=self.max_new_tokens,
+            cache_length=cache_length,
+            block=self.attention_block,
+            refill_every=self.refill_every,
+            prefill_chunk=self.prefill_chunk,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            prompt_length=prompt_length,
+        )
+
     # -- generation ---------------------------------------------------------------------------
+    def session(self, slots: int, max_length: int) -> EngineSession:
+        """``slots`` decode slots of ``max_length`` entries that keep what they hold between
+        calls, for conversations that go on (``session.py``; tool episodes)."""
+        return EngineSession(self, slots, max_length)
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -231,23 +263,21 @@ class Sampler:
         unique = list(groups)
         geometry = self.cache_geometry(b, len(unique), max(len(p) for p in unique))
         length = geometry.prompt_length
-        ranks = row_ranks(self.mesh)  # the groups' prefill is split over the row ranks
-        r_pad, q_pad = batch_bucket(b), -(-geometry.groups // ranks) * ranks
-        prompts_QP = np.full((q_pad, length), self.pad_id, np.int32)
-        lengths_Q = np.zeros(q_pad, np.int32)
+        ranks = row_ranks(self.mesh)  # the prefill's rows are split over the row ranks
+        r_pad = batch_bucket(b)
+        lengths_Q = np.asarray([len(p) for p in unique], np.int32)
+        packing = prompt_rows(lengths_Q, length, ranks=ranks, pack=self.pack_prompts)
+        prompts_RW = np.full((packing.rows, packing.width), self.pad_id, np.int32)
+        segment_ids_RW = np.zeros((packing.rows, packing.width), np.int32)
+        positions_RW = np.zeros((packing.rows, packing.width), np.int32)
         for q, p in enumerate(unique):
-            prompts_QP[q, : len(p)], lengths_Q[q] = p, len(p)
+            row, col = packing.row_Q[q], packing.offset_Q[q]
+            prompts_RW[row, col : col + len(p)] = p
+            segment_ids_RW[row, col : col + len(p)] = q + 1
+            positions_RW[row, col : col + len(p)] = np.arange(len(p))
         pad_Rq = np.zeros(r_pad - b, np.int32)
-        shape = EngineShape(
-            slots=geometry.slots,
-            max_new_tokens=n,
-            cache_length=geometry.cache_length,
-            block=self.attention_block,
-            refill_every=self.refill_every,
-            prefill_chunk=self.prefill_chunk,
-            pad_id=self.pad_id,
-            eos_ids=self.eos_ids,
-        )
+        pad_Q = lambda x: np.concatenate([x, np.zeros(geometry.groups - len(x), np.int32)])  # noqa: E731
+        shape = self.engine_shape(geometry.slots, geometry.cache_length, length)
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key_impl, key_data = str(jax.random.key_impl(key)), jax.random.key_data(key)
         else:  # a raw uint32 key (jax.random.PRNGKey)
@@ -257,8 +287,11 @@ class Sampler:
         with on_mesh(self.mesh):
             out = self._jitted(
                 params,
-                put_rows(prompts_QP, self.mesh),
-                put_rows(lengths_Q, self.mesh),
+                put_rows(prompts_RW, self.mesh),
+                put_rows(segment_ids_RW, self.mesh),
+                put_rows(positions_RW, self.mesh),
+                rep(pad_Q(packing.start_Q)),
+                rep(pad_Q(lengths_Q)),
                 rep(np.concatenate([np.asarray(group_Rq, np.int32), pad_Rq])),
                 rep(np.concatenate([limits.astype(np.int32), pad_Rq])),
                 rep(np.int32(b)),
@@ -284,8 +317,9 @@ class Sampler:
     __call__ = generate
 
     def _program(
-        self, params, prompts_QP, lengths_Q, group_Rq, max_tokens_Rq, num_requests, key_data,
-        temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
+        self, params, prompts_RW, segment_ids_RW, positions_RW, start_Q, lengths_Q, group_Rq,
+        max_tokens_Rq, num_requests, key_data, temperature, top_k, top_p, stop_ZV, *, shape,
+        key_impl,
     ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
         self.last_compile = (
@@ -297,12 +331,38 @@ class Sampler:
         return decode_requests(
             nnx.merge(self._graphdef, params),
             shape,
-            prompts_QP=prompts_QP,
+            prompts_RW=prompts_RW,
+            segment_ids_RW=segment_ids_RW,
+            positions_RW=positions_RW,
+            start_Q=start_Q,
             prompt_lengths_Q=lengths_Q,
             group_Rq=group_Rq,
             max_tokens_Rq=max_tokens_Rq,
             num_requests=num_requests,
             key=key,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ZV=stop_ZV,
+            mesh=self.mesh,
+        )
+
+    def _session_program(
+        self, params, cache, lengths_Sl, new_SlE, new_lengths_Sl, key_data_Sl, max_tokens_Sl,
+        temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
+    ):  # fmt: skip
+        self.compiles += 1
+        impl = {} if key_impl is None else {"impl": key_impl}
+        keys_Sl = jax.random.wrap_key_data(key_data_Sl, **impl)
+        return continue_slots(
+            nnx.merge(self._graphdef, params),
+            shape,
+            cache,
+            lengths_Sl=lengths_Sl,
+            new_SlE=new_SlE,
+            new_lengths_Sl=new_lengths_Sl,
+            keys_Sl=keys_Sl,
+            max_tokens_Sl=max_tokens_Sl,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

@@ -7,7 +7,8 @@ token's position IS its entry index. A decode step writes the new token of slot 
 only. Everything past a slot's position is invisible by causality: entries left over from the
 slot's previous sequence (a stopped slot is refilled with the next request without clearing
 anything) lie at larger positions, and each is overwritten before it becomes visible. No per-entry
-segment or position metadata is needed.
+segment or position metadata is needed. A session (``generate/session.py``) appends several
+tokens to a live slot at once (T > 1 in :meth:`SlotLayerKV.attend`).
 
 Decode attention (:func:`decode_attention`) walks the keys in blocks of ``block`` entries and
 stops at the block holding the longest live position: a step's matmuls over keys and values
@@ -111,14 +112,35 @@ class SlotLayerKV:
     ) -> tuple[jax.Array, SlotLayerKV]:
         """Write each row's one new key/value at entry ``positions[b]``, then
         :func:`decode_attention` (``attention`` and ``segment_ids`` are not used: a slot holds
-        one sequence)."""
+        one sequence). T > 1 new tokens per row (a session appending tokens to live slots,
+        ``generate/session.py``): row b's token t is written at entry ``positions[b, t]``
+        (entries past L are dropped) and attends, through ``attention``, to the row's entries
+        ``0..positions[b, t]``; tokens of segment 0 (padding) attend to nothing."""
+        b, t = q_BTHDh.shape[:2]
+        layer = jnp.asarray(self.layer, jnp.int32)
+        if t > 1:
+            rows_B1 = jnp.arange(b)[:, None]
+            keys = self.keys_NlBLKDh.at[layer, rows_B1, positions_BT].set(
+                k_BTKDh.astype(self.keys_NlBLKDh.dtype), mode="drop"
+            )
+            values = self.values_NlBLKDh.at[layer, rows_B1, positions_BT].set(
+                v_BTKDh.astype(self.values_NlBLKDh.dtype), mode="drop"
+            )
+            length = keys.shape[2]
+            kv_pos_BL = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+            out_BTHDh = attention(
+                q_BTHDh,
+                lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False),
+                lax.dynamic_index_in_dim(values, layer, 0, keepdims=False),
+                segment_ids_BT,
+                jnp.ones((b, length), jnp.int32),
+                positions_BT,
+                kv_pos_BL,
+            )
+            return out_BTHDh, dataclasses.replace(self, keys_NlBLKDh=keys, values_NlBLKDh=values)
         del segment_ids_BT, attention
-        if q_BTHDh.shape[1] != 1:
-            raise ValueError(f"SlotKVCache decodes one token per slot, got {q_BTHDh.shape[1]}")
-        b = q_BTHDh.shape[0]
         pos_B = positions_BT[:, 0]
         rows_B = jnp.arange(b)
-        layer = jnp.asarray(self.layer, jnp.int32)
         keys = self.keys_NlBLKDh.at[layer, rows_B, pos_B].set(
             k_BTKDh[:, 0].astype(self.keys_NlBLKDh.dtype), mode="promise_in_bounds"
         )
@@ -176,16 +198,21 @@ class SlotKVCache:
         return self
 
     def fill_prompts(
-        self, prompt_keys: jax.Array, prompt_values: jax.Array, group_B: jax.Array,
-        refill_B: jax.Array,
+        self, prompt_keys: jax.Array, prompt_values: jax.Array, start_B: jax.Array,
+        refill_B: jax.Array, length: int = 0,
     ) -> SlotKVCache:  # fmt: skip
-        """Slots where ``refill_B`` get prompt ``group_B[s]``'s keys and values
-        (``[Nl, Q, P, K, Dh]``, from a prefill) at entries ``[0, P)``; others are unchanged."""
-        p = prompt_keys.shape[2]
+        """Slots where ``refill_B`` get entries ``[0, P)`` from a prompt cache ``[Nl, R, W, K, Dh]``
+        (a prefill of prompts packed in rows): its entries ``start_B[s], start_B[s] + 1, ...`` in
+        the flat ``row * W + column`` order; P = ``length`` (0: W). Entries past a prompt's end
+        come from whatever follows it (padding, another prompt): they lie past the slot's
+        length, invisible until overwritten. Other slots are unchanged."""
+        nl, r, w, k, dh = prompt_keys.shape
+        p = length or w
+        idx_BP = jnp.clip(start_B[:, None] + jnp.arange(p)[None, :], 0, r * w - 1)
 
         def fill(buf, prompt):
             head = lax.slice_in_dim(buf, 0, p, axis=2)
-            new = jnp.take(prompt, group_B, axis=1, mode="clip")
+            new = jnp.take(prompt.reshape(nl, r * w, k, dh), idx_BP, axis=1)
             head = jnp.where(refill_B[None, :, None, None, None], new.astype(buf.dtype), head)
             return lax.dynamic_update_slice_in_dim(buf, head, 0, axis=2)
 

@@ -22,18 +22,25 @@ the whole conversation after the prompt as messages (TRL): the assistant turns (
 Random keys. Row ``r``'s turn ``t`` is sampled with ``fold_in(fold_in(key, r), t)``, where
 ``key`` is the generation's key (the run key folded with the generation index): a function of
 (run key, generation, row, turn) only, so an episode does not depend on which other rows run
-with it, on batching or on the mesh. Today every turn is one ``Sampler.generate`` call of one
-row, which re-prefills the conversation so far; reusing the cache of earlier turns in the slot
-is the continuous-batching engine's part (docs/tools.md).
+with it, on batching or on the mesh.
+
+Engine calls. With the engine (a backend with ``session``: ``jaxrl/generate/session.py``) episode
+r lives in decode slot r for the whole episode: turn t of every live episode is one engine call,
+and the environment's tokens are appended to the slot's cache after what it holds, so the
+conversation is never prefilled again. Another backend (a remote server) gets each episode's
+whole conversation as token ids, one ``generate`` per episode and turn. Both give the same
+episodes (tokens and masks; log-probs to float reduction order).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import ConfigError
@@ -218,12 +225,61 @@ class EpisodeRunner:
         sampling: Any = None,
     ) -> list[Episode]:
         """Every row's episode, sampled with ``sampler`` (weights already loaded) and
-        ``episode_key(key, row, turn)``."""
+        ``episode_key(key, row, turn)``. A backend with sessions (``Sampler.session``) runs
+        them in its slots (:meth:`run_in_slots`); another re-sends each conversation, one
+        ``generate`` per episode and turn."""
+        if callable(getattr(sampler, "session", None)):
+            return self.run_in_slots(sampler, prompt_ids, prompts, rows, key, sampling)
         episodes = self.start(prompt_ids, prompts, rows)
         for turn in range(self.max_turns):
             for r, ep in enumerate(episodes):
                 if not ep.done:
                     self.turn(ep, sampler, episode_key(key, r, turn), sampling, turn)
+        return episodes
+
+    def run_in_slots(
+        self,
+        sampler: Any,
+        prompt_ids: Sequence[np.ndarray],
+        prompts: Sequence[Any],
+        rows: Sequence[Mapping[str, Any]],
+        key: jax.Array,
+        sampling: Any = None,
+    ) -> list[Episode]:
+        """:meth:`run` in an engine session (``jaxrl/generate/session.py``): episode r lives in
+        slot r; turn t of every live episode is one engine call, which appends what the
+        environment said after the slot's conversation (the prompt, on turn 0) and generates
+        the next model turn from it. Turn t of row r draws with ``fold_in(episode_key(key, r,
+        t), 0)``, the key request 0 of a ``generate`` call with ``episode_key`` gets, so the
+        episodes are those of the re-sending path, token for token (log-probs to float
+        reduction order)."""
+        episodes = self.start(prompt_ids, prompts, rows)
+        longest = max(len(ep.prompt_ids) for ep in episodes)
+        session = sampler.session(len(episodes), longest + self.budget)
+        n = sampler.max_new_tokens
+        pending: list[list[int] | None] = [list(ep.prompt_ids) for ep in episodes]
+        try:
+            for turn in range(self.max_turns):
+                live = [not ep.done for ep in episodes]
+                if not any(live):
+                    break
+                keys = _request_keys(key, len(episodes), turn)
+                limits = [min(n, self.budget - len(ep.tokens)) for ep in episodes]
+                res = session.generate(
+                    [p if go else None for p, go in zip(pending, live, strict=True)],
+                    keys,
+                    sampling,
+                    max_tokens=limits,
+                )
+                for r, ep in enumerate(episodes):
+                    if live[r]:
+                        m = int(res.lengths[r])
+                        pending[r] = self.record(
+                            ep, res.tokens[r, :m], res.logprobs[r, :m], bool(res.truncated[r]),
+                            turn,
+                        )  # fmt: skip
+        finally:
+            session.close()
         return episodes
 
     def sample(
@@ -253,31 +309,40 @@ class EpisodeRunner:
     def turn(
         self, ep: Episode, sampler: RolloutBackend, key: jax.Array, sampling: Any, turn: int
     ) -> None:
-        """One assistant turn of ``ep``, then its tool calls (if any)."""
+        """One assistant turn of ``ep`` by re-sending its conversation, then its tool calls."""
         res = sampler.generate([ep.context], key, sampling)
         n = int(res.lengths[0])
+        self.record(ep, res.tokens[0, :n], res.logprobs[0, :n], bool(res.truncated[0]), turn)
+
+    def record(
+        self, ep: Episode, tokens: np.ndarray, logps: np.ndarray, truncated: bool, turn: int
+    ) -> list[int] | None:
+        """Add a generated assistant turn (``tokens`` and their log-probs; ``truncated``: cut
+        by its token limit) to ``ep``, then run its tool calls (if any): the environment's
+        tokens appended, or None when the episode ended."""
+        n = len(tokens)
         room = self.budget - len(ep.tokens)
         cut = n > room
-        ids = [int(t) for t in res.tokens[0, : min(n, room)]]
+        ids = [int(t) for t in tokens[: min(n, room)]]
         ep.tokens += ids
         ep.mask += [1.0] * len(ids)
-        ep.logps += [float(x) for x in res.logprobs[0, : len(ids)]]
+        ep.logps += [float(x) for x in logps[: len(ids)]]
         ep.turns += 1
         text = self.tokenizer.decode(ids)
-        if cut or bool(res.truncated[0]):
+        if cut or truncated:
             ep.messages.append({"role": "assistant", "content": text})
             ep.done = ep.truncated = True
-            return
+            return None
         parsed = self.toolbox.parser.parse(text)
         if not parsed.calls and not parsed.errors:
             ep.messages.append({"role": "assistant", "content": text})
             ep.done = True
-            return
+            return None
         ep.messages.append(parsed.message())
         ep.tool_calls += len(parsed.calls) + len(parsed.errors)
         if turn + 1 >= self.max_turns:  # no turn left to read the results
             ep.done = True
-            return
+            return None
         results = [self.toolbox.run(c, ep.functions) for c in parsed.calls]
         results += [ToolResult("unknown", str({"error": e}), "malformed") for e in parsed.errors]
         for result in results:
@@ -287,11 +352,18 @@ class EpisodeRunner:
         env_ids = self.environment_ids(ep.prompt, tool_messages)
         if len(ep.tokens) + len(env_ids) >= self.budget:  # no room left for a model token
             ep.done = ep.truncated = True
-            return
+            return None
         ep.messages += tool_messages
         ep.tokens += env_ids
         ep.mask += [0.0] * len(env_ids)
         ep.logps += [0.0] * len(env_ids)
+        return list(env_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _request_keys(key: jax.Array, rows: int, turn: int | jax.Array) -> jax.Array:
+    """``fold_in(episode_key(key, r, turn), 0)`` for every row r, in one program."""
+    return jax.vmap(lambda r: jax.random.fold_in(episode_key(key, r, turn), 0))(jnp.arange(rows))
 
 
 def episode_rows(episodes: Sequence[Episode]) -> EpisodeRows:
