@@ -323,8 +323,8 @@ class Sampler:
     ):  # fmt: skip
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
         self.last_compile = (
-            f"{group_Rq.shape[0]} requests over {prompts_QP.shape[0]} prompts of "
-            f"{prompts_QP.shape[1]} tokens"
+            f"{group_Rq.shape[0]} requests over {start_Q.shape[0]} prompts in prefill rows "
+            f"{list(prompts_RW.shape)}"
         )
         impl = {} if key_impl is None else {"impl": key_impl}  # None: a raw uint32 key
         key = jax.random.wrap_key_data(key_data, **impl)
@@ -352,6 +352,7 @@ class Sampler:
         temperature, top_k, top_p, stop_ZV, *, shape, key_impl,
     ):  # fmt: skip
         self.compiles += 1
+        self.last_compile = f"a session of {new_SlE.shape[0]} slots, {new_SlE.shape[1]} new tokens"
         impl = {} if key_impl is None else {"impl": key_impl}
         keys_Sl = jax.random.wrap_key_data(key_data_Sl, **impl)
         return continue_slots(
