@@ -450,7 +450,9 @@ def _set_slot(stacked: jax.Array, piece: jax.Array, slot: jax.Array) -> jax.Arra
     """``stacked`` with ``stacked[slot]`` (``slot``: indices of its leading axes) replaced by
     ``piece`` (in place)."""
     start = (*slot, *([0] * piece.ndim))
-    return jax.lax.dynamic_update_slice(stacked, piece.reshape((1,) * len(slot) + piece.shape), start)
+    return jax.lax.dynamic_update_slice(
+        stacked, piece.reshape((1,) * len(slot) + piece.shape), start
+    )
 
 
 def _atomic_write(path: Path, write: Any) -> None:

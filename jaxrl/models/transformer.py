@@ -238,9 +238,7 @@ class Block(nnx.Module):
         if cache is None:
             x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
         else:
-            attn_BTD, cache = self.attn(
-                self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache
-            )
+            attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
             x_BTD = x_BTD + attn_BTD
         y_BTD, routing = self._mlp(self.post_attn_norm(x_BTD), replay_BTK)
         return x_BTD + y_BTD, cache, routing

@@ -93,7 +93,9 @@ class MoE(nnx.Module):
         e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
         pd, cd, lora = config.param_dtype, config.dtype, config.lora
         self.router_kernel = _param(rngs.params(), (d, e), ("embed", "router_experts"), pd)
-        self.expert_gate_kernel = _param(rngs.params(), (e, d, f), ("expert", "embed", "moe_mlp"), pd)
+        self.expert_gate_kernel = _param(
+            rngs.params(), (e, d, f), ("expert", "embed", "moe_mlp"), pd
+        )
         self.expert_up_kernel = _param(rngs.params(), (e, d, f), ("expert", "embed", "moe_mlp"), pd)
         self.expert_down_kernel = _param(
             rngs.params(), (e, f, d), ("expert", "moe_mlp", "embed"), pd
