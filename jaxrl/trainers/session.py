@@ -58,9 +58,9 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     the config was loaded, or an earlier call) comes back as it is, devices untouched."""
     if cfg.grpo.world_size is not None and cfg.dpo.world_size is not None:
         return cfg
-    devices = len(run_devices(cfg.mesh.sizes))
+    devices = len(run_devices((*cfg.mesh.sizes, cfg.mesh.expert)))
     devices -= generation_devices(cfg, devices)
-    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, devices)
+    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, devices, expert=cfg.mesh.expert)
     return cfg.with_batch_ranks(data * fsdp)
 
 

@@ -17,8 +17,6 @@ each device compute only its experts.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -80,12 +78,6 @@ def _expert_adapter(
     return ExpertLoRA(e, shape, axes, spec.rank, dtype, rngs)
 
 
-def _expert_axis(kernel: Any) -> str | None:
-    """The manual mesh axis a kernel's experts are split over (``expert_parallel.EXPERT``)."""
-    variable = kernel if isinstance(kernel, nnx.Variable) else kernel.qvalue  # QLoRA codes
-    return variable.get_metadata().get(expert_parallel.EXPERT)
-
-
 class MoE(nnx.Module):
     """Router + experts: ``moe(x_BTD, replay_BTK) -> (y_BTD, Routing of the B·T tokens)``."""
 
@@ -130,6 +122,5 @@ class MoE(nnx.Module):
             lora(self.expert_down_lora),
             self.scaling,
         )
-        axis = _expert_axis(self.expert_gate_kernel)
-        y_ND = expert_parallel.run(x_ND, routing, w, experts, axis)
+        y_ND = expert_parallel.run(x_ND, routing, w, experts)
         return y_ND.reshape(b, t, d), routing
