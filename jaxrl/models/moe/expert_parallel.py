@@ -55,10 +55,12 @@ def run(
     if not expert_axis(w.gate_EDF.shape[0]):
         return experts(x_ND, routing, w)
 
+    dtype = x_ND.dtype
+
     def local(x_ND, routing, w):
         count = w.gate_EDF.shape[0]
         first = jax.lax.axis_index(EXPERT_AXIS) * count
-        return experts(x_ND, routing, w, (first, count))[None]
+        return experts(x_ND.astype(dtype), routing, w, (first, count))[None]
 
     def spec(leaf: Any) -> P:  # every expert array is [E, ...]; scaling is a float
         return P(EXPERT_AXIS) if hasattr(leaf, "ndim") and leaf.ndim == 3 else P()
@@ -73,5 +75,5 @@ def run(
         out_specs=P(EXPERT_AXIS),
         axis_names={EXPERT_AXIS},
         check_vma=False,
-    )(x_ND, routing, w)
-    return jnp.sum(partial_XND, axis=0)
+    )(x_ND.astype(jnp.float32), routing, w)  # its cotangent is summed over the axis in fp32
+    return jnp.sum(partial_XND, axis=0).astype(x_ND.dtype)  # summed in float32

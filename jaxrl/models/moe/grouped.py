@@ -92,7 +92,8 @@ def experts(
     """``Σ_k weight_k · expert_{id_k}(x)`` per token, [N, D] in ``x_ND``'s dtype.
 
     ``expert_shard = (first, count)``: ``w`` holds experts ``[first, first + count)`` only and
-    the result is this device's partial sum (pairs routed elsewhere contribute zeros)."""
+    the result is this device's partial sum in float32 (pairs routed elsewhere contribute
+    zeros), for the caller to add up over the devices and cast."""
     n, d = x_ND.shape
     k = routing.ids_NK.shape[-1]
     ids_M = routing.ids_NK.reshape(-1)
@@ -114,4 +115,4 @@ def experts(
     out_ND = jnp.einsum(
         "nkd,nk->nd", y_NKD.astype(jnp.float32), routing.weights_NK, precision="highest"
     )
-    return out_ND.astype(x_ND.dtype)
+    return out_ND if expert_shard is not None else out_ND.astype(x_ND.dtype)
