@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models import hf
@@ -201,3 +202,50 @@ def test_moe_config_errors_name_the_field():
                          moe_intermediate_size=8)  # fmt: skip
     with pytest.raises(ValueError, match="num_experts"):
         ModelConfig.tiny(32, num_experts=4)
+
+
+def test_sampler_records_the_routes_a_scoring_forward_takes(ckpt):
+    """The engine's recorded routes (prefill for the prompt, one decode step per fed completion
+    token) equal a teacher-forced forward's on prompt + completion; the last token is -1."""
+    model = hf.from_pretrained(ckpt, scan_layers=True)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :3].tolist(), IDS[0, :5].tolist()]
+    sampler = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, prefill_chunk=4)
+    sampler.load_params(model)
+    result = sampler.generate(prompts, jax.random.key(1))
+    assert result.routes is not None
+    for prompt, completion, routes in zip(
+        prompts, result.completions(), result.routes, strict=True
+    ):
+        ids = np.asarray([prompt + completion.tolist()])
+        assert routes.shape == (ids.shape[1], 2, 2)
+        _, trace = model.routed_hidden_states(ids)
+        np.testing.assert_array_equal(routes[:-1], np.asarray(trace.routes_BTLK)[0, :-1])
+        assert (routes[-1] == -1).all()
+
+
+def test_replayed_routes_reach_the_router_gradient(ckpt):
+    """Replaying other experts' ids changes the output and still differentiates the router
+    (its probabilities are gathered at the replayed ids); ids < 0 keep the router's choice."""
+    model = hf.from_pretrained(ckpt)
+    _, trace = model.routed_hidden_states(IDS)
+    own = np.asarray(trace.routes_BTLK)
+    perturbed = (own + 1) % 8
+    graphdef, state = nnx.split(model)
+
+    def loss(state, replay):
+        hidden, _ = nnx.merge(graphdef, state).routed_hidden_states(IDS, replay_routes=replay)
+        return jnp.sum(jnp.sin(hidden))
+
+    g_own = jax.grad(loss)(state, own)
+    g_free = jax.grad(lambda s: jnp.sum(jnp.sin(nnx.merge(graphdef, s).hidden_states(IDS))))(state)
+    g_pert = jax.grad(loss)(state, perturbed)
+    router = lambda g: np.asarray(g["layers"][0]["mlp"]["router_kernel"][...])  # noqa: E731
+    np.testing.assert_array_equal(router(g_own), router(g_free))  # own routes: no bit changes
+    assert np.abs(router(g_pert)).max() > 1e-4
+    assert np.abs(router(g_pert) - router(g_own)).max() > 1e-4
+    # negative ids: the router's own top-k for those tokens
+    none = np.full_like(own, -1)
+    np.testing.assert_array_equal(
+        np.asarray(model.routed_hidden_states(IDS, replay_routes=none)[0]),
+        np.asarray(model.hidden_states(IDS)),
+    )

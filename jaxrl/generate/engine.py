@@ -21,6 +21,12 @@ step then, for every slot holding a request:
 
 A stopped slot is empty until the next refill. The loop ends when every request has stopped.
 
+MoE routes (``record_routes``, router replay: docs/moe.md): the prefill and every decode step
+also return the expert ids each MoE layer chose for the tokens they ran
+(``Transformer.routed_decode``), kept as prompt routes ``[Q, P, Lm, K]`` and completion routes
+``[Rq, N, Lm, K]`` (entry t: completion token t, fed at the step after it was drawn; a
+request's last token is never fed, so its entry stays -1).
+
 Invariance. What request r generates depends on the key, r, its prompt, its limit and the
 weights only: its random bits are a function of (key, r, t), and its logits of its own tokens
 (a slot attends to its own entries only, and stale entries of earlier requests lie beyond its
@@ -78,39 +84,54 @@ class DecodeState:
     logprobs_RqN: jax.Array  # float32: their sampler log-probs, 0 after the end
     lengths_Rq: jax.Array  # int32: tokens generated, set when a request stops
     truncated_Rq: jax.Array  # bool: stopped at its limit, without eos or stop string
+    routes_RqNLK: jax.Array | None = None  # int32 MoE routes of the fed tokens (-1 = none)
 
 
 def prefill_prompts(
-    model: Transformer, tokens_QP: jax.Array, lengths_Q: jax.Array, chunk: int
-) -> tuple[jax.Array, KVCache]:
+    model: Transformer,
+    tokens_QP: jax.Array,
+    lengths_Q: jax.Array,
+    chunk: int,
+    record_routes: bool = False,
+) -> tuple[jax.Array, ...]:
     """Right-padded prompts into a fresh cache of P entries: ``(next-token logits [Q, V],
-    cache)``. With ``chunk`` (P a multiple of it), C tokens at a time: each chunk's queries
-    attend to the cache filled so far (prefix chunks) and themselves."""
+    cache)``, with ``record_routes`` also the MoE routes ``[Q, P, Lm, K]``. With ``chunk`` (P a
+    multiple of it), C tokens at a time: each chunk's queries attend to the cache filled so
+    far (prefix chunks) and themselves."""
     q, p = tokens_QP.shape
     idx_1P = jnp.arange(p, dtype=jnp.int32)[None, :]
     segment_ids_QP = (idx_1P < lengths_Q[:, None]).astype(jnp.int32)
     positions_QP = jnp.broadcast_to(idx_1P, (q, p))
     last_Q = jnp.maximum(lengths_Q - 1, 0)
     cache = KVCache.empty(model.config, q, p)
+
+    def run(tokens, positions, segments, cache):  # (hidden, cache, routes or None)
+        if record_routes:
+            return model.routed_decode(tokens, positions, segments, cache)
+        return (*model.decode(tokens, positions, segments, cache), None)
+
     if not chunk or chunk >= p:
-        hidden_QPD, cache = model.decode(tokens_QP, positions_QP, segment_ids_QP, cache)
+        hidden_QPD, cache, routes = run(tokens_QP, positions_QP, segment_ids_QP, cache)
         last_QD = jnp.take_along_axis(hidden_QPD, last_Q[:, None, None], axis=1)[:, 0]
     else:
 
         def one_chunk(carry, c):
             cache, last_QD = carry
             cut = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=1)  # noqa: E731
-            hidden_QCD, cache = model.decode(
+            hidden_QCD, cache, routes_QCLK = run(
                 cut(tokens_QP), cut(positions_QP), cut(segment_ids_QP), cache
             )
             here_Q = (last_Q >= c * chunk) & (last_Q < (c + 1) * chunk)
             at_Q = jnp.clip(last_Q - c * chunk, 0, chunk - 1)
             pick_QD = jnp.take_along_axis(hidden_QCD, at_Q[:, None, None], axis=1)[:, 0]
-            return (cache, jnp.where(here_Q[:, None], pick_QD, last_QD)), None
+            return (cache, jnp.where(here_Q[:, None], pick_QD, last_QD)), routes_QCLK
 
         zeros_QD = jnp.zeros((q, model.config.hidden_size), model.config.dtype)
-        (cache, last_QD), _ = lax.scan(one_chunk, (cache, zeros_QD), jnp.arange(p // chunk))
-    return model.logits(last_QD[:, None])[:, 0], cache
+        (cache, last_QD), routes = lax.scan(one_chunk, (cache, zeros_QD), jnp.arange(p // chunk))
+        if record_routes:  # [Nc, Q, C, Lm, K] -> [Q, P, Lm, K]
+            routes = jnp.moveaxis(routes, 0, 1).reshape(q, p, *routes.shape[3:])
+    logits_QV = model.logits(last_QD[:, None])[:, 0]
+    return (logits_QV, cache, routes) if record_routes else (logits_QV, cache)
 
 
 def decode_requests(
@@ -128,12 +149,15 @@ def decode_requests(
     top_p: jax.Array,
     stop_ZV: jax.Array | None,
     mesh: Mesh | None = None,
+    record_routes: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Generate every request (module doc): ``(tokens [Rq, N], logprobs [Rq, N], lengths [Rq],
-    truncated [Rq], decode steps)``. Requests ``>= num_requests`` are padding, never run."""
+    truncated [Rq], decode steps)``, with ``record_routes`` (a MoE model) also the prompt
+    routes ``[Q, P, Lm, K]`` and completion routes ``[Rq, N, Lm, K]``. Requests
+    ``>= num_requests`` are padding, never run."""
     s, n, r = shape.slots, shape.max_new_tokens, group_Rq.shape[0]
-    prompt_logits_QV, prompt_cache = prefill_prompts(
-        model, prompts_QP, prompt_lengths_Q, shape.prefill_chunk
+    prompt_logits_QV, prompt_cache, *prompt_routes = prefill_prompts(
+        model, prompts_QP, prompt_lengths_Q, shape.prefill_chunk, record_routes
     )
     eos_E = jnp.asarray(shape.eos_ids, jnp.int32)
     cache = SlotKVCache.empty(model.config, s, shape.cache_length, shape.block)
@@ -193,9 +217,14 @@ def decode_requests(
         truncated_Rq = state.truncated_Rq.at[end_Sl].set(~eos_Sl, mode="drop")
         live_Sl = active_Sl & ~finished_Sl
         feed_Sl = jnp.where(live_Sl, state.position_Sl, 0)  # idle: entry 0, refilled before use
-        hidden_Sl1D, cache = model.decode(
-            tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache
-        )
+        feed = (tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache)
+        routes_RqNLK = state.routes_RqNLK
+        if record_routes:
+            hidden_Sl1D, cache, routes_Sl1LK = model.routed_decode(*feed)
+            fed_Sl = jnp.where(live_Sl, req_Sl, r)  # the token drawn at t - 1, fed now
+            routes_RqNLK = routes_RqNLK.at[fed_Sl, t_Sl - 1].set(routes_Sl1LK[:, 0], mode="drop")
+        else:
+            hidden_Sl1D, cache = model.decode(*feed)
         return DecodeState(
             step=state.step + 1,
             cache=cache,
@@ -209,6 +238,7 @@ def decode_requests(
             logprobs_RqN=logprobs_RqN,
             lengths_Rq=lengths_Rq,
             truncated_Rq=truncated_Rq,
+            routes_RqNLK=routes_RqNLK,
         )
 
     v = prompt_logits_QV.shape[-1]
@@ -227,5 +257,9 @@ def decode_requests(
         lengths_Rq=jnp.zeros((r,), jnp.int32),
         truncated_Rq=jnp.zeros((r,), bool),
     )
+    if record_routes:
+        lm, k = len(model.config.moe_layers), model.config.num_experts_per_tok
+        state = dataclasses.replace(state, routes_RqNLK=jnp.full((r, n, lm, k), -1, jnp.int32))
     out = lax.while_loop(cond, body, state)
-    return out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
+    outs = out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
+    return (*outs, prompt_routes[0], out.routes_RqNLK) if record_routes else outs

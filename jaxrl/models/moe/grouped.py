@@ -4,8 +4,8 @@
 Router: logits ``x W_r`` and their softmax in float32 (``Precision.HIGHEST``), the top-k
 probabilities (``lax.top_k``: ties to the lower expert id, as ``torch.topk``), renormalised to
 sum to 1 when ``norm_topk_prob``. With replayed ids (rollout router replay, docs/moe.md) the
-top-k is skipped and the probabilities are gathered at the given ids, so the router still gets
-gradients through them.
+router's top-k is replaced by them (a token whose ids are negative keeps its own) and the
+probabilities are gathered at the ids, so the router still gets gradients through them.
 
 Experts: the N·k (token, expert) pairs are sorted by expert id and every expert's SwiGLU runs on
 its contiguous group with one ``jax.lax.ragged_dot`` per projection (CPU, GPU and TPU). There is
@@ -45,10 +45,11 @@ def route(
         x_ND.astype(jnp.float32), router_DE.astype(jnp.float32), precision="highest"
     )
     probs_NE = jax.nn.softmax(logits_NE, axis=-1)
-    if replay_NK is None:
-        weights_NK, ids_NK = jax.lax.top_k(probs_NE, top_k)
-    else:
-        ids_NK = jnp.clip(replay_NK.astype(jnp.int32), 0, probs_NE.shape[-1] - 1)
+    weights_NK, ids_NK = jax.lax.top_k(probs_NE, top_k)
+    if replay_NK is not None:  # a token whose replayed ids are negative keeps its own top-k
+        replay_NK = replay_NK.astype(jnp.int32)
+        own_N1 = jnp.any(replay_NK < 0, axis=-1, keepdims=True)
+        ids_NK = jnp.where(own_N1, ids_NK, jnp.clip(replay_NK, 0, probs_NE.shape[-1] - 1))
         weights_NK = jnp.take_along_axis(probs_NE, ids_NK, axis=-1)
     if norm_topk_prob:
         weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)

@@ -65,3 +65,59 @@ def trace_step(config: ModelConfig) -> Callable[..., Any]:
         return x_BTD, cache, routes_LBTK, probs_BTE
 
     return step
+
+
+ROUTE_FIELD = "moe_route_{layer}_{k}"  # a rollout row's token field per (MoE layer, choice)
+
+
+def route_field_names(config: ModelConfig) -> list[str]:
+    """The token fields that carry recorded routes through the packer: one per (MoE layer,
+    top-k choice), in ``[Lm, K]`` order."""
+    lm, k = len(config.moe_layers), config.num_experts_per_tok
+    return [ROUTE_FIELD.format(layer=j, k=i) for j in range(lm) for i in range(k)]
+
+
+def route_fields(routes_TLK: Any, num_tokens: int) -> dict[str, Any]:
+    """A document's recorded routes (numpy ``[T', Lm, K]``, for its first T' <= num_tokens
+    tokens, in *token* alignment: row t = the experts token t went through) as float32 token
+    fields of ``num_tokens`` values that the packer's target shift (``data/batching/packing.py``:
+    position t carries value t + 1) brings back to token alignment: value ``t + 1`` holds token
+    t's id + 1; 0 = not recorded (the forward keeps its own top-k there)."""
+    import numpy as np
+
+    routes = np.asarray(routes_TLK, np.int64)
+    t, lm, k = routes.shape
+    out = {}
+    for j in range(lm):
+        for i in range(k):
+            values = np.zeros(num_tokens, np.float32)
+            values[1 : t + 1] = routes[: num_tokens - 1, j, i] + 1
+            out[ROUTE_FIELD.format(layer=j, k=i)] = values
+    return out
+
+
+def batch_routes(mb: dict[str, jax.Array], config: ModelConfig) -> jax.Array | None:
+    """The recorded routes of a packed micro-batch, ``[B, T, Lm, K]`` int32 (-1 = none), from
+    its :func:`route_fields`; None when it has none."""
+    names = route_field_names(config)
+    if not names or names[0] not in mb:
+        return None
+    lm, k = len(config.moe_layers), config.num_experts_per_tok
+    stacked = jnp.stack([mb[n] for n in names], axis=-1)  # [B, T, Lm·K]
+    ids = jnp.round(stacked).astype(jnp.int32) - 1
+    return ids.reshape(*ids.shape[:-1], lm, k)
+
+
+def route_disagreement(
+    train_BTLK: jax.Array, sampler_BTLK: jax.Array, mask_BT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(Σ, count) over the masked tokens with recorded routes of "the forward's expert set
+    differs from the sampler's in some MoE layer" (sets: the order of the top-k is ignored)."""
+    recorded_BT = jnp.all(sampler_BTLK >= 0, axis=(-2, -1))
+    same_BTL = jnp.all(jnp.sort(train_BTLK, -1) == jnp.sort(sampler_BTLK, -1), axis=-1)
+    differs_BT = ~jnp.all(same_BTL, axis=-1)
+    on_BT = mask_BT & recorded_BT
+    return (
+        jnp.sum(jnp.where(on_BT, differs_BT, False).astype(jnp.float32)),
+        jnp.sum(on_BT.astype(jnp.float32)),
+    )
