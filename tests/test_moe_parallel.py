@@ -47,3 +47,30 @@ def test_memory_plans_an_expert_mesh():
     one = plan_memory(load_run_config("configs/sft_tiny.yaml", [MOE, "mesh.data=8"]))
     # 3 · 8 · 64 · 32 expert weights per layer: a quarter of them per device on expert=4
     assert plan["params_bytes"] < one["params_bytes"]
+
+
+GRPO_MOE = [
+    "sft_warmup_steps=0", "max_steps=2", "grpo.num_generations=4", "grpo.max_completion_length=4",
+    "task.train_size=64", "task.eval_size=8", "logging.eval_samples=0",
+    "schedule.max_tokens=64", "grpo.per_device_train_batch_size=16", "model.dtype=bfloat16",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_grpo_moe_logs_route_disagreement_and_replay_zeroes_it(tmp_path):
+    """configs/grpo_tiny_moe.yaml in bf16: moe/route_disagreement is logged every step; with
+    grpo.router_replay=rollout the training forward takes the sampler's routes, so it is 0."""
+    from jaxrl.cli import main
+    from jaxrl.train.run_io.metrics import read_metrics
+
+    seen = {}
+    for replay in ("none", "rollout"):
+        out = tmp_path / replay
+        args = ["train", "configs/grpo_tiny_moe.yaml", "--set", f"output_dir={out}"]
+        for s in [*GRPO_MOE, "logging.progress=false", f"grpo.router_replay={replay}"]:
+            args += ["--set", s]
+        assert main(args) == 0
+        rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        seen[replay] = [r["moe/route_disagreement"] for r in rows]
+    assert len(seen["none"]) == 2 and all(0 <= d < 0.5 for d in seen["none"])
+    assert seen["rollout"] == [0.0, 0.0]
