@@ -74,3 +74,12 @@ def test_grpo_moe_logs_route_disagreement_and_replay_zeroes_it(tmp_path):
         seen[replay] = [r["moe/route_disagreement"] for r in rows]
     assert len(seen["none"]) == 2 and all(0 <= d < 0.5 for d in seen["none"])
     assert seen["rollout"] == [0.0, 0.0]
+
+
+def test_expert_mesh_without_batch_ranks_is_a_config_error():
+    from jaxrl.runtime.errors import ConfigError
+    from jaxrl.runtime.mesh import make_mesh
+
+    with pytest.raises(ConfigError, match="mesh.expert=8"):
+        make_mesh(1, 1, 1, expert=8)
+    assert make_mesh(2, 1, 1, expert=4).shape == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}

@@ -126,6 +126,12 @@ def resolve_shape(
             "may be -1 = the rest); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
             "sets the device count"
         )
+    if expert > 1 and sizes["data"] * sizes["fsdp"] == 1:
+        raise ConfigError(
+            f"mesh.expert={expert} with data × fsdp = 1 is not supported yet (XLA rejects the "
+            "expert all-reduce outside a batch-parallel program): give the batch axes at least 2 "
+            "devices, e.g. mesh.data=2"
+        )
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 

@@ -25,24 +25,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.runtime.mesh import (
-    BATCH_AXES,
-    EXPERT_AXIS,
-    TENSOR_AXIS,
-    batch_ranks,
-    batch_sharding,
-    put_global,
-)
+from jaxrl.runtime.mesh import BATCH_AXES, TENSOR_AXIS, batch_ranks, batch_sharding, put_global
 
 
 def manual_batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The batch axes a per-rank program is manual over (``shard_map``): those of size > 1,
     or ``data`` alone on a one-device mesh (the same program as data parallelism); empty when
-    only ``tensor`` has several devices (XLA then partitions the whole program). A mesh with
-    an ``expert`` axis always runs a per-rank program (``data`` alone when no batch axis is
-    split), whose MoE blocks go manual over ``expert`` (``jaxrl.models.moe.expert_parallel``)."""
+    only ``tensor`` has several devices (XLA then partitions the whole program)."""
     manual = tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
-    if not manual and (mesh.size == 1 or mesh.shape.get(EXPERT_AXIS, 1) > 1):
+    if not manual and mesh.size == 1:
         manual = (BATCH_AXES[0],)
     return manual
 

@@ -54,6 +54,8 @@ def _adapter_paths(config: ModelConfig) -> list[tuple[int, str, tuple[Any, ...],
     out = []
     for i in range(config.num_hidden_layers):
         for kernel, (target, _) in KERNELS.items():
+            if kernel.startswith("expert_"):  # a MoE block's experts (refused above)
+                continue
             if spec is None or not spec.targets(target):
                 continue
             owner = _OWNER[_MODULE[target]]
