@@ -69,19 +69,19 @@ class ExpertWeights(NamedTuple):
 
 
 def _grouped(
-    x_MI: jax.Array,
-    kernel_EIO: jax.Array,
+    x_MFi: jax.Array,
+    kernel_EFiFo: jax.Array,
     lora: tuple[jax.Array, jax.Array] | None,
     scaling: float,
     group_sizes_E: jax.Array,
 ) -> jax.Array:
-    y_MO = jax.lax.ragged_dot(x_MI, kernel_EIO, group_sizes_E)
+    y_MFo = jax.lax.ragged_dot(x_MFi, kernel_EFiFo, group_sizes_E)
     if lora is None:
-        return y_MO
-    a_EIR, b_ERO = lora
-    xa_MR = jax.lax.ragged_dot(x_MI.astype(a_EIR.dtype), a_EIR, group_sizes_E)
-    delta_MO = jax.lax.ragged_dot(xa_MR, b_ERO, group_sizes_E)
-    return y_MO + (delta_MO * scaling).astype(y_MO.dtype)
+        return y_MFo
+    a_EFiR, b_ERFo = lora
+    xa_MR = jax.lax.ragged_dot(x_MFi.astype(a_EFiR.dtype), a_EFiR, group_sizes_E)
+    delta_MFo = jax.lax.ragged_dot(xa_MR, b_ERFo, group_sizes_E)
+    return y_MFo + (delta_MFo * scaling).astype(y_MFo.dtype)
 
 
 def experts(
