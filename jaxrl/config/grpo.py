@@ -119,6 +119,9 @@ class _Resolved:
         obj.__dict__[self.slot] = None if isinstance(value, ResolvedValue) else value
 
 
+ROUTER_REPLAY = ("none", "rollout")  # grpo.router_replay (jaxrl/models/moe, docs/moe.md)
+
+
 @removed_fields(
     do_eval=EVAL_FIX,
     eval_strategy=EVAL_FIX,
@@ -169,6 +172,8 @@ class GRPOConfig:
     # token_truncate, token_mask, sequence_truncate, sequence_mask, sequence_geo_mask; None =
     # off (TRL: vllm_importance_sampling_mode, on by default there); docs/algorithms/grpo.md §7
     importance_sampling_cap: float = 3.0  # C: truncate the weight at C or mask outside [1/C, C]
+    router_replay: str = "none"  # MoE models: none, or rollout = the training and scoring
+    # forwards use the sampler's recorded expert ids (R3; docs/moe.md)
     scale_rewards: str | bool = "group"  # group, batch, none; True → group, False → none
     advantage_estimator: str = "grpo"  # grpo; rloo (leave-one-out); reinforce_pp (batch-
     # normalised REINFORCE++): docs/algorithms/grpo.md §6
@@ -250,6 +255,7 @@ class GRPOConfig:
             "multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS
         )
         require_choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        require_choice("router_replay", self.router_replay, ROUTER_REPLAY)
         if self.importance_sampling_correction is not None:
             require_choice(
                 "importance_sampling_correction",

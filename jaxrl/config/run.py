@@ -48,8 +48,15 @@ class MeshConfig:
     data: int = -1  # data-parallel ranks (parameters replicated); -1 = the remaining devices
     fsdp: int = 1  # fully sharded data parallel: parameters split, batch split too
     tensor: int = 1  # tensor parallel: heads / MLP / vocabulary split, batch replicated
+    expert: int = 1  # expert parallel (MoE models): experts split, batch replicated; no -1
 
     def __post_init__(self):
+        require(
+            isinstance(self.expert, int) and not isinstance(self.expert, bool) and self.expert >= 1,
+            "mesh.expert",
+            self.expert,
+            "use a positive size (1: no expert axis); it must divide model.num_experts",
+        )
         for name in ("data", "fsdp", "tensor"):
             size = getattr(self, name)
             require(
@@ -65,7 +72,7 @@ class MeshConfig:
             -1,
             f"only one axis may be -1 (the rest); {', '.join('mesh.' + n for n in rest)} all are",
         )
-        product = abs(self.data * self.fsdp * self.tensor)
+        product = abs(self.data * self.fsdp * self.tensor * self.expert)
         require(
             product <= MAX_MESH_DEVICES,
             "mesh",
@@ -77,7 +84,8 @@ class MeshConfig:
     @property
     def fixed_devices(self) -> int:
         """Devices the axes other than a -1 axis use (the whole count when none is -1)."""
-        return self.data * self.fsdp * self.tensor * (-1 if -1 in self.sizes else 1)
+        product = self.data * self.fsdp * self.tensor * self.expert
+        return product * (-1 if -1 in self.sizes else 1)
 
     @property
     def sizes(self) -> tuple[int, int, int]:

@@ -21,6 +21,12 @@ step then, for every slot holding a request:
 
 A stopped slot is empty until the next refill. The loop ends when every request has stopped.
 
+MoE routes (``record_routes``, router replay: docs/moe.md): the prefill and every decode step
+also return the expert ids each MoE layer chose for the tokens they ran
+(``Transformer.routed_decode``), kept as prompt routes ``[Q, P, Lm, K]`` and completion routes
+``[Rq, N, Lm, K]`` (entry t: completion token t, recorded when the slot runs it; a request's
+last token is recorded as -1, since no later token reads it).
+
 Invariance. What request r generates depends on the key, r, its prompt, its limit and the
 weights only: its random bits are a function of (key, r, t), and its logits of its own tokens
 (a slot attends to its own entries only, and stale entries of earlier requests lie beyond its
@@ -87,6 +93,15 @@ class DecodeState:
     logprobs_RqN: jax.Array  # float32: their sampler log-probs, 0 after the end
     lengths_Rq: jax.Array  # int32: tokens generated, set when a request stops
     truncated_Rq: jax.Array  # bool: stopped at its limit, without eos or stop string
+    routes_RqNLK: jax.Array | None = None  # int32 MoE routes of the fed tokens (-1 = none)
+
+
+def _run(model: Transformer, record_routes: bool, *args: jax.Array) -> tuple:
+    """``model.decode(*args)`` as ``(hidden, cache, routes or None)``; MoE routes with
+    ``record_routes`` (``Transformer.routed_decode``)."""
+    if record_routes:
+        return model.routed_decode(*args)
+    return (*model.decode(*args), None)
 
 
 def prefill_rows(
@@ -96,45 +111,60 @@ def prefill_rows(
     positions_RW: jax.Array,
     last_Q: jax.Array,
     chunk: int,
-) -> tuple[jax.Array, KVCache]:
+    record_routes: bool = False,
+) -> tuple[jax.Array, ...]:
     """Prompts packed into R rows of W tokens (``segment_ids`` 1.. per prompt, 0 = padding;
     ``positions`` from 0 in each prompt) into a fresh cache of W entries per row: ``(next-token
     logits [Q, V], cache)``. ``last_Q`` is the flat entry ``row * W + column`` of prompt q's last
     token. A prompt attends to its own tokens only (``kv_cache.py``), so its keys, values and
     logits are those of a prefill of the prompt alone, up to float reduction order. With
     ``chunk`` (W a multiple of it), C tokens at a time: each chunk's queries attend to the cache
-    filled so far (prefix chunks) and themselves."""
+    filled so far (prefix chunks) and themselves. With ``record_routes`` (a MoE model) also the
+    routes of every entry, ``[R * W, Lm, K]``."""
     r, w = tokens_RW.shape
     cache = KVCache.empty(model.config, r, w)
     if not chunk or chunk >= w:
-        hidden_RWD, cache = model.decode(tokens_RW, positions_RW, segment_ids_RW, cache)
+        hidden_RWD, cache, routes = _run(
+            model, record_routes, tokens_RW, positions_RW, segment_ids_RW, cache
+        )
         hidden_ND = hidden_RWD.reshape(r * w, -1)
     else:
 
         def one_chunk(cache, c):
             cut = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=1)  # noqa: E731
-            hidden_RCD, cache = model.decode(
-                cut(tokens_RW), cut(positions_RW), cut(segment_ids_RW), cache
+            hidden_RCD, cache, routes_RCLK = _run(
+                model, record_routes, cut(tokens_RW), cut(positions_RW), cut(segment_ids_RW), cache
             )
-            return cache, hidden_RCD
+            return cache, (hidden_RCD, routes_RCLK)
 
-        cache, hidden_cRCD = lax.scan(one_chunk, cache, jnp.arange(w // chunk))
+        cache, (hidden_cRCD, routes) = lax.scan(one_chunk, cache, jnp.arange(w // chunk))
         hidden_ND = jnp.moveaxis(hidden_cRCD, 0, 1).reshape(r * w, -1)  # [R, c, C, D] -> [R*W, D]
+        if record_routes:  # [c, R, C, Lm, K] -> [R, W, Lm, K]
+            routes = jnp.moveaxis(routes, 0, 1).reshape(r, w, *routes.shape[3:])
     last_QD = jnp.take(hidden_ND, last_Q, axis=0, mode="clip")
-    return model.logits(last_QD[:, None])[:, 0], cache
+    logits_QV = model.logits(last_QD[:, None])[:, 0]
+    if record_routes:
+        return logits_QV, cache, routes.reshape(r * w, *routes.shape[2:])
+    return logits_QV, cache
 
 
 def prefill_prompts(
-    model: Transformer, tokens_QP: jax.Array, lengths_Q: jax.Array, chunk: int
-) -> tuple[jax.Array, KVCache]:
+    model: Transformer,
+    tokens_QP: jax.Array,
+    lengths_Q: jax.Array,
+    chunk: int,
+    record_routes: bool = False,
+) -> tuple[jax.Array, ...]:
     """Right-padded prompts, one per row, into a fresh cache of P entries (:func:`prefill_rows`
-    with prompt q alone in row q)."""
+    with prompt q alone in row q); MoE routes ``[Q * P, Lm, K]`` with ``record_routes``."""
     q, p = tokens_QP.shape
     idx_1P = jnp.arange(p, dtype=jnp.int32)[None, :]
     segment_ids_QP = (idx_1P < lengths_Q[:, None]).astype(jnp.int32)
     positions_QP = jnp.broadcast_to(idx_1P, (q, p))
     last_Q = jnp.arange(q, dtype=jnp.int32) * p + jnp.maximum(lengths_Q - 1, 0)
-    return prefill_rows(model, tokens_QP, segment_ids_QP, positions_QP, last_Q, chunk)
+    return prefill_rows(
+        model, tokens_QP, segment_ids_QP, positions_QP, last_Q, chunk, record_routes
+    )
 
 
 def _decode_step(
@@ -149,13 +179,14 @@ def _decode_step(
     stop_ZV: jax.Array | None,
     rows: Callable[[jax.Array], jax.Array],
     keep_idle: bool = False,
+    record_routes: bool = False,
 ) -> DecodeState:
     """One decode step of every slot (module doc, steps 1-3). ``key_Sl(r_Sl, t_Sl)``: the keys
     of token t of request r. A slot whose request stops runs its last token too, so its cache
     holds the whole sequence (a session continues it). An empty slot writes a throwaway entry:
     at entry 0 (it will be refilled, and its attention then spans one block), or with
     ``keep_idle`` (a session's slot sitting the turn out) at its position, past everything it
-    holds."""
+    holds. ``record_routes``: write the MoE routes of the tokens run for live requests."""
     s, r = state.request_Sl.shape[0], state.tokens_RqN.shape[0]
     eos_E = jnp.asarray(shape.eos_ids, jnp.int32)
     req_Sl, t_Sl, stop_state_Sl = state.request_Sl, state.emitted_Sl, state.stop_state_Sl
@@ -179,9 +210,18 @@ def _decode_step(
     feed_Sl = jnp.minimum(state.position_Sl, state.cache.length - 1)
     if not keep_idle:
         feed_Sl = jnp.where(active_Sl, feed_Sl, 0)
-    hidden_Sl1D, cache = model.decode(
-        tok_Sl[:, None], feed_Sl[:, None], jnp.ones((s, 1), jnp.int32), state.cache
+    hidden_Sl1D, cache, routes_Sl1LK = _run(
+        model,
+        record_routes,
+        tok_Sl[:, None],
+        feed_Sl[:, None],
+        jnp.ones((s, 1), jnp.int32),
+        state.cache,
     )
+    routes_RqNLK = state.routes_RqNLK
+    if record_routes:  # token t - 1 of each live request ran now; a last token stays -1
+        fed_Sl = jnp.where(active_Sl & ~finished_Sl, req_Sl, r)
+        routes_RqNLK = routes_RqNLK.at[fed_Sl, t_Sl - 1].set(routes_Sl1LK[:, 0], mode="drop")
     return DecodeState(
         step=state.step + 1,
         cache=cache,
@@ -195,13 +235,23 @@ def _decode_step(
         logprobs_RqN=logprobs_RqN,
         lengths_Rq=lengths_Rq,
         truncated_Rq=truncated_Rq,
+        routes_RqNLK=routes_RqNLK,
     )
 
 
 def _initial_state(
-    shape: EngineShape, r: int, logits_SlV: jax.Array, cache: SlotKVCache, rows: Callable
+    shape: EngineShape,
+    r: int,
+    logits_SlV: jax.Array,
+    cache: SlotKVCache,
+    rows: Callable,
+    routes_LK: tuple[int, int] | None = None,
 ) -> DecodeState:
-    """The loop's first state: every slot empty, no request generated yet."""
+    """The loop's first state: every slot empty, no request generated yet; with ``routes_LK``
+    (MoE layers, experts per token) room for the completions' routes, all -1."""
+    routes = None
+    if routes_LK is not None:
+        routes = jnp.full((r, shape.max_new_tokens, *routes_LK), -1, jnp.int32)
     zeros_Sl = rows(jnp.zeros((logits_SlV.shape[0],), jnp.int32))
     return DecodeState(
         step=jnp.zeros((), jnp.int32),
@@ -216,6 +266,7 @@ def _initial_state(
         logprobs_RqN=jnp.zeros((r, shape.max_new_tokens), jnp.float32),
         lengths_Rq=jnp.zeros((r,), jnp.int32),
         truncated_Rq=jnp.zeros((r,), bool),
+        routes_RqNLK=routes,
     )
 
 
@@ -237,16 +288,19 @@ def decode_requests(
     top_p: jax.Array,
     stop_ZV: jax.Array | None,
     mesh: Mesh | None = None,
+    record_routes: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Generate every request (module doc): ``(tokens [Rq, N], logprobs [Rq, N], lengths [Rq],
-    truncated [Rq], decode steps)``. Requests ``>= num_requests`` are padding, never run. The Q
-    prompts come packed in rows (:func:`prefill_rows`); prompt q starts at the flat entry
-    ``start_Q[q]`` (``row * W + column``)."""
+    truncated [Rq], decode steps)``, with ``record_routes`` (a MoE model) also the prompt routes
+    ``[Q, P, Lm, K]`` and completion routes ``[Rq, N, Lm, K]``. Requests ``>= num_requests``
+    are padding, never run. The Q prompts come packed in rows (:func:`prefill_rows`); prompt q
+    starts at the flat entry ``start_Q[q]`` (``row * W + column``)."""
     s, r = shape.slots, group_Rq.shape[0]
     last_Q = start_Q + jnp.maximum(prompt_lengths_Q - 1, 0)
-    prompt_logits_QV, prompt_cache = prefill_rows(
-        model, prompts_RW, segment_ids_RW, positions_RW, last_Q, shape.prefill_chunk
-    )
+    prompt_logits_QV, prompt_cache, *prefill_routes = prefill_rows(
+        model, prompts_RW, segment_ids_RW, positions_RW, last_Q, shape.prefill_chunk,
+        record_routes,
+    )  # fmt: skip
     cache = SlotKVCache.empty(model.config, s, shape.cache_length, shape.block)
     cache = dataclasses.replace(
         cache,
@@ -289,13 +343,23 @@ def decode_requests(
         state = lax.cond(due, refill, lambda st: st, state)
         return _decode_step(
             model, shape, state, request_key, max_tokens_Rq, temperature, top_k, top_p,
-            stop_ZV, rows,
+            stop_ZV, rows, record_routes=record_routes,
         )  # fmt: skip
 
     v = prompt_logits_QV.shape[-1]
-    state = _initial_state(shape, r, jnp.zeros((s, v), prompt_logits_QV.dtype), cache, rows)
+    routes_LK = None
+    if record_routes:
+        routes_LK = (len(model.config.moe_layers), model.config.num_experts_per_tok)
+    logits_SlV = jnp.zeros((s, v), prompt_logits_QV.dtype)
+    state = _initial_state(shape, r, logits_SlV, cache, rows, routes_LK)
     out = lax.while_loop(cond, body, state)
-    return out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
+    outs = out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
+    if not record_routes:
+        return outs
+    p = shape.prompt_length or prompts_RW.shape[1]  # each prompt's P entries from its start
+    at_QP = start_Q[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
+    prompt_routes_QPLK = jnp.take(prefill_routes[0], at_QP, axis=0, mode="clip")
+    return (*outs, prompt_routes_QPLK, out.routes_RqNLK)
 
 
 def continue_slots(

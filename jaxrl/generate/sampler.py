@@ -303,7 +303,14 @@ class Sampler:
                 shape=shape,
                 key_impl=key_impl,
             )
-        tokens, logprobs, lengths, truncated, steps = to_host(out)
+        tokens, logprobs, lengths, truncated, steps, *routed = to_host(out)
+        routes = None
+        if routed:  # MoE: each row's prompt routes (its group's), then its completion's
+            prompt_QPLK, completion_RqNLK = routed
+            routes = [
+                np.concatenate([prompt_QPLK[g, : len(p)], completion_RqNLK[i, : lengths[i]]])
+                for i, (g, p) in enumerate(zip(group_Rq, prompts, strict=True))
+            ]
         return SampleResult(
             tokens=tokens[:b],
             logprobs=logprobs[:b],
@@ -312,6 +319,7 @@ class Sampler:
             prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
             num_steps=int(steps),
             weight_version=self.weight_version,
+            routes=routes,
         )
 
     __call__ = generate
@@ -345,6 +353,7 @@ class Sampler:
             top_p=top_p,
             stop_ZV=stop_ZV,
             mesh=self.mesh,
+            record_routes=bool(self.config.moe_layers),  # MoE: for router replay (docs/moe.md)
         )
 
     def _session_program(

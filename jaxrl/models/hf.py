@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _ARCH_OF = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -84,6 +85,20 @@ def config_from_hf(hf: Mapping[str, Any], **settings: Any) -> ModelConfig:
     if rope_type == "llama3":  # as transformers' standardize_rope_params
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     heads = hf["num_attention_heads"]
+    moe: dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        moe = dict(
+            num_experts=hf.get("num_experts") or hf.get("num_local_experts"),
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            # transformers adds the load-balance loss only with output_router_logits
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0)
+            if hf.get("output_router_logits")
+            else 0.0,
+        )
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
@@ -98,8 +113,9 @@ def config_from_hf(hf: Mapping[str, Any], **settings: Any) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        **moe,
         **settings,
     )
 
@@ -137,8 +153,19 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
             sliding_window=None,
             max_window_layers=config.num_hidden_layers,
         )
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = False
+        if config.model_type == "qwen3_moe":
+            hf.update(
+                num_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=config.moe_intermediate_size,
+                norm_topk_prob=config.norm_topk_prob,
+                decoder_sparse_step=config.decoder_sparse_step,
+                mlp_only_layers=list(config.mlp_only_layers),
+                router_aux_loss_coef=config.router_aux_loss_coef,
+                output_router_logits=config.router_aux_loss_coef > 0,
+            )
     return hf
 
 
@@ -148,6 +175,12 @@ class _Tensor:
     shape: tuple[int, ...]  # HF shape
     transpose: bool  # nn.Linear weight: [out, in] in HF, [in, ...out] in jaxrl
     layer: int | None = None  # scan_layers: the slot of the stacked state path; else None
+    expert: int | None = None  # a MoE expert's tensor: its slot on the experts axis
+
+    @property
+    def slot(self) -> tuple[int, ...]:
+        """The index of this tensor in its (stacked) state value: layer, then expert."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
@@ -161,12 +194,16 @@ def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
         names["lm_head.weight"] = _Tensor(("lm_head",), (v, d), True)
 
     def layer_tensor(
-        i: int, path: tuple[str, ...], shape: tuple[int, ...], transpose: bool
+        i: int,
+        path: tuple[str, ...],
+        shape: tuple[int, ...],
+        transpose: bool,
+        expert: int | None = None,
     ) -> _Tensor:
         """Unrolled: state path ("layers", i, ...); scanned: ("layers", ...) at slot i."""
         if config.scan_layers:
-            return _Tensor(("layers", *path), shape, transpose, layer=i)
-        return _Tensor(("layers", i, *path), shape, transpose)
+            return _Tensor(("layers", *path), shape, transpose, layer=i, expert=expert)
+        return _Tensor(("layers", i, *path), shape, transpose, expert=expert)
 
     for i in range(config.num_hidden_layers):
         hf, tensor = f"model.layers.{i}.", functools.partial(layer_tensor, i)
@@ -188,6 +225,17 @@ def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
                 names[f"{hf}self_attn.{proj}_norm.weight"] = tensor(
                     ("attn", f"{proj}_norm", "scale"), (dh,), False
                 )
+        if config.is_moe_layer(i):
+            names[hf + "mlp.gate.weight"] = tensor(
+                ("mlp", "router_kernel"), (config.num_experts, d), True
+            )
+            fe = config.moe_intermediate_size
+            for e in range(config.num_experts):
+                for proj, shape in (("gate", (fe, d)), ("up", (fe, d)), ("down", (d, fe))):
+                    names[f"{hf}mlp.experts.{e}.{proj}_proj.weight"] = tensor(
+                        ("mlp", f"expert_{proj}_kernel"), shape, True, e
+                    )
+            continue
         for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
             names[f"{hf}mlp.{proj}_proj.weight"] = tensor(("mlp", f"{proj}_kernel"), shape, True)
     return names
@@ -373,16 +421,17 @@ def _build(
     ) -> nnx.Variable:
         entries = by_path[_key(key_path)]
         target = None if mesh is None else sharding.get_value()
-        if entries[0][1].layer is None:
+        if not entries[0][1].slot:
             name, spec = entries[0]
             return variable.replace(place(read(name, spec, variable.shape), target))
-        # scanned: each layer's tensor goes onto its shards, then into its slot of the stacked
-        # buffer (donated, so the devices hold the stack plus one layer)
-        slot_sharding = None if target is None else NamedSharding(mesh, P(*target.spec[1:]))
+        # scanned layers / experts: each layer's (expert's) tensor goes onto its shards, then
+        # into its slot of the stacked buffer (donated, so the devices hold the stack plus one)
+        n = len(entries[0][1].slot)
+        slot_sharding = None if target is None else NamedSharding(mesh, P(*target.spec[n:]))
         stacked = _zeros(variable.shape, dtype, target)
         for name, spec in entries:
-            layer = place(read(name, spec, variable.shape[1:]), slot_sharding)
-            stacked = _set_slot(stacked, layer, np.int32(spec.layer))
+            piece = place(read(name, spec, variable.shape[n:]), slot_sharding)
+            stacked = _set_slot(stacked, piece, np.asarray(spec.slot, np.int32))
         return variable.replace(stacked)
 
     state = jax.tree_util.tree_map_with_path(
@@ -397,9 +446,13 @@ def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None) -
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_slot(stacked_Nl: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
-    """``stacked_Nl`` with slot ``i`` of its leading axis replaced by ``layer`` (in place)."""
-    return jax.lax.dynamic_update_index_in_dim(stacked_Nl, layer, i, 0)
+def _set_slot(stacked: jax.Array, piece: jax.Array, slot: jax.Array) -> jax.Array:
+    """``stacked`` with ``stacked[slot]`` (``slot``: indices of its leading axes) replaced by
+    ``piece`` (in place)."""
+    start = (*slot, *([0] * piece.ndim))
+    return jax.lax.dynamic_update_slice(
+        stacked, piece.reshape((1,) * len(slot) + piece.shape), start
+    )
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -444,7 +497,7 @@ def save_pretrained(
     root.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, spec in _tensor_map(config).items():
-        value = values[spec.path] if spec.layer is None else values[spec.path][spec.layer]
+        value = values[spec.path][spec.slot]
         if spec.transpose:
             value = value.reshape(math.prod(spec.shape[1:]), spec.shape[0]).T
         value = value.reshape(spec.shape).astype(jnp.dtype(dtype), copy=False)

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # attention_dispatch.py
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types with per-head q/k RMSNorm
 DTYPES = ("float32", "bfloat16", "float16")
 # LoRA (models/lora.py): the projections an adapter may target, by their HF module names
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -112,7 +113,7 @@ class LoraSpec:
 class ModelConfig:
     """Architecture and precision of a :class:`Transformer` (names follow transformers)."""
 
-    model_type: str  # "llama", "qwen2" or "qwen3"
+    model_type: str  # "llama", "qwen2", "qwen3" or "qwen3_moe"
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F, SwiGLU hidden width
@@ -130,6 +131,14 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str | None = None  # compute dtype; None means param_dtype
     fp32_lm_head: bool = False  # fp32 x fp32 HIGHEST logits (docs/algorithms/accumulation.md §5)
+    # Mixture of experts (qwen3_moe only; models/moe/, docs/moe.md), transformers' names:
+    num_experts: int = 0  # E routed experts per MoE layer (0: dense model)
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # SwiGLU hidden width of one expert
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 (and not mlp_only)
+    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (intermediate_size MLP)
+    router_aux_loss_coef: float = 0.0  # load-balance loss weight (0: off; models/moe/balance.py)
     # Run settings, not architecture (never written to config.json):
     attention_impl: str = "auto"  # xla, flash, splash, pallas_gpu or auto (attention.py)
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels
@@ -177,13 +186,14 @@ class ModelConfig:
                 f"{self.model_type} has q/k/v biases iff it is qwen2; "
                 f"set attention_bias={self.model_type == 'qwen2'}",
             )
-        if self.qk_norm != (self.model_type == "qwen3"):
+        if self.qk_norm != (self.model_type in QK_NORM_TYPES):
             _fail(
                 "qk_norm",
                 self.qk_norm,
-                f"{self.model_type} has q/k norms iff it is qwen3; "
-                f"set qk_norm={self.model_type == 'qwen3'}",
+                f"{self.model_type} has q/k norms iff it is one of {QK_NORM_TYPES}; "
+                f"set qk_norm={self.model_type in QK_NORM_TYPES}",
             )
+        self._check_moe()
         if self.param_dtype not in DTYPES:
             _fail("param_dtype", self.param_dtype, f"choose one of {DTYPES}")
         if self.dtype is None:
@@ -204,6 +214,53 @@ class ModelConfig:
 
         check_remat(self.remat, "ModelConfig.remat")
 
+    def _check_moe(self) -> None:
+        """The MoE fields: all set for qwen3_moe, all left at their defaults otherwise."""
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.model_type != "qwen3_moe":
+            if self.num_experts:
+                _fail("num_experts", self.num_experts, "only model_type qwen3_moe has experts")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(name, value, "must be a positive int for qwen3_moe")
+        if self.num_experts_per_tok > self.num_experts:
+            _fail(
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"must be <= num_experts={self.num_experts}",
+            )
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+            _fail("decoder_sparse_step", self.decoder_sparse_step, "must be an int >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            _fail("mlp_only_layers", self.mlp_only_layers, f"{bad} are not layer indices")
+        if self.router_aux_loss_coef < 0:
+            _fail("router_aux_loss_coef", self.router_aux_loss_coef, "must be >= 0 (0: off)")
+        kinds = {self.is_moe_layer(i) for i in range(self.num_hidden_layers)}
+        if self.scan_layers and len(kinds) > 1:
+            _fail(
+                "scan_layers",
+                True,
+                "a scanned stack needs every layer alike: with decoder_sparse_step="
+                f"{self.decoder_sparse_step} and mlp_only_layers={list(self.mlp_only_layers)} some "
+                "layers are dense and some MoE; set scan_layers: false",
+            )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is a sparse MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE layers, in order (empty for a dense model)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
     @classmethod
     def tiny(cls, vocab_size: int, **overrides: Any) -> ModelConfig:
         """A small model trained from scratch on CPU: D=128, 4 layers, H=4, K=2, F=384."""
@@ -218,7 +275,7 @@ class ModelConfig:
             num_key_value_heads=2,
             max_position_embeddings=2048,
             attention_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in QK_NORM_TYPES,
             tie_word_embeddings=True,
         )
         fields.update(overrides)

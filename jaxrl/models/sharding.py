@@ -37,6 +37,9 @@ LOGICAL_AXIS_RULES: LogicalRules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("layers", None),  # the stacked layer axis of model.scan_layers: every device holds all Nl
+    ("expert", "expert"),  # a MoE block's experts (models/moe/): expert parallelism
+    ("moe_mlp", "tensor"),  # an expert's FFN units
+    ("router_experts", None),  # the router's output (one logit per expert, read whole)
 )
 
 

@@ -24,6 +24,8 @@ runs in NNX tree mode.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,6 +39,8 @@ from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.moe.layer import MoE
+from jaxrl.models.moe.trace import MoeTrace, empty_trace, finish, replay_layers, trace_step
 from jaxrl.models.slot_kv_cache import SlotKVCache
 
 _INIT_STD = 0.02  # Hugging Face's default initializer_range.
@@ -186,14 +190,25 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (the sparse ``MoE`` on Qwen3-MoE's MoE layers,
+    ``ModelConfig.is_moe_layer``)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        lora_rngs: nnx.Rngs | None = None,
+        layer: int = 0,
+    ):
         norm = dict(eps=config.rms_norm_eps, axis="embed", param_dtype=config.param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, **norm)
         self.attn = Attention(config, rngs=rngs, lora_rngs=lora_rngs)
         self.post_attn_norm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = MLP(config, rngs=rngs, lora_rngs=lora_rngs)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config, rngs=rngs, lora_rngs=lora_rngs)
+        else:
+            self.mlp = MLP(config, rngs=rngs, lora_rngs=lora_rngs)
 
     def __call__(
         self,
@@ -205,10 +220,33 @@ class Block(nnx.Module):
         """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention)."""
         if cache is None:
             x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
-            return x_BTD + self.mlp(self.post_attn_norm(x_BTD))
+            return x_BTD + self._mlp(self.post_attn_norm(x_BTD))[0]
         attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
         x_BTD = x_BTD + attn_BTD
-        return x_BTD + self.mlp(self.post_attn_norm(x_BTD)), cache
+        return x_BTD + self._mlp(self.post_attn_norm(x_BTD))[0], cache
+
+    def routed(
+        self,
+        x_BTD: jax.Array,
+        segment_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: LayerKV | None,
+        replay_BTK: jax.Array | None,
+    ) -> tuple[jax.Array, LayerKV | None, Any]:
+        """``(output, cache, routing)``: the block with the MoE's ``Routing`` (None when dense);
+        ``replay_BTK``: expert ids to use instead of the router's top-k (router replay)."""
+        if cache is None:
+            x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
+        else:
+            attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
+            x_BTD = x_BTD + attn_BTD
+        y_BTD, routing = self._mlp(self.post_attn_norm(x_BTD), replay_BTK)
+        return x_BTD + y_BTD, cache, routing
+
+    def _mlp(self, x_BTD: jax.Array, replay_BTK: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x_BTD, replay_BTK)
+        return self.mlp(x_BTD), None
 
 
 class Transformer(nnx.Module):
@@ -223,8 +261,8 @@ class Transformer(nnx.Module):
         # (adapters draw from their own stream: a seed gives the same base with or without them)
         adapter_rngs = lora_rngs(rngs, config)
         blocks = [
-            Block(config, rngs=rngs, lora_rngs=adapter_rngs)
-            for _ in range(config.num_hidden_layers)
+            Block(config, rngs=rngs, lora_rngs=adapter_rngs, layer=i)
+            for i in range(config.num_hidden_layers)
         ]
         self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         quantize_base(self.layers, config)  # QLoRA: the projections' kernels as int8 / nf4
@@ -249,25 +287,7 @@ class Transformer(nnx.Module):
         document; ``positions`` default to ``arange(T)`` without segments and otherwise restart
         at 0 for every document. Ids outside ``[0, V)`` are clamped, so padding may hold any id.
         """
-        input_ids_BT, segment_ids_BT, positions_BT = (
-            jnp.asarray(input_ids_BT),
-            segment_ids,
-            positions,
-        )
-        if segment_ids_BT is None:
-            segment_ids_BT = jnp.ones(input_ids_BT.shape, jnp.int32)
-            if positions_BT is None:
-                positions_BT = jnp.broadcast_to(
-                    jnp.arange(input_ids_BT.shape[1], dtype=jnp.int32), input_ids_BT.shape
-                )
-        elif positions_BT is None:
-            positions_BT = positions_from_segments(segment_ids_BT)
-        segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
-        if segment_ids_BT.shape != input_ids_BT.shape or positions_BT.shape != input_ids_BT.shape:
-            raise ValueError(
-                f"input_ids {input_ids_BT.shape}, positions {positions_BT.shape} and segment_ids "
-                f"{segment_ids_BT.shape} must all be [B, T]"
-            )
+        input_ids_BT, segment_ids_BT, positions_BT = _inputs(input_ids_BT, positions, segment_ids)
         x_BTD = run_blocks(
             self.layers,
             lambda block, x_BTD, _, seg_BT, pos_BT: block(x_BTD, seg_BT, pos_BT),
@@ -278,6 +298,34 @@ class Transformer(nnx.Module):
             remat=self.config.remat,
         )
         return self.final_norm(x_BTD)
+
+    def routed_hidden_states(
+        self,
+        input_ids_BT: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        replay_routes: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoeTrace]:
+        """:meth:`hidden_states` of a MoE model and its routing (``moe/trace.py``): the expert
+        ids every MoE layer chose for every token (``routes [B, T, Lm, K]``) and the Σ over MoE
+        layers of the router softmax. ``replay_routes [B, T, Lm, K]``: use these expert ids
+        instead of the router's top-k, with the router's probabilities gathered at them
+        (router replay, docs/moe.md); the recorded routes are then these."""
+        if not self.config.moe_layers:
+            raise ValueError("routed_hidden_states: the model has no MoE layer")
+        input_ids_BT, segment_ids_BT, positions_BT = _inputs(input_ids_BT, positions, segment_ids)
+        b, t = input_ids_BT.shape
+        x_BTD, _, routes_LBTK, probs_BTE = run_blocks(
+            self.layers,
+            trace_step(self.config),
+            (self._embed(input_ids_BT), None, *empty_trace(self.config, b, t)),
+            segment_ids_BT,
+            positions_BT,
+            replay_layers(replay_routes),
+            scanned=self.config.scan_layers,
+            remat=self.config.remat,
+        )
+        return self.final_norm(x_BTD), finish(routes_LBTK, probs_BTE)
 
     def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
         """Embeddings in the compute dtype; ids outside ``[0, V)`` are clamped."""
@@ -303,6 +351,23 @@ class Transformer(nnx.Module):
         supplies positions and segment ids (nothing is inferred) and keeps the index within L.
         Apply :meth:`logits` to the positions it needs.
         """
+        hidden_BTD, cache, _ = self._decode(input_ids_BT, positions_BT, segment_ids_BT, cache)
+        return hidden_BTD, cache
+
+    def routed_decode(
+        self,
+        input_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        segment_ids_BT: jax.Array,
+        cache: KVCache | SlotKVCache,
+    ) -> tuple[jax.Array, KVCache | SlotKVCache, jax.Array]:
+        """:meth:`decode` of a MoE model and the expert ids its MoE layers chose for the new
+        tokens, ``routes [B, T, Lm, K]`` int32 (what the rollout records for router replay)."""
+        if not self.config.moe_layers:
+            raise ValueError("routed_decode: the model has no MoE layer")
+        return self._decode(input_ids_BT, positions_BT, segment_ids_BT, cache, routed=True)
+
+    def _decode(self, input_ids_BT, positions_BT, segment_ids_BT, cache, routed=False):
         input_ids_BT = jnp.asarray(input_ids_BT)
         if input_ids_BT.shape[1] > cache.length:
             raise ValueError(
@@ -310,6 +375,20 @@ class Transformer(nnx.Module):
             )
         segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
         cache = cache.write_entries(segment_ids_BT, positions_BT)
+        advance = input_ids_BT.shape[1]
+        if routed:
+            b, t = input_ids_BT.shape
+            x_BTD, cache, routes_LBTK, probs_BTE = run_blocks(
+                self.layers,
+                trace_step(self.config),
+                (self._embed(input_ids_BT), cache, *empty_trace(self.config, b, t)),
+                segment_ids_BT,
+                positions_BT,
+                None,
+                scanned=self.config.scan_layers,
+            )
+            routes = finish(routes_LBTK, probs_BTE).routes_BTLK
+            return self.final_norm(x_BTD), cache.advance(advance), routes
 
         def step(block, carry, i, seg_BT, pos_BT):
             x_BTD, cache = carry
@@ -324,7 +403,7 @@ class Transformer(nnx.Module):
             positions_BT,
             scanned=self.config.scan_layers,
         )
-        return self.final_norm(x_BTD), cache.advance(input_ids_BT.shape[1])
+        return self.final_norm(x_BTD), cache.advance(advance), None
 
     def head_kernel(self, dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
         """LM head kernel [D, V] in ``dtype`` (None: the param dtype); the transposed embedding
@@ -361,3 +440,25 @@ class Transformer(nnx.Module):
         """The LM head on final hidden states: fp32 with ``fp32_lm_head``, else compute dtype."""
         kernel_DV = self.head_kernel(self.head_dtype(hidden_BTD))
         return lm_head(hidden_BTD, kernel_DV, fp32=self.config.fp32_lm_head)
+
+
+def _inputs(
+    input_ids_BT: jax.Array, positions_BT: jax.Array | None, segment_ids_BT: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Ids, segment ids and positions [B, T] (defaults of :meth:`Transformer.hidden_states`)."""
+    input_ids_BT = jnp.asarray(input_ids_BT)
+    if segment_ids_BT is None:
+        segment_ids_BT = jnp.ones(input_ids_BT.shape, jnp.int32)
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(
+                jnp.arange(input_ids_BT.shape[1], dtype=jnp.int32), input_ids_BT.shape
+            )
+    elif positions_BT is None:
+        positions_BT = positions_from_segments(segment_ids_BT)
+    segment_ids_BT, positions_BT = jnp.asarray(segment_ids_BT), jnp.asarray(positions_BT)
+    if segment_ids_BT.shape != input_ids_BT.shape or positions_BT.shape != input_ids_BT.shape:
+        raise ValueError(
+            f"input_ids {input_ids_BT.shape}, positions {positions_BT.shape} and segment_ids "
+            f"{segment_ids_BT.shape} must all be [B, T]"
+        )
+    return input_ids_BT, segment_ids_BT, positions_BT

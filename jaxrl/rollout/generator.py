@@ -32,6 +32,7 @@ from jaxrl.losses.advantages import (
 )
 from jaxrl.models import lora
 from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.moe.trace import route_fields
 from jaxrl.rollout.episodes import EpisodeRows, EpisodeRunner, episode_metrics
 from jaxrl.rollout.rewards.compute import (
     RewardFunc,
@@ -41,6 +42,7 @@ from jaxrl.rollout.rewards.compute import (
     score_completions,
 )
 from jaxrl.rollout.rollout_queue import RolloutBatch
+from jaxrl.train.forward import ROUTE_REPLAY
 from jaxrl.train.score import Scorer
 
 __all__ = ["RolloutGenerator"]
@@ -56,6 +58,7 @@ class Sampled(NamedTuple):
     truncated: np.ndarray
     rewards_BW: np.ndarray
     episodes: EpisodeRows | None = None  # tool episodes: environment-token masks, statistics
+    routes: list[np.ndarray] | None = None  # MoE: the sampler's expert ids [P + C, Lm, K]
 
     def rows(self, keep: np.ndarray) -> Sampled:
         """The rows where ``keep`` ([B] bool) is set, in order."""
@@ -68,6 +71,7 @@ class Sampled(NamedTuple):
             self.truncated[idx],
             self.rewards_BW[idx],
             None if self.episodes is None else self.episodes.rows(idx),
+            None if self.routes is None else pick(self.routes),
         )
 
     @staticmethod
@@ -79,6 +83,7 @@ class Sampled(NamedTuple):
             np.concatenate([p.truncated for p in parts]),
             np.concatenate([p.rewards_BW for p in parts]),
             None if parts[0].episodes is None else EpisodeRows.concat([p.episodes for p in parts]),
+            None if parts[0].routes is None else [x for p in parts for x in p.routes],
         )
 
 
@@ -203,11 +208,14 @@ class RolloutGenerator:
         truncated: np.ndarray,
         rewards_BW: np.ndarray,
         episodes: EpisodeRows | None = None,
+        routes: Sequence[np.ndarray] | None = None,
     ) -> RolloutBatch:
         """A generation batch with its documents and advantages, and old / reference log-probs
         when needed (scored on the batch's documents).
 
         ``params`` are the parameters that generated the batch (for old log-probs).
+        ``routes``: a MoE sampler's recorded expert ids per row, carried as token fields (and
+        replayed by the training forward with ``grpo.router_replay: rollout``; docs/moe.md).
         """
         c = self.config
         advantages_B = compute_advantages(
@@ -229,6 +237,8 @@ class RolloutGenerator:
             completion_masks=None if episodes is None else episodes.masks,
             episode_stats=None if episodes is None else episodes.stats,
         )
+        if routes is not None:
+            add_route_fields(batch, routes, replay=c.router_replay == "rollout")
         if self.old_logprobs:
             with self._phase("scoring"):
                 old = self.scorer.token_logprobs(params, batch.sequences)
@@ -305,7 +315,14 @@ class RolloutGenerator:
                 timeout=self.config.reward_timeout,
             )
         logps = [res.logprobs[b, : len(x)] for b, x in enumerate(completions)]
-        return Sampled(list(prompt_ids), completions, logps, np.asarray(res.truncated), rewards_BW)
+        return Sampled(
+            list(prompt_ids),
+            completions,
+            logps,
+            np.asarray(res.truncated),
+            rewards_BW,
+            routes=res.routes,
+        )
 
     def sampler_params(self, params: Any) -> Any:
         """What the sampler loads: ``params``, or a LoRA model merged (``lora.merged_state``)."""
@@ -350,3 +367,15 @@ class RolloutGenerator:
 def _completion_parts(doc_logps: list[np.ndarray], prompt_lengths: np.ndarray) -> list[np.ndarray]:
     """The completion tokens' part of token-aligned per-document values."""
     return [lp[int(p) :] for lp, p in zip(doc_logps, prompt_lengths, strict=True)]
+
+
+def add_route_fields(batch: RolloutBatch, routes: Sequence[np.ndarray], *, replay: bool) -> None:
+    """A MoE sampler's recorded routes into ``batch``'s token fields (``moe/trace.py``), and
+    with ``replay`` the flag field that makes the training forward replay them."""
+    fields: dict[str, list[np.ndarray]] = {}
+    for seq, row in zip(batch.sequences, routes, strict=True):
+        for name, values in route_fields(row, len(seq)).items():
+            fields.setdefault(name, []).append(values)
+    if replay:
+        fields[ROUTE_REPLAY] = [np.ones(len(seq), np.float32) for seq in batch.sequences]
+    batch.token_fields.update(fields)

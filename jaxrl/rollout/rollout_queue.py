@@ -47,6 +47,7 @@ __all__ = ["RolloutBatch", "RolloutQueue", "RowDocuments"]
 
 # token fields computed for every batch of a run or for none
 OPTIONAL_FIELDS = ("old_logp", "ref_logp", "token_advantage")
+MOE_FIELD_PREFIX = "moe_"  # a MoE sampler's recorded routes and the replay flag (docs/moe.md)
 
 
 @dataclasses.dataclass(eq=False)
@@ -332,6 +333,8 @@ class RolloutQueue:
         names = ["sampler_logp"] + [
             n for n in OPTIONAL_FIELDS if all(n in b.token_fields for b in batches)
         ]
+        moe = sorted(n for n in batches[0].token_fields if n.startswith(MOE_FIELD_PREFIX))
+        names += [n for n in moe if all(n in b.token_fields for b in batches)]
         fields: dict[str, list[np.ndarray]] = {n: [] for n in names}
         sequences, masks, advantages, truncated = [], [], [], []
         for g, i in rows:

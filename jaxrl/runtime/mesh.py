@@ -8,6 +8,9 @@ Axes:
   fsdp); XLA gathers the weights per layer (automatic partitioning).
 - ``tensor``: attention heads, MLP hidden units and the vocabulary are split along it; batches
   are replicated along it.
+- ``expert`` (only when ``mesh.expert > 1``, between fsdp and tensor): a MoE model's experts
+  are split along it (``jaxrl.models.moe``); batches are replicated along it, each device
+  computes the token pairs routed to its own experts.
 
 The product of the three sizes must equal the number of devices the run uses: every visible
 device, or those set by :func:`use_devices` (e.g. a notebook leaving a GPU to an inference
@@ -33,6 +36,8 @@ from jaxrl.runtime.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = AXES
+EXPERT_AXIS = "expert"  # a fourth axis, present only when its size is > 1
+EXPERT_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, TENSOR_AXIS)
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 
 _devices: list[tuple[list[Any], bool]] = []  # stack of use_devices() selections
@@ -83,10 +88,16 @@ def run_devices(sizes: Sequence[int] | None = None) -> list[Any]:
     return list(devices)
 
 
-def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
-    """Mesh sizes with a ``-1`` replaced by the rest; ConfigError unless the product is
-    ``num_devices``."""
+def resolve_shape(
+    data: int, fsdp: int, tensor: int, num_devices: int, *, expert: int = 1
+) -> tuple[int, int, int]:
+    """Mesh sizes (data, fsdp, tensor) with a ``-1`` replaced by the rest; ConfigError unless
+    the product, times ``expert``, is ``num_devices``."""
+    if not isinstance(expert, int) or expert < 1:
+        raise ConfigError(f"mesh.expert={expert} is invalid: use a positive size (1: no axis)")
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    if expert > 1:
+        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
     for name, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(
@@ -110,26 +121,43 @@ def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[
         shape = " × ".join(f"{n}={s}" for n, s in sizes.items())
         raise ConfigError(
             f"mesh {shape} uses {product} devices but {num_devices} devices are visible: make "
-            f"the product of mesh.data, mesh.fsdp and mesh.tensor equal {num_devices} (one of them "
+            f"the product of mesh.data, mesh.fsdp, mesh.expert and mesh.tensor equal {num_devices} "
+            "(one of them "
             "may be -1 = the rest); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
             "sets the device count"
+        )
+    if expert > 1 and sizes["data"] * sizes["fsdp"] == 1:
+        raise ConfigError(
+            f"mesh.expert={expert} with data × fsdp = 1 is not supported yet (XLA rejects the "
+            "expert all-reduce outside a batch-parallel program): give the batch axes at least 2 "
+            "devices, e.g. mesh.data=2"
         )
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
 def make_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[Any] | None = None
+    data: int = -1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    *,
+    expert: int = 1,
+    devices: Sequence[Any] | None = None,
 ) -> Mesh:
-    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default :func:`run_devices`)."""
-    devices = run_devices((data, fsdp, tensor)) if devices is None else list(devices)
-    shape = resolve_shape(data, fsdp, tensor, len(devices))
-    auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # XLA partitions; no sharding in types
-    return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default :func:`run_devices`);
+    ``(data, fsdp, expert, tensor)`` when ``expert > 1``."""
+    devices = run_devices((data, fsdp, tensor, expert)) if devices is None else list(devices)
+    shape = resolve_shape(data, fsdp, tensor, len(devices), expert=expert)
+    names = AXES
+    if expert > 1:
+        shape, names = (shape[0], shape[1], expert, shape[2]), EXPERT_AXES
+    auto = (jax.sharding.AxisType.Auto,) * len(names)  # XLA partitions; no sharding in types
+    return jax.make_mesh(shape, names, devices=devices, axis_types=auto)
 
 
 def mesh_from_config(mesh_cfg: Any, *, devices: Sequence[Any] | None = None) -> Mesh:
     """The mesh a ``MeshConfig`` (``mesh`` section) describes."""
-    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices)
+    expert = getattr(mesh_cfg, "expert", 1)
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, expert=expert, devices=devices)
 
 
 def batch_ranks(mesh: Mesh) -> int:
@@ -163,9 +191,9 @@ def local_ranks(mesh: Mesh) -> list[int]:
     """Batch ranks ``d · fsdp + f`` that have a device in this process (all, single-process)."""
     fsdp = mesh.shape[FSDP_AXIS]
     mine = set()
-    for (d, f, _), device in np.ndenumerate(mesh.devices):
+    for index, device in np.ndenumerate(mesh.devices):
         if device.process_index == jax.process_index():
-            mine.add(d * fsdp + f)
+            mine.add(index[0] * fsdp + index[1])  # data, fsdp lead in both layouts
     return sorted(mine)
 
 

@@ -19,7 +19,10 @@ from jaxrl.models.head import (
     token_logprobs,
     vocab_parallel_scores,
 )
+from jaxrl.models.moe.trace import MoeTrace, batch_routes
 from jaxrl.models.transformer import Transformer
+
+ROUTE_REPLAY = "moe_replay"  # a micro-batch field ([1]) whose presence turns router replay on
 
 
 def micro_batch_logprobs(
@@ -81,7 +84,37 @@ def micro_batch_scores(
 
 
 def _hidden_states(model: Transformer, mb: dict[str, jax.Array]) -> jax.Array:
+    if model.config.moe_layers and ROUTE_REPLAY in mb:  # router replay (docs/moe.md)
+        return routed_hidden_states(model, mb)[0]
     return model.hidden_states(mb["tokens"], mb.get("positions"), mb["segment_ids"])
+
+
+def routed_hidden_states(
+    model: Transformer, mb: dict[str, jax.Array]
+) -> tuple[jax.Array, MoeTrace, jax.Array | None]:
+    """A MoE model's hidden states, its routing (``MoeTrace``) and the micro-batch's recorded
+    routes (``moe/trace.py``; None when it carries none). With ``mb[ROUTE_REPLAY]`` (set by the
+    trainer for ``grpo.router_replay: rollout``) the forward replays the recorded routes."""
+    recorded = batch_routes(mb, model.config)
+    replay = recorded if ROUTE_REPLAY in mb else None
+    hidden_BTD, trace = model.routed_hidden_states(
+        mb["tokens"], mb.get("positions"), mb["segment_ids"], replay_routes=replay
+    )
+    return hidden_BTD, trace, recorded
+
+
+def routed_logprobs(
+    model: Transformer,
+    mb: dict[str, jax.Array],
+    *,
+    chunk_size: int | None = None,
+    temperature: float | jax.Array = 1.0,
+) -> tuple[jax.Array, jax.Array, MoeTrace, jax.Array | None]:
+    """:func:`micro_batch_logprobs` of a MoE model with :func:`routed_hidden_states`'s
+    routing and recorded routes."""
+    hidden_BTD, trace, recorded = routed_hidden_states(model, mb)
+    logp_BT, entropy_BT = _head_logprobs(model, hidden_BTD, mb["targets"], chunk_size, temperature)
+    return logp_BT, entropy_BT, trace, recorded
 
 
 def _head_logprobs(

@@ -25,9 +25,10 @@ from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.policy import policy_loss_terms
 from jaxrl.losses.sampler_correction import sampler_weights
 from jaxrl.losses.sft import sft_terms
+from jaxrl.models.moe.trace import route_disagreement
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.accumulate import LossFn
-from jaxrl.train.forward import micro_batch_logprobs
+from jaxrl.train.forward import micro_batch_logprobs, routed_logprobs
 
 Objective = Callable[[Transformer, dict[str, jax.Array]], LossTerms]
 
@@ -36,6 +37,7 @@ NLL_WEIGHT_FIELD = "nll_weight"  # ORPO's N_pairs / N_chosen_tokens of the step,
 LABEL_FIELD = "label"  # KTO: 1 desirable, 0 undesirable, per document
 Z0_FIELD = "kto_z0"  # KTO's reference point z₀ of the step, [1] per slot
 MISMATCH = "sampler/logprob_mismatch"
+ROUTE_DISAGREEMENT = "moe/route_disagreement"
 OFF_POLICY = "policy/abs_log_ratio"
 
 
@@ -147,9 +149,16 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
     correction = config.importance_sampling_correction
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-        logp_BT, entropy_BT = micro_batch_logprobs(
-            model, mb, chunk_size=chunk_size, temperature=config.temperature
-        )
+        moe_metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
+        if model.config.moe_layers:  # MoE: the routing too (router replay, moe metrics)
+            logp_BT, entropy_BT, trace, recorded = routed_logprobs(
+                model, mb, chunk_size=chunk_size, temperature=config.temperature
+            )
+            moe_metrics = moe_route_metrics(trace, recorded, mb)
+        else:
+            logp_BT, entropy_BT = micro_batch_logprobs(
+                model, mb, chunk_size=chunk_size, temperature=config.temperature
+            )
         weight_BT, weight_metrics = None, {}
         if correction is not None:
             weight_BT, weight_metrics = sampler_weights(
@@ -182,6 +191,7 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             kl_bias_correction=config.use_bias_correction_kl,
         )
         terms.metrics.update(weight_metrics)
+        terms.metrics.update(moe_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
         gap_BT = jnp.abs(jax.lax.stop_gradient(logp_BT) - mb["sampler_logp"])
         terms.metrics[MISMATCH] = (
@@ -197,3 +207,17 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
         return terms
 
     return objective
+
+
+def moe_route_metrics(
+    trace: Any, recorded_BTLK: jax.Array | None, mb: dict[str, jax.Array]
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """``moe/route_disagreement``: over the positions that predict a loss token, the fraction
+    whose forward routes differ from the sampler's recorded ones in some MoE layer (with
+    replay on, 0 by construction where routes were recorded). Reported as (0, 0) when the
+    micro-batch carries no recorded routes."""
+    if recorded_BTLK is None:
+        zero = jnp.zeros((), jnp.float32)
+        return {ROUTE_DISAGREEMENT: (zero, zero)}
+    mask_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
+    return {ROUTE_DISAGREEMENT: route_disagreement(trace.routes_BTLK, recorded_BTLK, mask_BT)}

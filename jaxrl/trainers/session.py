@@ -62,9 +62,9 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     sections = (cfg.grpo, cfg.dpo, cfg.kto)
     if all(section.world_size is not None for section in sections):
         return cfg
-    devices = len(run_devices(cfg.mesh.sizes))
+    devices = len(run_devices((*cfg.mesh.sizes, cfg.mesh.expert)))
     devices -= generation_devices(cfg, devices)
-    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, devices)
+    data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, devices, expert=cfg.mesh.expert)
     return cfg.with_batch_ranks(data * fsdp)
 
 

@@ -46,9 +46,16 @@ def _adapter_paths(config: ModelConfig) -> list[tuple[int, str, tuple[Any, ...],
     """``(layer, target, state path of the adapter module, slot)`` of every adapter; the slot
     is the layer's index on the stacked axis with ``scan_layers`` (else None)."""
     spec = config.lora
+    if config.moe_layers:
+        raise ValueError(
+            "PEFT adapter directories of MoE models (per-expert adapters) are not supported: "
+            "export the merged model with save_pretrained instead"
+        )
     out = []
     for i in range(config.num_hidden_layers):
         for kernel, (target, _) in KERNELS.items():
+            if kernel.startswith("expert_"):  # a MoE block's experts (refused above)
+                continue
             if spec is None or not spec.targets(target):
                 continue
             owner = _OWNER[_MODULE[target]]

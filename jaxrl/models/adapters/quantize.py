@@ -15,8 +15,9 @@ compute dtype). Nothing here is trained: ``QuantizedParam`` is not an ``nnx.Para
   ``uint4``. XLA stores ``uint4`` packed two to a byte on TPU; the memory planner counts
   half a byte per code.
 
-Scales are float32. Only the seven projections are quantised; embeddings, norms, biases and
-the LM head stay in the compute dtype (as bitsandbytes leaves them).
+Scales are float32. Only the seven projections (and a MoE block's experts) are quantised;
+embeddings, norms, biases, routers and the LM head stay in the compute dtype (as bitsandbytes
+leaves them).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ KERNELS = {  # module attribute -> (HF projection name, logical names of its inp
     "gate_kernel": ("gate_proj", ("embed",)),
     "up_kernel": ("up_proj", ("embed",)),
     "down_kernel": ("down_proj", ("mlp",)),
+    # the experts of a MoE block (models/moe/layer.py), [E, in, out]: per expert and channel
+    "expert_gate_kernel": ("gate_proj", ("embed",)),
+    "expert_up_kernel": ("up_proj", ("embed",)),
+    "expert_down_kernel": ("down_proj", ("moe_mlp",)),
 }
 
 

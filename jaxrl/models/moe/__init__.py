@@ -1,0 +1,1 @@
+"""Mixture of experts (Qwen3-MoE): the sparse block, routing, expert parallelism (docs/moe.md)."""

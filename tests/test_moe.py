@@ -1,0 +1,251 @@
+"""Qwen3-MoE (jaxrl/models/moe/, docs/moe.md) against transformers' Qwen3MoeForCausalLM.
+
+A tiny random checkpoint (8 experts, top-2, 2 layers) written by transformers: fp32 logits
+within 1e-4 on unpacked and packed rows, scanned and unrolled; greedy decoding equal to
+``generate``; the export round trip; the grouped matmul against a float64 one-hot reference;
+expert LoRA merged equal to the adapted forward; routes recorded by decode equal a forward's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from jaxrl.generate.sampler import Sampler, SamplingParams
+from jaxrl.models import hf
+from jaxrl.models.kv_cache import KVCache
+from jaxrl.models.lora import merge, with_adapters
+from jaxrl.models.model_config import LoraSpec, ModelConfig
+from jaxrl.models.moe.grouped import ExpertWeights, experts, route
+
+transformers.utils.logging.set_verbosity_error()
+
+TINY_MOE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=64,
+)
+
+
+def write_moe_checkpoint(path, seed: int = 0, **overrides) -> None:
+    """A random Qwen3MoeForCausalLM saved by transformers; weights at std 0.15 (routers 0.5) so
+    the routing is far from uniform and every expert is used."""
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**{**TINY_MOE, **overrides})
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.15)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3moe")
+    write_moe_checkpoint(path)
+    return path
+
+
+def _hf_logits(path, ids_BT) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids_BT))).logits.numpy()
+
+
+IDS = np.random.default_rng(0).integers(0, 96, size=(2, 12))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_logits_match_transformers_unpacked_and_packed(ckpt, scan):
+    model = hf.from_pretrained(ckpt, scan_layers=scan)
+    ref = _hf_logits(ckpt, IDS)
+    np.testing.assert_allclose(np.asarray(model(IDS)), ref, atol=1e-4, rtol=0)
+    # packed: both rows in one (documents 1 and 2), positions restart per document
+    seg = np.repeat([[1, 2]], 12, axis=1)
+    packed = np.asarray(model(IDS.reshape(1, -1), segment_ids=seg))[0]
+    np.testing.assert_allclose(packed, ref.reshape(-1, ref.shape[-1]), atol=1e-4, rtol=0)
+
+
+def test_dense_and_sparse_layers_mixed_match_transformers(tmp_path):
+    write_moe_checkpoint(tmp_path, seed=1, num_hidden_layers=3, mlp_only_layers=[1])
+    model = hf.from_pretrained(tmp_path)
+    assert model.config.moe_layers == (0, 2)
+    np.testing.assert_allclose(np.asarray(model(IDS)), _hf_logits(tmp_path, IDS), atol=1e-4)
+    with pytest.raises(ValueError, match="scan_layers"):
+        hf.from_pretrained(tmp_path, scan_layers=True)
+
+
+def test_greedy_decoding_equals_transformers_generate(ckpt):
+    model = hf.from_pretrained(ckpt)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :3].tolist()]
+    sampler = Sampler(
+        model.config,
+        max_new_tokens=8,
+        eos_id=95,
+        pad_id=0,
+        sampling=SamplingParams(temperature=0.0),
+    )
+    sampler.load_params(model)
+    ours = [c.tolist() for c in sampler.generate(prompts, jax.random.key(0)).completions()]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    theirs = []
+    for p in prompts:
+        x = torch.tensor([p])
+        y = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
+                         eos_token_id=95, pad_token_id=0)  # fmt: skip
+        theirs.append(y[0, len(p) :].tolist())
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_export_round_trip(ckpt, tmp_path, scan):
+    model = hf.from_pretrained(ckpt, scan_layers=scan)
+    hf.save_pretrained(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (written["num_experts"], written["num_experts_per_tok"]) == (8, 2)
+    np.testing.assert_allclose(_hf_logits(tmp_path, IDS), _hf_logits(ckpt, IDS), atol=1e-6)
+    again = hf.from_pretrained(tmp_path, scan_layers=scan)
+    np.testing.assert_array_equal(np.asarray(again(IDS)), np.asarray(model(IDS)))
+    other = hf.from_pretrained(tmp_path, scan_layers=not scan)  # the files serve both layouts
+    np.testing.assert_allclose(np.asarray(other(IDS)), np.asarray(model(IDS)), atol=1e-5)
+
+
+def test_grouped_matmul_equals_dense_one_hot_reference_float64():
+    rng = np.random.default_rng(1)
+    n, d, f, e, k = 37, 16, 8, 8, 3
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    router = rng.normal(size=(d, e)).astype(np.float32)
+    gate, up = (rng.normal(size=(e, d, f)).astype(np.float32) * 0.3 for _ in range(2))
+    down = rng.normal(size=(e, f, d)).astype(np.float32) * 0.3
+    routing = route(jnp.asarray(x), jnp.asarray(router), k, norm_topk_prob=True)
+    out = np.asarray(experts(jnp.asarray(x), routing, ExpertWeights(gate, up, down)))
+    # float64: softmax, top-k by sorting, every expert on every token, one-hot combination
+    x64, r64 = x.astype(np.float64), router.astype(np.float64)
+    logits = x64 @ r64
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(probs, top, -1)
+    w /= w.sum(-1, keepdims=True)
+    combine = np.zeros((n, e))
+    np.put_along_axis(combine, top, w, -1)
+    g = np.einsum("nd,edf->enf", x64, gate.astype(np.float64))
+    u = np.einsum("nd,edf->enf", x64, up.astype(np.float64))
+    y = np.einsum("enf,efd->end", g / (1 + np.exp(-g)) * u, down.astype(np.float64))
+    ref = np.einsum("end,ne->nd", y, combine)
+    np.testing.assert_array_equal(np.asarray(routing.ids_NK), top)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+    # a sharded view of the experts adds up to the whole: partial sums of [0, 4) and [4, 8)
+    halves = [
+        experts(jnp.asarray(x), routing, ExpertWeights(gate[s], up[s], down[s]), (s.start, 4))
+        for s in (slice(0, 4), slice(4, 8))
+    ]
+    np.testing.assert_allclose(np.asarray(halves[0] + halves[1]), out, atol=1e-6)
+
+
+def test_expert_lora_merges_to_the_adapted_forward(ckpt):
+    model = hf.from_pretrained(ckpt)
+    adapted = with_adapters(
+        model, LoraSpec(rank=2, alpha=4.0, target_modules=("q_proj", "gate_proj", "down_proj"))
+    )
+    moe = adapted.layers[0].mlp
+    assert moe.expert_gate_lora.lora_a.shape == (8, 32, 2)
+    assert moe.expert_up_lora is None
+    np.testing.assert_array_equal(np.asarray(adapted(IDS)), np.asarray(model(IDS)))  # B = 0
+    for layer in adapted.layers:  # non-zero B: the adapters now change the output
+        for lora in (layer.mlp.expert_gate_lora, layer.mlp.expert_down_lora, layer.attn.q_lora):
+            lora.lora_b[...] = 0.3 * jax.random.normal(jax.random.key(2), lora.lora_b.shape)
+    out = np.asarray(adapted(IDS))
+    assert np.abs(out - np.asarray(model(IDS))).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(merge(adapted)(IDS)), out, atol=2e-5)
+
+
+def test_decode_records_the_routes_of_a_forward(ckpt):
+    model = hf.from_pretrained(ckpt, scan_layers=True)
+    _, trace = model.routed_hidden_states(IDS)
+    cache = KVCache.empty(model.config, 2, 16)
+    pos = np.broadcast_to(np.arange(12), IDS.shape)
+    _, cache, routes = model.routed_decode(IDS[:, :7], pos[:, :7], np.ones((2, 7), np.int32), cache)
+    _, _, step = model.routed_decode(IDS[:, 7:], pos[:, 7:], np.ones((2, 5), np.int32), cache)
+    np.testing.assert_array_equal(np.concatenate([routes, step], 1), trace.routes_BTLK)
+    # replaying a forward's own routes changes no bit
+    hidden, _ = model.routed_hidden_states(IDS)
+    replayed, again = model.routed_hidden_states(IDS, replay_routes=trace.routes_BTLK)
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(hidden))
+    np.testing.assert_array_equal(np.asarray(again.routes_BTLK), np.asarray(trace.routes_BTLK))
+
+
+def test_moe_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.tiny(32, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5,
+                         moe_intermediate_size=8)  # fmt: skip
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig.tiny(32, num_experts=4)
+
+
+def test_sampler_records_the_routes_a_scoring_forward_takes(ckpt):
+    """The engine's recorded routes (prefill for the prompt, one decode step per fed completion
+    token) equal a teacher-forced forward's on prompt + completion; the last token is -1."""
+    model = hf.from_pretrained(ckpt, scan_layers=True)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :3].tolist(), IDS[0, :5].tolist()]
+    sampler = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, prefill_chunk=4)
+    sampler.load_params(model)
+    result = sampler.generate(prompts, jax.random.key(1))
+    assert result.routes is not None
+    for prompt, completion, routes in zip(
+        prompts, result.completions(), result.routes, strict=True
+    ):
+        ids = np.asarray([prompt + completion.tolist()])
+        assert routes.shape == (ids.shape[1], 2, 2)
+        _, trace = model.routed_hidden_states(ids)
+        np.testing.assert_array_equal(routes[:-1], np.asarray(trace.routes_BTLK)[0, :-1])
+        assert (routes[-1] == -1).all()
+
+
+def test_replayed_routes_reach_the_router_gradient(ckpt):
+    """Replaying other experts' ids changes the output and still differentiates the router
+    (its probabilities are gathered at the replayed ids); ids < 0 keep the router's choice."""
+    model = hf.from_pretrained(ckpt)
+    _, trace = model.routed_hidden_states(IDS)
+    own = np.asarray(trace.routes_BTLK)
+    perturbed = (own + 1) % 8
+    graphdef, state = nnx.split(model)
+
+    def loss(state, replay):
+        hidden, _ = nnx.merge(graphdef, state).routed_hidden_states(IDS, replay_routes=replay)
+        return jnp.sum(jnp.sin(hidden))
+
+    g_own = jax.grad(loss)(state, own)
+    g_free = jax.grad(lambda s: jnp.sum(jnp.sin(nnx.merge(graphdef, s).hidden_states(IDS))))(state)
+    g_pert = jax.grad(loss)(state, perturbed)
+    router = lambda g: np.asarray(g["layers"][0]["mlp"]["router_kernel"][...])  # noqa: E731
+    np.testing.assert_array_equal(router(g_own), router(g_free))  # own routes: no bit changes
+    assert np.abs(router(g_pert)).max() > 1e-4
+    assert np.abs(router(g_pert) - router(g_own)).max() > 1e-4
+    # negative ids: the router's own top-k for those tokens
+    none = np.full_like(own, -1)
+    np.testing.assert_array_equal(
+        np.asarray(model.routed_hidden_states(IDS, replay_routes=none)[0]),
+        np.asarray(model.hidden_states(IDS)),
+    )
