@@ -742,7 +742,8 @@ def stage_trl(args: argparse.Namespace) -> dict[str, Any]:
         show = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
         print(
             f"  s/step (median after the first): jaxrl {show(j.get('s_per_step'))} "
-            f"({'fp32' if args.fp32 else 'bf16'} compute), TRL {show(t['s_per_step'])} (fp32); "
+            f"({'fp32' if args.fp32 else 'shipped model.dtype'} compute), "
+            f"TRL {show(t['s_per_step'])} (fp32); "
             f"reward first/last 5 steps: jaxrl {show(j.get('reward_first5'), '{:.3f}')} -> "
             f"{show(j.get('reward_last5'), '{:.3f}')}, TRL {show(t['reward_first5'], '{:.3f}')} "
             f"-> {show(t['reward_last5'], '{:.3f}')}",
