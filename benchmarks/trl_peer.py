@@ -141,7 +141,6 @@ def same_schedule_trainer(
     import torch
     import trl
     from torch.utils.data import Sampler
-    from transformers import TrainerCallback
 
     from jaxrl.rollout.buffer import repeat_sampler_indices
 
@@ -183,43 +182,17 @@ def same_schedule_trainer(
                 )
             return self.lr_scheduler
 
-    steps: list[dict[str, float]] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.w0, self.c0 = time.perf_counter(), cpu_seconds()
-
-        def on_step_end(self, args, state, control, **kw):
-            steps.append(
-                {"wall_s": time.perf_counter() - self.w0, "cpu_s": cpu_seconds() - self.c0}
-            )
-
     optimizer_settings = optimizer
-    args = trl.GRPOConfig(
+    steps: list[dict[str, float]] = []
+    args = _args(
+        g,
+        optimizer,
         output_dir=output_dir,
-        **{k: g[k] for k in SHARED_GRPO_FIELDS if k != "steps_per_generation"},
-        top_k=g["top_k"] or 0,
         max_steps=max_steps,
-        learning_rate=optimizer["learning_rate"],
-        adam_beta1=optimizer["b1"],
-        adam_beta2=optimizer["b2"],
-        adam_epsilon=optimizer["eps"],
-        weight_decay=optimizer["weight_decay"],
-        max_grad_norm=optimizer["max_grad_norm"],
-        optim="adamw_torch",
         seed=seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_vllm=False,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     assert args.steps_per_generation == g["steps_per_generation"], "TRL resolved another S"
-    callbacks = [*trainer_kwargs.pop("callbacks", []), Timer()]
+    callbacks = [*trainer_kwargs.pop("callbacks", []), _timer(steps)]
     trainer = SameScheduleGRPOTrainer(args=args, callbacks=callbacks, **trainer_kwargs)
     return trainer, steps
