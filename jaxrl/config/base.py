@@ -48,6 +48,30 @@ def require_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
         raise config_error(field, value, f"use one of {', '.join(map(repr, choices))}")
 
 
+def require_batch_fields(cfg: Any) -> None:
+    """The batch, length and learning-rate fields a preference section (DPO, KTO) shares."""
+    require(
+        cfg.learning_rate is None or cfg.learning_rate > 0,
+        "learning_rate",
+        cfg.learning_rate,
+        "use a positive learning rate, or leave it unset to use optimizer.learning_rate",
+    )
+    names = ["per_device_train_batch_size", "gradient_accumulation_steps", "world_size"]
+    if cfg.world_size is None:  # a run's section before its mesh is known
+        names.remove("world_size")
+    for name in (*names, "max_length"):
+        value = getattr(cfg, name)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        require(ok, name, value, "use an integer ≥ 1")
+    if cfg.max_prompt_length is not None:
+        require(
+            1 <= cfg.max_prompt_length < cfg.max_length,
+            "max_prompt_length",
+            cfg.max_prompt_length,
+            f"use 1 ≤ max_prompt_length < max_length ({cfg.max_length}), or leave it unset",
+        )
+
+
 def suggest(name: str, known: Sequence[str]) -> str:
     """A "did you mean ...?" hint naming the closest of ``known``, else all of them."""
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)

@@ -12,7 +12,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-from jaxrl.config.base import WORLD_SIZE_FROM_MESH, require, require_choice
+from jaxrl.config.base import (
+    WORLD_SIZE_FROM_MESH,
+    require,
+    require_batch_fields,
+    require_choice,
+)
 from jaxrl.losses.loss_types import (
     DPO_ALIASES,
     DPO_LOSS_TYPES,
@@ -72,26 +77,7 @@ class DPOConfig:
             f"loss_type={self.loss_type!r} divides its NLL by the step's chosen tokens and its "
             "odds-ratio term by its pairs (docs/losses.md); set normalize=pair",
         )
-        require(
-            self.learning_rate is None or self.learning_rate > 0,
-            "learning_rate",
-            self.learning_rate,
-            "use a positive learning rate, or leave it unset to use optimizer.learning_rate",
-        )
-        names = ["per_device_train_batch_size", "gradient_accumulation_steps", "world_size"]
-        if self.world_size is None:  # a run's section before its mesh is known
-            names.remove("world_size")
-        for name in (*names, "max_length"):
-            value = getattr(self, name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            require(ok, name, value, "use an integer ≥ 1")
-        if self.max_prompt_length is not None:
-            require(
-                1 <= self.max_prompt_length < self.max_length,
-                "max_prompt_length",
-                self.max_prompt_length,
-                f"use 1 ≤ max_prompt_length < max_length ({self.max_length}), or leave it unset",
-            )
+        require_batch_fields(self)
 
     @property
     def canonical_loss_type(self) -> str:

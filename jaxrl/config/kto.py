@@ -9,7 +9,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-from jaxrl.config.base import WORLD_SIZE_FROM_MESH, require, require_choice
+from jaxrl.config.base import (
+    WORLD_SIZE_FROM_MESH,
+    require,
+    require_batch_fields,
+    require_choice,
+)
 from jaxrl.losses.loss_types import KTO_LOSS_TYPES
 
 
@@ -36,26 +41,7 @@ class KTOConfig:
         for name in ("desirable_weight", "undesirable_weight"):
             value = getattr(self, name)
             require(value > 0, name, value, "use a positive weight (TRL's default is 1.0)")
-        require(
-            self.learning_rate is None or self.learning_rate > 0,
-            "learning_rate",
-            self.learning_rate,
-            "use a positive learning rate, or leave it unset to use optimizer.learning_rate",
-        )
-        names = ["per_device_train_batch_size", "gradient_accumulation_steps", "world_size"]
-        if self.world_size is None:
-            names.remove("world_size")
-        for name in (*names, "max_length"):
-            value = getattr(self, name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            require(ok, name, value, "use an integer ≥ 1")
-        if self.max_prompt_length is not None:
-            require(
-                1 <= self.max_prompt_length < self.max_length,
-                "max_prompt_length",
-                self.max_prompt_length,
-                f"use 1 ≤ max_prompt_length < max_length ({self.max_length}), or leave it unset",
-            )
+        require_batch_fields(self)
 
     @property
     def examples_per_step(self) -> int:

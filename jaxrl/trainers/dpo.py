@@ -12,7 +12,6 @@ hands the cached reference values to the loss as per-document fields.
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from jaxrl.train.ref_cache import (
     weight_fingerprint,
 )
 from jaxrl.trainers.preamble import Preamble
-from jaxrl.trainers.session import with_device_ranks
+from jaxrl.trainers.session import run_reference_stage, with_device_ranks
 
 
 def orpo_nll_weight(pair_ids: Any, masks: Any) -> float:
@@ -264,32 +263,16 @@ class DPOTrainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        session = self.session
-        start = time.perf_counter()
-        self.build_references()
-        host = session.resume({})
-        if host is not None:
-            self.feed.load_state_dict(host["feed"])
-            self.initial = host.get("start", {})
-        else:
-            self.initial = self.evaluate()
-            session.writer.write({"step": 0, **self.initial})
+        summary = run_reference_stage(
+            self,
+            "dpo",
+            lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",
+            prepare=self._reference_fields,
+        )
+        return {**summary, "reference_cache": [str(r.path) for r in self.refs.values()]}
+
+    def _reference_fields(self) -> None:
+        """The cached reference log-probs as per-document fields of every training batch."""
         self.doc_fields = {}
         if self.dpo.needs_reference:
             self.doc_fields[REF_FIELD] = self.refs["train"].document_values()
-        last = session.loop(
-            "dpo",
-            lambda: session.train_on(self.next_batch()),
-            first_row=self.data_report,  # rows the length limits touched
-            epoch=lambda: self.feed.epochs,
-            host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
-            evaluate=self.evaluate,
-            info=lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",
-        )
-        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
-        return {
-            **summary,
-            "start": self.initial,
-            "reference_cache": [str(r.path) for r in self.refs.values()],
-            **self.data_report,
-        }

@@ -12,7 +12,6 @@ are scored once at the start (the reference is the starting model).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from jaxrl.losses.kto import mismatched_completions, reference_point
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import LABEL_FIELD, REF_FIELD, Z0_FIELD, kto_objective
 from jaxrl.trainers.preamble import Preamble
-from jaxrl.trainers.session import with_device_ranks
+from jaxrl.trainers.session import run_reference_stage, with_device_ranks
 
 
 class KTOTrainer:
@@ -163,27 +162,9 @@ class KTOTrainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        session = self.session
-        start = time.perf_counter()
-        self.build_references()
-        host = session.resume({})
-        if host is not None:
-            self.feed.load_state_dict(host["feed"])
-            self.initial = host.get("start", {})
-        else:
-            self.initial = self.evaluate()
-            session.writer.write({"step": 0, **self.initial})
-        last = session.loop(
-            "kto",
-            lambda: session.train_on(self.next_batch()),
-            first_row=self.data_report,
-            epoch=lambda: self.feed.epochs,
-            host_state=lambda: {"feed": self.feed.state_dict(), "start": self.initial},
-            evaluate=self.evaluate,
-            info=lambda row: f"loss {row['loss']:.3f} kl {row['kl']:.3f}",
+        return run_reference_stage(
+            self, "kto", lambda row: f"loss {row['loss']:.3f} kl {row['kl']:.3f}"
         )
-        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
-        return {**summary, "start": self.initial, **self.data_report}
 
 
 __all__ = ["Examples", "KTOTrainer"]

@@ -518,3 +518,41 @@ class Session:
         self.checkpointer.close()
         if hasattr(self, "writer"):
             self.writer.close()
+
+
+def run_reference_stage(
+    trainer: Any,
+    description: str,
+    info: Callable[[dict[str, Any]], str],
+    prepare: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """``run()`` of a trainer that scores a frozen reference first (DPO, KTO): the reference
+    pass, resume or the start evaluation (written as step 0 and kept in the host state as
+    ``start``), ``prepare()`` (what the steps need from the references), the loop over
+    ``trainer.next_batch()`` and the summary (with ``start`` and the data's length report).
+
+    ``trainer`` has ``session``, ``feed``, ``tokenizer``, ``data_report``,
+    ``build_references()``, ``next_batch()`` and ``evaluate()``; its ``initial`` is set."""
+    session = trainer.session
+    start = time.perf_counter()
+    trainer.build_references()
+    host = session.resume({})
+    if host is not None:
+        trainer.feed.load_state_dict(host["feed"])
+        trainer.initial = host.get("start", {})
+    else:
+        trainer.initial = trainer.evaluate()
+        session.writer.write({"step": 0, **trainer.initial})
+    if prepare is not None:
+        prepare()
+    last = session.loop(
+        description,
+        lambda: session.train_on(trainer.next_batch()),
+        first_row=trainer.data_report,  # rows the length limits touched
+        epoch=lambda: trainer.feed.epochs,
+        host_state=lambda: {"feed": trainer.feed.state_dict(), "start": trainer.initial},
+        evaluate=trainer.evaluate,
+        info=info,
+    )
+    summary = session.finish(last, trainer.tokenizer, trainer.evaluate, started=start)
+    return {**summary, "start": trainer.initial, **trainer.data_report}
