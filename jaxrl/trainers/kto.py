@@ -149,8 +149,10 @@ class KTOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval/accuracy``: the fraction of examples whose implicit reward has their
         label's sign (π − ref > τ for a desirable one, < −τ for an undesirable one, τ =
-        ``MARGIN_TOLERANCE`` per completion token; 0 at the start, strictly). On the built-in
-        task the held-out examples alternate desirable / undesirable answers."""
+        ``MARGIN_TOLERANCE`` per completion token; 0 at the start, strictly), and the same
+        fraction over the desirable and the undesirable examples alone
+        (``eval/accuracy_desirable``, ``eval/accuracy_undesirable``). On the built-in task the
+        held-out examples alternate desirable / undesirable answers."""
         if self.held_out is None or self.eval_reference is None:
             return {}
         held = self.held_out
@@ -158,7 +160,11 @@ class KTOTrainer:
         margin = self._score(self.session.policy_params, docs) - self.eval_reference
         tol = MARGIN_TOLERANCE * np.asarray([len(c) for c in held.completions], np.float64)
         right = np.where(held.labels, margin > tol, margin < -tol)
-        return {"eval/accuracy": float(np.mean(right))}
+        out = {"eval/accuracy": float(np.mean(right))}
+        for name, sel in (("desirable", held.labels), ("undesirable", ~held.labels)):
+            if sel.any():  # which side the accuracy comes from
+                out[f"eval/accuracy_{name}"] = float(np.mean(right[sel]))
+        return out
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
