@@ -111,7 +111,12 @@ def test_kto_runs_from_the_cli_and_writes_the_dpo_metric_names(tmp_path):
         args += ["--set", s]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0] == {"step": 0, "eval/accuracy": 0.0}
+    assert rows[0] == {  # policy = reference: no margin is past the tolerance
+        "step": 0,
+        "eval/accuracy": 0.0,
+        "eval/accuracy_desirable": 0.0,
+        "eval/accuracy_undesirable": 0.0,
+    }
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected"):
