@@ -358,3 +358,32 @@ def test_cli_one_line_when_the_server_is_down(tmp_path, capsys):
     assert code == 1 and time.monotonic() - start < 60
     assert err[0].startswith(f"error: vLLM server {url}: POST /pause failed"), err
     assert "down or unreachable" in err[0] and len(err) <= 2  # + the --debug hint
+
+
+def test_launcher_hides_the_cuda_only_packages_on_a_cpu_torch():
+    """jaxrl/rollout/vllm/api_server.py (the server jaxrl starts): on a CPU torch build,
+    torchvision / torchaudio / torchcodec read as not installed before vLLM is imported, also
+    when multiprocessing's spawn re-runs it as __mp_main__; JAXRL_VLLM_HIDE overrides."""
+    from jaxrl.rollout.vllm.server import LAUNCHER, default_command
+
+    assert default_command("m", 1, dtype="float32", max_model_len=8, logprobs_mode="raw")[1] == (
+        str(LAUNCHER)
+    )
+    probe = (
+        "import importlib.util, runpy, sys, torch; "
+        f"runpy.run_path({str(LAUNCHER)!r}, run_name='__mp_main__'); "
+        "print(torch.version.cuda is None, [importlib.util.find_spec(n) is None "
+        "for n in ('torchvision', 'torchaudio', 'torchcodec')])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAXRL_VLLM_HIDE"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpu, hidden = out.stdout.split(" ", 1)
+    assert hidden.strip() == str([cpu == "True"] * 3), out.stdout
+    env["JAXRL_VLLM_HIDE"] = "tomllib"
+    probe = (
+        f"import runpy; runpy.run_path({str(LAUNCHER)!r}, run_name='__mp_main__')\n"
+        "try:\n import tomllib\nexcept ImportError:\n print('hidden')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "hidden", (out.stdout, out.stderr[-2000:])
