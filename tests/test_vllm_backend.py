@@ -387,3 +387,34 @@ def test_launcher_hides_the_cuda_only_packages_on_a_cpu_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "hidden", (out.stdout, out.stderr[-2000:])
+
+
+def test_async_grpo_with_the_server_honours_max_staleness(tmp_path):
+    """rollout.max_staleness=2 with the (stub) server as generator: the pipeline's worker
+    generates ahead through the backend, every trained row lags its generating weights by at
+    most 2 versions (0, 1, 2, 2, 2: the first three generations are made by version 0), and
+    the version each batch is tagged with is the one the server held when it answered (never
+    a half-done update)."""
+    from test_grpo_e2e import CONFIG, TINY
+
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    stub = StubVLLM(10)
+    try:
+        cfg = load_run_config(
+            CONFIG,
+            [*TINY, f"output_dir={tmp_path}", "rollout.backend=vllm", "rollout.max_staleness=2",
+             f"rollout.vllm.url={stub.url}", "task.eval_size=4", "rollout.vllm.verify=false"],
+        )  # fmt: skip
+        t = GRPOTrainer(cfg)
+        rows = [t.step() for _ in range(5)]
+        t.generator.close()
+    finally:
+        stub.stop()
+    staleness = [r["rollout/staleness_max"] for r in rows]
+    assert staleness == [0, 1, 2, 2, 2]
+    assert all(r["rollout/staleness_mean"] == r["rollout/staleness_max"] for r in rows)
+    served = [int(str(v).rsplit(":", 1)[1]) for v in stub.served]  # "updating" fails here
+    tagged = [step - staleness[step] for step in range(5)]  # step s+1 trains after s updates
+    assert set(tagged) <= set(served) and served == sorted(served), (tagged, served)
+    assert live_servers() == []

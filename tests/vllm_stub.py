@@ -35,6 +35,7 @@ class StubVLLM:
         self.version: str | None = None
         self.reloads: list[str] = []  # weights paths loaded
         self.requests: list[dict] = []  # completion request bodies
+        self.served: list = []  # the server's weight version when each request came
         self.calls: list[str] = []  # "METHOD /path" in order
         self.prompt_logprobs = None  # ids -> log-probs of ids[1:] (the weight check's answer)
         self.world_size = 1  # /get_world_size (the NCCL group: trainer + this many workers)
@@ -131,6 +132,7 @@ class StubVLLM:
             return ok
         if path == "/v1/completions":
             self.requests.append(body)
+            self.served.append(self.version)
             return 200, self.complete(body)
         return None
 
