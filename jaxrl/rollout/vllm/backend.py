@@ -394,14 +394,8 @@ class VLLMBackend:
                 tokens[r, : len(ids)], logprobs[r, : len(ids)] = ids, lps
                 lengths[r] = len(ids)
                 truncated[r] = reason == "length" and ids[-1] not in self.eos_ids
-        return SampleResult(
-            tokens=tokens,
-            logprobs=logprobs,
-            lengths=lengths,
-            truncated=truncated,
-            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
-            num_steps=int(lengths.max()),
-            weight_version=self.weight_version,
+        return SampleResult.of(
+            prompts, tokens, logprobs, lengths, truncated, weight_version=self.weight_version
         )
 
     __call__ = generate
