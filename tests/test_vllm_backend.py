@@ -358,3 +358,63 @@ def test_cli_one_line_when_the_server_is_down(tmp_path, capsys):
     assert code == 1 and time.monotonic() - start < 60
     assert err[0].startswith(f"error: vLLM server {url}: POST /pause failed"), err
     assert "down or unreachable" in err[0] and len(err) <= 2  # + the --debug hint
+
+
+def test_launcher_hides_the_cuda_only_packages_on_a_cpu_torch():
+    """jaxrl/rollout/vllm/api_server.py (the server jaxrl starts): on a CPU torch build,
+    torchvision / torchaudio / torchcodec read as not installed before vLLM is imported, also
+    when multiprocessing's spawn re-runs it as __mp_main__; JAXRL_VLLM_HIDE overrides."""
+    from jaxrl.rollout.vllm.server import LAUNCHER, default_command
+
+    assert default_command("m", 1, dtype="float32", max_model_len=8, logprobs_mode="raw")[1] == (
+        str(LAUNCHER)
+    )
+    probe = (
+        "import importlib.util, runpy, sys, torch; "
+        f"runpy.run_path({str(LAUNCHER)!r}, run_name='__mp_main__'); "
+        "print(torch.version.cuda is None, [importlib.util.find_spec(n) is None "
+        "for n in ('torchvision', 'torchaudio', 'torchcodec')])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAXRL_VLLM_HIDE"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpu, hidden = out.stdout.split(" ", 1)
+    assert hidden.strip() == str([cpu == "True"] * 3), out.stdout
+    env["JAXRL_VLLM_HIDE"] = "tomllib"
+    probe = (
+        f"import runpy; runpy.run_path({str(LAUNCHER)!r}, run_name='__mp_main__')\n"
+        "try:\n import tomllib\nexcept ImportError:\n print('hidden')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "hidden", (out.stdout, out.stderr[-2000:])
+
+
+def test_async_grpo_with_the_server_honours_max_staleness(tmp_path):
+    """rollout.max_staleness=2 with the (stub) server as generator: the pipeline's worker
+    generates ahead through the backend, every trained row lags its generating weights by at
+    most 2 versions (0, 1, 2, 2, 2: the first three generations are made by version 0), and
+    the version each batch is tagged with is the one the server held when it answered (never
+    a half-done update)."""
+    from test_grpo_e2e import CONFIG, TINY
+
+    from jaxrl.trainers.grpo import GRPOTrainer
+
+    stub = StubVLLM(10)
+    try:
+        cfg = load_run_config(
+            CONFIG,
+            [*TINY, f"output_dir={tmp_path}", "rollout.backend=vllm", "rollout.max_staleness=2",
+             f"rollout.vllm.url={stub.url}", "task.eval_size=4", "rollout.vllm.verify=false"],
+        )  # fmt: skip
+        t = GRPOTrainer(cfg)
+        rows = [t.step() for _ in range(5)]
+        t.generator.close()
+    finally:
+        stub.stop()
+    staleness = [r["rollout/staleness_max"] for r in rows]
+    assert staleness == [0, 1, 2, 2, 2]
+    assert all(r["rollout/staleness_mean"] == r["rollout/staleness_max"] for r in rows)
+    served = [int(str(v).rsplit(":", 1)[1]) for v in stub.served]  # "updating" fails here
+    tagged = [step - staleness[step] for step in range(5)]  # step s+1 trains after s updates
+    assert set(tagged) <= set(served) and served == sorted(served), (tagged, served)
+    assert live_servers() == []

@@ -8,13 +8,17 @@ log-prob ``-(i + 1) / 8``; it stops after an eos id (``stop_token_ids``) or ``ma
 ``http500``, ``fewer`` (one completion fewer), ``malformed`` (log-probs missing),
 ``bad_token`` (ids past the vocabulary: another model), ``drop`` (closes the connection without
 an answer, as a killed server), ``reload_fails`` (``/collective_rpc`` answers 500 after
-``/update_weight_version`` said "updating").
+``/update_weight_version`` said "updating"). The GPU weight-transfer routes
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``) record what they are sent; a finished update counts as a reload.
 """
 
 from __future__ import annotations
 
+import base64
 import http.server
 import json
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -31,8 +35,12 @@ class StubVLLM:
         self.version: str | None = None
         self.reloads: list[str] = []  # weights paths loaded
         self.requests: list[dict] = []  # completion request bodies
+        self.served: list = []  # the server's weight version when each request came
         self.calls: list[str] = []  # "METHOD /path" in order
         self.prompt_logprobs = None  # ids -> log-probs of ids[1:] (the weight check's answer)
+        self.world_size = 1  # /get_world_size (the NCCL group: trainer + this many workers)
+        self.transfer_init = None  # /init_weight_transfer_engine's init_info (GPU transfer)
+        self.transfers: list = []  # /update_weights' update_info, IPC handles unpickled
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -102,8 +110,29 @@ class StubVLLM:
             assert (weights / "model.safetensors").is_file(), weights
             self.reloads.append(str(weights))
             return 200, {"results": [None]}
+        if path == "/get_world_size":
+            return 200, {"world_size": self.world_size}
+        if path == "/init_weight_transfer_engine":
+            self.transfer_init = body["init_info"]
+            return ok
+        if path == "/start_weight_update":
+            return ok if self.transfer_init is not None else (500, {"error": "not initialized"})
+        if path == "/update_weights":
+            info = dict(body["update_info"])
+            if "ipc_handles_pickled" in info:  # as vLLM with VLLM_ALLOW_INSECURE_SERIALIZATION
+                raw = base64.b64decode(info.pop("ipc_handles_pickled"))
+                info["ipc_handles"] = pickle.loads(raw)
+            self.transfers.append(info)
+            return ok
+        if path == "/finish_weight_update":
+            self.reloads.append("transfer")
+            return ok
+        if path == "/shutdown_weight_transfer_engine":
+            self.transfer_init = None
+            return ok
         if path == "/v1/completions":
             self.requests.append(body)
+            self.served.append(self.version)
             return 200, self.complete(body)
         return None
 

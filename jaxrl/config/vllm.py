@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
-from jaxrl.config.base import require
+from jaxrl.config.base import require, require_choice
 
 __all__ = ["VLLMConfig"]
+
+WEIGHT_TRANSFERS = ("disk", "nccl", "ipc")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,6 +29,9 @@ class VLLMConfig:
     # server jaxrl starts from the installed vllm (e.g. ["--max-num-seqs", "256"])
     verify: bool = True  # after each weight sync, check every server's log-probs of a probe
     # sequence against jaxrl's scorer on the weights sent (a stale or wrong model is an error)
+    weight_transfer: Literal["disk", "nccl", "ipc"] = "disk"  # how weights reach the servers:
+    # a checkpoint on disk they reload (anywhere), or vLLM's NCCL / CUDA-IPC weight-transfer
+    # engines fed by DLPack (GPU only; docs/rollout.md, "GPU weight transfer")
 
     def __post_init__(self):
         urls = [self.url] if isinstance(self.url, str) else list(self.url or [])
@@ -57,6 +63,7 @@ class VLLMConfig:
         for name in ("timeout", "start_timeout", "kv_cache_gb"):
             value = getattr(self, name)
             require(value > 0, f"rollout.vllm.{name}", value, "use a positive number")
+        require_choice("rollout.vllm.weight_transfer", self.weight_transfer, WEIGHT_TRANSFERS)
         require(
             self.dtype in ("float32", "bfloat16", "float16"),
             "rollout.vllm.dtype",

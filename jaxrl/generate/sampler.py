@@ -311,16 +311,10 @@ class Sampler:
                 np.concatenate([prompt_QPLK[g, : len(p)], completion_RqNLK[i, : lengths[i]]])
                 for i, (g, p) in enumerate(zip(group_Rq, prompts, strict=True))
             ]
-        return SampleResult(
-            tokens=tokens[:b],
-            logprobs=logprobs[:b],
-            lengths=lengths[:b],
-            truncated=truncated[:b],
-            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
-            num_steps=int(steps),
-            weight_version=self.weight_version,
-            routes=routes,
-        )
+        return SampleResult.of(
+            prompts, tokens, logprobs, lengths, truncated,
+            num_steps=int(steps), weight_version=self.weight_version, routes=routes,
+        )  # fmt: skip
 
     __call__ = generate
 

