@@ -30,7 +30,7 @@ from jaxrl.models.model_config import LoraSpec, ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config
-from jaxrl.train.objectives import Objective, on_params
+from jaxrl.train.objectives import Objective, load_balance_constants, on_params
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.precision import auto_compute_dtype
 from jaxrl.train.state import TrainState, abstract_state, create_state
@@ -205,6 +205,7 @@ def build_run(
         master_rounding=cfg.optimizer.master_rounding,
         frozen=frozen,
         frozen_shardings=frozen_shardings,
+        step_constants=load_balance_constants(config),  # MoE aux loss on: a pre-pass
     )
     return RunParts(mesh, config, graphdef, state, shardings, step, frozen, frozen_shardings)
 
