@@ -74,13 +74,17 @@ def model_config(
     ``vocab_size``: the tokenizer's, when known. ``model.init`` takes it as the vocabulary
     unless ``model.init.vocab_size`` names a larger one (padded, as HF models are); a model
     smaller than the tokenizer is refused (``ConfigError``), since ids past its vocabulary would
-    be clamped silently. ``model.path`` errors are those of ``read_config``.
+    be clamped silently. ``model.path`` errors are those of ``read_config``; with it,
+    ``model.init.router_aux_loss_coef`` (the MoE load-balance loss, docs/moe.md) still applies.
     """
     settings = {name: getattr(section, name) for name in MODEL_SECTION_KEYS}
     settings["dtype"] = auto_compute_dtype(section.dtype, platform)
     settings["lora"] = lora_spec(section)
     if section.path is not None:
         config = read_config(section.path, **settings)
+        if "router_aux_loss_coef" in section.init:  # a training setting over config.json's
+            coef = float(section.init["router_aux_loss_coef"])
+            config = dataclasses.replace(config, router_aux_loss_coef=coef)
         if vocab_size is not None and vocab_size > config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {vocab_size} tokens but the model at model.path="
