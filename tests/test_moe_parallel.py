@@ -90,3 +90,20 @@ def test_expert_mesh_without_batch_ranks_is_a_config_error():
     with pytest.raises(ConfigError, match="mesh.expert=8"):
         make_mesh(1, 1, 1, expert=8)
     assert make_mesh(2, 1, 1, expert=4).shape == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+
+
+def test_moe_lora_fsdp_bf16_on_cpu_is_a_config_error(monkeypatch):
+    """The combination XLA's CPU compiler aborts on (docs/moe.md) is refused before compiling,
+    naming the fixes; its XLA_FLAGS workaround lifts the refusal."""
+    from jaxrl.runtime.errors import ConfigError
+    from jaxrl.train.build import build_run
+    from jaxrl.train.objectives import sft_objective
+
+    sets = [MOE, "mesh.data=4", "mesh.fsdp=2", "model.dtype=bfloat16", "model.lora.rank=4"]
+    cfg = load_run_config("configs/sft_tiny.yaml", sets)
+    objective = sft_objective(cfg.sft)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(ConfigError, match="mesh.fsdp=2 and model.dtype=bfloat16.*float32"):
+        build_run(cfg, None, objective, abstract=True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=all-reduce-promotion")
+    assert build_run(cfg, None, objective, abstract=True).mesh.shape["fsdp"] == 2
