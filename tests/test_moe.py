@@ -338,3 +338,25 @@ def test_scorer_replays_recorded_routes(ckpt):
     for a, b, c in zip(plain, replayed, perturbed, strict=True):
         np.testing.assert_array_equal(a, b)
         assert np.abs(a[1:] - c[1:]).min() > 0  # every predicted token moved
+
+
+def test_session_turns_record_the_routes_of_a_forward(ckpt):
+    """A tool episode's engine session (generate/session.py): each turn's routes (its new
+    tokens' then its generated tokens', the last one included) concatenate to a teacher-forced
+    forward's routes over the whole conversation; a slot sitting a turn out records none."""
+    model = hf.from_pretrained(ckpt, scan_layers=True)
+    sampler = Sampler(model.config, max_new_tokens=5, eos_id=95, pad_id=0)
+    sampler.load_params(model)
+    session = sampler.session(2, 40)
+    keys = jax.random.split(jax.random.key(3), 2)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :3].tolist()]
+    first = session.generate(prompts, keys, max_tokens=[5, 4])
+    env = [IDS[1, 5:9].tolist(), None]  # slot 1 sits turn 2 out
+    second = session.generate(env, keys, max_tokens=[3, 1])
+    assert second.routes[1].shape[0] == 0
+    seq = prompts[0] + first.tokens[0, : first.lengths[0]].tolist() + env[0]
+    seq += second.tokens[0, : second.lengths[0]].tolist()
+    routes = np.concatenate([first.routes[0], second.routes[0]])
+    assert routes.shape == (len(seq), 2, 2)
+    _, trace = model.routed_hidden_states(np.asarray([seq]))
+    np.testing.assert_array_equal(routes, np.asarray(trace.routes_BTLK)[0])

@@ -300,8 +300,9 @@ class RolloutGenerator:
                     timeout=self.config.reward_timeout,
                 )
             return Sampled(
-                list(prompt_ids), ep.completions, ep.logps, ep.truncated, rewards_BW, ep.rows
-            )
+                list(prompt_ids), ep.completions, ep.logps, ep.truncated, rewards_BW, ep.rows,
+                routes=ep.routes,
+            )  # fmt: skip
         with self._phase("sampling"):
             res = self.sampler.generate(list(prompt_ids), key)
             completions = res.completions()
