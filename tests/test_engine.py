@@ -150,6 +150,37 @@ def test_docs_per_step_counts_are_summed_over_ranks():
     assert int(sums.end) == 2 and int(sums.documents) == 6
 
 
+def test_step_constants_prepass_sums_the_consumed_rounds_over_ranks():
+    """``step_constants``: a no-grad pre-pass sums the step's LossTerms over exactly the rounds
+    the gradient pass consumes (docs_per_step stop) and over the ranks; its fields reach every
+    micro-batch of the gradient pass, and a loss linear in them stays exact."""
+    rng = np.random.default_rng(4)
+    docs = random_docs(rng, 12, lo=2, hi=5)
+    layout = [[[0, 1], [2, 3], [4, 5]], [[6], [7], [8]]]
+    graphdef, params = _model()
+    plain = make_loss_fn(graphdef, mode="token", num_segments=SEGMENTS)
+
+    def loss_fn(params, mb):  # reports the pre-pass denominator it was given, per token
+        t = plain(params, mb)
+        if "step_den" not in mb:
+            return t
+        n = jnp.sum((mb["segment_ids"] > 0).astype(jnp.float32))
+        return t._replace(metrics={"seen": (mb["step_den"][0] * n, n)})
+
+    acc = make_accumulate(
+        loss_fn,
+        make_mesh(2),
+        docs_per_step=5,
+        step_constants=lambda sums: {"step_den": sums.denominator[None]},
+    )
+    batch = {n: jnp.asarray(v) for n, v in build_rows(layout, docs, ROW).items()}
+    sums = jax.jit(acc)(params, batch, jnp.array([0, 3]))
+    assert int(sums.end) == 2 and int(sums.documents) == 6
+    total, count = sums.metrics["seen"]
+    assert float(sums.denominator) > 0
+    np.testing.assert_allclose(float(total / count), float(sums.denominator), rtol=1e-6)
+
+
 def test_docs_per_step_gradient_equals_one_pass_and_cursor_carries():
     rng = np.random.default_rng(5)
     counts = [3, 1, 2, 4]

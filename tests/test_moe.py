@@ -249,3 +249,114 @@ def test_replayed_routes_reach_the_router_gradient(ckpt):
         np.asarray(model.routed_hidden_states(IDS, replay_routes=none)[0]),
         np.asarray(model.hidden_states(IDS)),
     )
+
+
+def test_load_balance_loss_matches_transformers_float64(tmp_path):
+    """The step-wide aux loss (jaxrl/losses/load_balance.py) equals transformers'
+    ``load_balancing_loss_func`` over the whole batch (its padding masked), in value and in
+    the routers' gradient against the float64 HF model, although the engine runs the two
+    documents as two micro-batches (per micro-batch, the loss would differ: checked)."""
+    from jaxrl.config import SFTConfig
+    from jaxrl.losses.load_balance import AUX_LOSS
+    from jaxrl.runtime.mesh import make_mesh
+    from jaxrl.train.accumulate import make_accumulate
+    from jaxrl.train.objectives import load_balance_constants, on_params, sft_objective
+
+    qwen3_moe = transformers.models.qwen3_moe.modeling_qwen3_moe
+    write_moe_checkpoint(tmp_path, output_router_logits=True, router_aux_loss_coef=1.0)
+    lens = (12, 7)
+    ids = [IDS[0].tolist(), IDS[1, : lens[1]].tolist()]
+    # transformers, float64: the two documents as a padded batch
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float64, experts_implementation="eager"
+    )
+    mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lens])
+    x = torch.tensor([d + [0] * (12 - len(d)) for d in ids])
+    logits = ref(x, attention_mask=mask, output_router_logits=True).router_logits
+    aux = qwen3_moe.load_balancing_loss_func(logits, 8, 2, mask)
+    aux.backward()
+    aux = float(aux.detach())
+    grads = [ref.model.layers[i].mlp.gate.weight.grad.numpy().T for i in range(2)]
+    with torch.no_grad():  # per micro-batch (one document each), averaged: not the same loss
+        per_mb = [
+            qwen3_moe.load_balancing_loss_func(
+                ref(torch.tensor([d]), output_router_logits=True).router_logits, 8, 2
+            )
+            for d in ids
+        ]
+    assert abs(float(sum(per_mb)) / 2 - aux) > 1e-3
+    # jaxrl: one document per micro-batch, no loss token (the step loss is the aux loss)
+    model = hf.from_pretrained(tmp_path)
+    assert model.config.router_aux_loss_coef == 1.0
+    graphdef, params = nnx.split(model)
+    batch = {k: np.zeros((1, 2, 16), np.int32) for k in ("tokens", "targets", "segment_ids")}
+    for m, d in enumerate(ids):
+        batch["tokens"][0, m, : len(d)] = d
+        batch["segment_ids"][0, m, : len(d)] = 1
+    batch["loss_mask"] = np.zeros((1, 2, 16), np.float32)
+    batch["doc_sample_index"] = np.zeros((1, 2, 2), np.int32)
+    loss_fn = on_params(sft_objective(SFTConfig()), graphdef)
+    acc = make_accumulate(
+        loss_fn, make_mesh(1), step_constants=load_balance_constants(model.config)
+    )
+    sums = jax.jit(acc)(params, batch, np.array([0, 2], np.int32))
+    assert float(sums.denominator) == 0  # the step loss = numerator / max(0, 1)
+    np.testing.assert_allclose(float(sums.numerator), aux, rtol=1e-5)
+    total, rows = sums.metrics[AUX_LOSS]
+    assert float(rows) == 2 * sum(lens)
+    np.testing.assert_allclose(float(total / rows), aux, rtol=1e-5)
+    for i, g in enumerate(grads):
+        ours = np.asarray(sums.grads["layers"][i]["mlp"]["router_kernel"][...])
+        np.testing.assert_allclose(ours, g, atol=1e-5 * np.abs(g).max(), rtol=0)
+
+
+def test_scorer_replays_recorded_routes(ckpt):
+    """``grpo.router_replay: rollout`` scores old log-probs with the recorded routes too
+    (``Scorer.token_logprobs(token_fields=)``, packed as the train step's rows): the model's
+    own routes change no bit, perturbed ones change the log-probs."""
+    from jaxrl.models.moe.trace import route_fields
+    from jaxrl.train.forward import ROUTE_REPLAY
+    from jaxrl.train.score import Scorer
+
+    model = hf.from_pretrained(ckpt)
+    graphdef, params = nnx.split(model)
+    seqs = [IDS[0], IDS[1, :7], IDS[1, 3:12]]
+    own = [np.asarray(model.routed_hidden_states(s[None])[1].routes_BTLK)[0] for s in seqs]
+
+    def fields(routes):
+        out = {}
+        for s, r in zip(seqs, routes, strict=True):
+            for name, values in route_fields(r, len(s)).items():
+                out.setdefault(name, []).append(values)
+        out[ROUTE_REPLAY] = [np.ones(len(s), np.float32) for s in seqs]
+        return out
+
+    scorer = Scorer(graphdef, row_len=32)
+    plain = scorer.token_logprobs(params, seqs)
+    replayed = scorer.token_logprobs(params, seqs, token_fields=fields(own))
+    perturbed = scorer.token_logprobs(params, seqs, token_fields=fields([(r + 1) % 8 for r in own]))
+    for a, b, c in zip(plain, replayed, perturbed, strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a[1:] - c[1:]).min() > 0  # every predicted token moved
+
+
+def test_session_turns_record_the_routes_of_a_forward(ckpt):
+    """A tool episode's engine session (generate/session.py): each turn's routes (its new
+    tokens' then its generated tokens', the last one included) concatenate to a teacher-forced
+    forward's routes over the whole conversation; a slot sitting a turn out records none."""
+    model = hf.from_pretrained(ckpt, scan_layers=True)
+    sampler = Sampler(model.config, max_new_tokens=5, eos_id=95, pad_id=0)
+    sampler.load_params(model)
+    session = sampler.session(2, 40)
+    keys = jax.random.split(jax.random.key(3), 2)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :3].tolist()]
+    first = session.generate(prompts, keys, max_tokens=[5, 4])
+    env = [IDS[1, 5:9].tolist(), None]  # slot 1 sits turn 2 out
+    second = session.generate(env, keys, max_tokens=[3, 1])
+    assert second.routes[1].shape[0] == 0
+    seq = prompts[0] + first.tokens[0, : first.lengths[0]].tolist() + env[0]
+    seq += second.tokens[0, : second.lengths[0]].tolist()
+    routes = np.concatenate([first.routes[0], second.routes[0]])
+    assert routes.shape == (len(seq), 2, 2)
+    _, trace = model.routed_hidden_states(np.asarray([seq]))
+    np.testing.assert_array_equal(routes, np.asarray(trace.routes_BTLK)[0])

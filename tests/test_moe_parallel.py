@@ -2,7 +2,8 @@
 update: one SFT step of a tiny Qwen3-MoE (8 experts, top-2; scanned, block remat, fp32) on
 data=8, on (data 2, expert 4) and on (data 2, fsdp 2, expert 2) — ZeRO-3 shards of the experts
 too — and with 4× as many micro-batches, gives the same loss, grad norm and updated parameters
-to 1e-6 relative; ``jaxrl memory`` plans an expert mesh."""
+to 1e-6 relative, with the load-balance loss on (its value too); ``jaxrl memory`` plans an
+expert mesh."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ MOE = (
     "num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 128, vocab_size: 64, "
     "num_experts: 8, num_experts_per_tok: 2, moe_intermediate_size: 32, norm_topk_prob: true}"
 )
+# the load-balance loss on (jaxrl/losses/load_balance.py): its step-wide expert fractions make
+# it layout-invariant too
+BALANCED = MOE.replace("norm_topk_prob: true}", "norm_topk_prob: true, router_aux_loss_coef: 0.5}")
 MESHES = {
     "data8": ["mesh.data=8"],
     "d2e4": ["mesh.data=2", "mesh.expert=4"],
@@ -29,10 +33,13 @@ MESHES = {
 def test_expert_parallel_step_equals_data_parallel(tmp_path):
     config, sets = JOBS["sft"]
     runs = {
-        name: _train(tmp_path / name, config, [MOE, *SCANNED, *ONE_STEP, *sets, *mesh])
+        name: _train(tmp_path / name, config, [BALANCED, *SCANNED, *ONE_STEP, *sets, *mesh])
         for name, mesh in MESHES.items()
     }
     _assert_same_step(runs, "data8")
+    aux = {name: rows[0]["moe/aux_loss"] for name, (rows, _) in runs.items()}
+    assert all(abs(a / aux["data8"] - 1) <= 1e-6 for a in aux.values()), aux
+    assert 0 < aux["data8"] <= 0.5 * 8  # coef · K when balanced, at most coef · E
     micro = {name: rows[0]["num_micro_batches"] for name, (rows, _) in runs.items()}
     assert micro["d2e4_4x_micro"] >= 4 * micro["d2e4"], micro
 
@@ -83,3 +90,20 @@ def test_expert_mesh_without_batch_ranks_is_a_config_error():
     with pytest.raises(ConfigError, match="mesh.expert=8"):
         make_mesh(1, 1, 1, expert=8)
     assert make_mesh(2, 1, 1, expert=4).shape == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+
+
+def test_moe_lora_fsdp_bf16_on_cpu_is_a_config_error(monkeypatch):
+    """The combination XLA's CPU compiler aborts on (docs/moe.md) is refused before compiling,
+    naming the fixes; its XLA_FLAGS workaround lifts the refusal."""
+    from jaxrl.runtime.errors import ConfigError
+    from jaxrl.train.build import build_run
+    from jaxrl.train.objectives import sft_objective
+
+    sets = [MOE, "mesh.data=4", "mesh.fsdp=2", "model.dtype=bfloat16", "model.lora.rank=4"]
+    cfg = load_run_config("configs/sft_tiny.yaml", sets)
+    objective = sft_objective(cfg.sft)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(ConfigError, match="mesh.fsdp=2 and model.dtype=bfloat16.*float32"):
+        build_run(cfg, None, objective, abstract=True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=all-reduce-promotion")
+    assert build_run(cfg, None, objective, abstract=True).mesh.shape["fsdp"] == 2

@@ -180,13 +180,15 @@ def _decode_step(
     rows: Callable[[jax.Array], jax.Array],
     keep_idle: bool = False,
     record_routes: bool = False,
+    record_last: bool = False,
 ) -> DecodeState:
     """One decode step of every slot (module doc, steps 1-3). ``key_Sl(r_Sl, t_Sl)``: the keys
     of token t of request r. A slot whose request stops runs its last token too, so its cache
     holds the whole sequence (a session continues it). An empty slot writes a throwaway entry:
     at entry 0 (it will be refilled, and its attention then spans one block), or with
     ``keep_idle`` (a session's slot sitting the turn out) at its position, past everything it
-    holds. ``record_routes``: write the MoE routes of the tokens run for live requests."""
+    holds. ``record_routes``: write the MoE routes of the tokens run for live requests (with
+    ``record_last`` a stopping request's last token's too: a session's next turn follows it)."""
     s, r = state.request_Sl.shape[0], state.tokens_RqN.shape[0]
     eos_E = jnp.asarray(shape.eos_ids, jnp.int32)
     req_Sl, t_Sl, stop_state_Sl = state.request_Sl, state.emitted_Sl, state.stop_state_Sl
@@ -220,7 +222,8 @@ def _decode_step(
     )
     routes_RqNLK = state.routes_RqNLK
     if record_routes:  # token t - 1 of each live request ran now; a last token stays -1
-        fed_Sl = jnp.where(active_Sl & ~finished_Sl, req_Sl, r)
+        kept_Sl = active_Sl if record_last else active_Sl & ~finished_Sl
+        fed_Sl = jnp.where(kept_Sl, req_Sl, r)
         routes_RqNLK = routes_RqNLK.at[fed_Sl, t_Sl - 1].set(routes_Sl1LK[:, 0], mode="drop")
     return DecodeState(
         step=state.step + 1,
@@ -377,6 +380,7 @@ def continue_slots(
     top_p: jax.Array,
     stop_ZV: jax.Array | None,
     mesh: Mesh | None = None,
+    record_routes: bool = False,
 ) -> tuple[jax.Array, ...]:
     """One turn of live slots (``generate/session.py``): slot s holds ``lengths_Sl[s]`` entries;
     its ``new_lengths_Sl[s]`` new tokens (``new_SlE``, right padded) are appended at entries
@@ -385,7 +389,9 @@ def continue_slots(
     up to ``max_tokens_Sl[s]`` tokens. Slots with ``max_tokens_Sl == 0`` sit the turn out and
     keep their entries. ``(tokens [Sl, N], logprobs [Sl, N], lengths [Sl], truncated [Sl],
     decode steps, cache)``; a slot then holds ``lengths + new_lengths + generated`` entries (its
-    last token included)."""
+    last token included). With ``record_routes`` (a MoE model) the MoE routes of the new tokens
+    ``[Sl, E, Lm, K]`` and of the generated ones ``[Sl, N, Lm, K]`` (every one is fed, the last
+    included) come before the cache."""
     s, e = new_SlE.shape
     rows = lambda x: constrain_rows(x, mesh)  # noqa: E731
     cache = dataclasses.replace(
@@ -395,11 +401,16 @@ def continue_slots(
     )
     idx_1E = jnp.arange(e, dtype=jnp.int32)[None, :]
     segment_ids_SlE = (idx_1E < new_lengths_Sl[:, None]).astype(jnp.int32)
-    hidden_SlED, cache = model.decode(new_SlE, lengths_Sl[:, None] + idx_1E, segment_ids_SlE, cache)
+    hidden_SlED, cache, new_routes = _run(
+        model, record_routes, new_SlE, lengths_Sl[:, None] + idx_1E, segment_ids_SlE, cache
+    )
     last_Sl = jnp.maximum(new_lengths_Sl - 1, 0)
     last_SlD = jnp.take_along_axis(hidden_SlED, last_Sl[:, None, None], axis=1)[:, 0]
     logits_SlV = model.logits(last_SlD[:, None])[:, 0]
-    state = _initial_state(shape, s, logits_SlV, cache, rows)
+    routes_LK = None
+    if record_routes:
+        routes_LK = (len(model.config.moe_layers), model.config.num_experts_per_tok)
+    state = _initial_state(shape, s, logits_SlV, cache, rows, routes_LK)
     run_Sl = max_tokens_Sl > 0
     state = dataclasses.replace(
         state,
@@ -411,10 +422,12 @@ def continue_slots(
     def body(state: DecodeState) -> DecodeState:
         return _decode_step(
             model, shape, state, slot_key, max_tokens_Sl, temperature, top_k, top_p, stop_ZV,
-            rows, keep_idle=True,
+            rows, keep_idle=True, record_routes=record_routes, record_last=True,
         )  # fmt: skip
 
     out = lax.while_loop(lambda st: jnp.any(st.request_Sl >= 0), body, state)
+    routes = (new_routes, out.routes_RqNLK) if record_routes else ()
     return (
-        out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step, out.cache
+        out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step, *routes,
+        out.cache,
     )  # fmt: skip

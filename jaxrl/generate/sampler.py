@@ -372,4 +372,5 @@ class Sampler:
             top_p=top_p,
             stop_ZV=stop_ZV,
             mesh=self.mesh,
+            record_routes=bool(self.config.moe_layers),  # MoE: tool episodes' routes
         )

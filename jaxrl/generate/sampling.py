@@ -61,7 +61,8 @@ class SampleResult:
     num_steps: int  # decode steps run
     weight_version: int = -1  # the version of the weights that generated it (-1: unknown)
     routes: list[np.ndarray] | None = None  # MoE models: int32 [P + len, Lm, K] per row, the
-    # experts each prompt and completion token went through; -1 on the last token (never fed)
+    # experts each prompt and completion token went through; -1 on the last token (never fed);
+    # a session's turn (generate/session.py): its new tokens' then its generated tokens'
 
     @classmethod
     def of(

@@ -15,6 +15,10 @@ slots). With ``keys[s] = fold_in(k, 0)`` a slot draws exactly the tokens request
 ``Sampler.generate([conversation], k)`` draws; the log-probs agree to float reduction order (the
 conversation's keys and values were computed turn by turn, not in one prefill).
 
+MoE models: ``SampleResult.routes`` holds, per slot, the expert ids of the turn's new tokens
+then of its generated tokens (the last one included: it is fed), so a conversation's turns
+concatenate to the routes of its whole sequence (router replay, docs/moe.md).
+
 Programs: one per (slots, L, E), E the longest new-token list so far in the session rounded up
 to a power of two >= 8 (a later turn's shorter lists reuse the first turn's program); the
 sampling parameters, keys, limits and tokens are traced.
@@ -126,8 +130,15 @@ class EngineSession:
                 shape=sampler.engine_shape(rows, self.cache_length, 0),
                 key_impl=key_impl,
             )
-        tokens, logprobs, lengths, truncated, steps = to_host(tuple(out))
+        tokens, logprobs, lengths, truncated, steps, *routed = to_host(tuple(out))
         lengths = np.where(run, lengths[:s], 0).astype(np.int32)
+        routes = None
+        if routed:  # MoE: each slot's new tokens' routes, then its generated tokens'
+            new_SlELK, gen_SlNLK = routed
+            routes = [
+                np.concatenate([new_SlELK[i, : sizes[i]], gen_SlNLK[i, : lengths[i]]])
+                for i in range(s)
+            ]
         self.lengths = self.lengths + np.where(run, sizes + lengths, 0)
         return SampleResult(
             tokens=tokens[:s],
@@ -137,6 +148,7 @@ class EngineSession:
             prompt_lengths=self.lengths.astype(np.int32) - lengths,
             num_steps=int(steps),
             weight_version=sampler.weight_version,
+            routes=routes,
         )
 
     def _empty_cache(self) -> SlotKVCache:

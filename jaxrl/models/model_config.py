@@ -138,7 +138,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is MoE iff (i + 1) % step == 0 (and not mlp_only)
     mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (intermediate_size MLP)
-    router_aux_loss_coef: float = 0.0  # load-balance loss weight (0: off; models/moe/balance.py)
+    router_aux_loss_coef: float = 0.0  # load-balance loss weight (0: off; losses/load_balance.py)
     # Run settings, not architecture (never written to config.json):
     attention_impl: str = "auto"  # xla, flash, splash, pallas_gpu or auto (attention.py)
     attention_block_size: int = 128  # query/key block of flash and the Pallas kernels

@@ -83,6 +83,8 @@ class Episode:
     failures: dict[str, int] = dataclasses.field(default_factory=dict)
     truncated: bool = False
     done: bool = False
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # MoE: expert ids of
+    # the context's tokens, in pieces [t, Lm, K] (router replay, docs/moe.md)
 
     @property
     def context(self) -> list[int]:
@@ -134,6 +136,7 @@ class EpisodeBatch:
     reward_completions: list[list[dict[str, Any]]]  # the messages after the prompt, per row
     columns: dict[str, list[Any]]  # the dataset columns, plus ``environments`` when set
     rows: EpisodeRows
+    routes: list[np.ndarray] | None = None  # MoE: expert ids [P + C, Lm, K] per row
 
 
 class EpisodeRunner:
@@ -274,6 +277,9 @@ class EpisodeRunner:
                 for r, ep in enumerate(episodes):
                     if live[r]:
                         m = int(res.lengths[r])
+                        if res.routes is not None:  # the new tokens', then the kept ones'
+                            kept = min(m, self.budget - len(ep.tokens))
+                            ep.routes.append(res.routes[r][: len(pending[r]) + kept])
                         pending[r] = self.record(
                             ep, res.tokens[r, :m], res.logprobs[r, :m], bool(res.truncated[r]),
                             turn,
@@ -304,6 +310,7 @@ class EpisodeRunner:
             reward_completions=[e.messages for e in eps],
             columns=out,
             rows=episode_rows(eps),
+            routes=[np.concatenate(e.routes) for e in eps] if all(e.routes for e in eps) else None,
         )
 
     def turn(
@@ -312,6 +319,8 @@ class EpisodeRunner:
         """One assistant turn of ``ep`` by re-sending its conversation, then its tool calls."""
         res = sampler.generate([ep.context], key, sampling)
         n = int(res.lengths[0])
+        if res.routes is not None:  # the whole context was run again: its routes replace
+            ep.routes = [res.routes[0][: len(ep.context) + min(n, self.budget - len(ep.tokens))]]
         self.record(ep, res.tokens[0, :n], res.logprobs[0, :n], bool(res.truncated[0]), turn)
 
     def record(

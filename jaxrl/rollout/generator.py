@@ -215,7 +215,8 @@ class RolloutGenerator:
 
         ``params`` are the parameters that generated the batch (for old log-probs).
         ``routes``: a MoE sampler's recorded expert ids per row, carried as token fields (and
-        replayed by the training forward with ``grpo.router_replay: rollout``; docs/moe.md).
+        replayed by the training forward and the old log-probs' scoring forward with
+        ``grpo.router_replay: rollout``; the reference model routes itself; docs/moe.md).
         """
         c = self.config
         advantages_B = compute_advantages(
@@ -237,11 +238,14 @@ class RolloutGenerator:
             completion_masks=None if episodes is None else episodes.masks,
             episode_stats=None if episodes is None else episodes.stats,
         )
+        replayed = None  # router replay: the old log-probs' forward replays the routes too
         if routes is not None:
             add_route_fields(batch, routes, replay=c.router_replay == "rollout")
+            if c.router_replay == "rollout":
+                replayed = {k: v for k, v in batch.token_fields.items() if k.startswith("moe_")}
         if self.old_logprobs:
             with self._phase("scoring"):
-                old = self.scorer.token_logprobs(params, batch.sequences)
+                old = self.scorer.token_logprobs(params, batch.sequences, token_fields=replayed)
             batch.set_completion_field("old_logp", _completion_parts(old, batch.prompt_lengths))
         if self.ref_params is not None:
             with self._phase("scoring"):
@@ -296,8 +300,9 @@ class RolloutGenerator:
                     timeout=self.config.reward_timeout,
                 )
             return Sampled(
-                list(prompt_ids), ep.completions, ep.logps, ep.truncated, rewards_BW, ep.rows
-            )
+                list(prompt_ids), ep.completions, ep.logps, ep.truncated, rewards_BW, ep.rows,
+                routes=ep.routes,
+            )  # fmt: skip
         with self._phase("sampling"):
             res = self.sampler.generate(list(prompt_ids), key)
             completions = res.completions()

@@ -46,6 +46,8 @@ from jaxrl.runtime.mesh import DATA_AXIS, FSDP_AXIS
 from jaxrl.runtime.spmd import manual_batch_axes
 
 LossFn = Callable[[Any, dict[str, jax.Array]], LossTerms]
+# the step's summed LossTerms of a no-grad pre-pass -> fields added to every micro-batch
+StepConstants = Callable[[LossTerms], dict[str, jax.Array]]
 
 
 class StepSums(NamedTuple):
@@ -147,6 +149,7 @@ def _rank_sums(
     comm: _Collectives,
     frozen: Any = None,
     frozen_specs: Any = None,
+    step_constants: StepConstants | None = None,
 ) -> StepSums:
     """One rank's accumulation (inside shard_map); returns sums over every rank. ``frozen``:
     constant inputs of the loss (a LoRA run's base), passed as ``loss_fn(params, mb, frozen)``
@@ -172,6 +175,34 @@ def _rank_sums(
             lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=True), batch_MT
         )
 
+    def rounds(add, init, total_of):
+        """``(end, carry)``: ``add(carry, i, active)`` over the step's rounds per ``loop``;
+        ``total_of(carry)``: the documents consumed so far (the ``docs_per_step`` stop)."""
+        if loop == "while":
+
+            def cond(state):
+                i, carry = state
+                below = (docs_per_step == 0) | (total_of(carry) < docs_per_step)
+                return (i < stop) & below
+
+            def body(state):
+                i, carry = state
+                return i + 1, add(carry, i, jnp.bool_(True))
+
+            return jax.lax.while_loop(cond, body, (start, init))
+
+        # static baseline for benchmarks: every slot in [start, stop), no early exit
+        def scan_body(carry, i):
+            return add(carry, i, (i >= start) & (i < stop)), None
+
+        carry, _ = jax.lax.scan(scan_body, init, jnp.arange(num_slots))
+        return stop, carry
+
+    if step_constants is not None:  # a no-grad pre-pass over the same rounds (docs/moe.md)
+        micro_batch = _with_step_constants(
+            loss_fn, params, micro_batch, rounds, global_docs_M, step_constants, comm
+        )
+
     grad_fn = jax.value_and_grad(lambda p, mb: _numerator(loss_fn, p, mb), has_aux=True)
     zero_terms = _zeros_like_terms(loss_fn, params, micro_batch(0))
     shard_shapes = jax.eval_shape(comm.grads_over_fsdp, params)
@@ -191,31 +222,39 @@ def _rank_sums(
         return grads, terms, total, mbs, toks, loss_toks
 
     init = (zero_grads, zero_terms, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0))
-    if loop == "while":
-
-        def cond(state):
-            i, (_, _, total, _, _, _) = state
-            below = (docs_per_step == 0) | (total < docs_per_step)
-            return (i < stop) & below
-
-        def body(state):
-            i, carry = state
-            return i + 1, add(carry, i, jnp.bool_(True))
-
-        end, carry = jax.lax.while_loop(cond, body, (start, init))
-    else:  # static baseline for benchmarks: every slot in [start, stop), no early exit
-
-        def scan_body(carry, i):
-            return add(carry, i, (i >= start) & (i < stop)), None
-
-        carry, _ = jax.lax.scan(scan_body, init, jnp.arange(num_slots))
-        end = stop
+    end, carry = rounds(add, init, lambda c: c[2])
     grads, terms, total, mbs, toks, loss_toks = carry
     grads = comm.psum(grads, (DATA_AXIS,))  # already summed over fsdp, round by round
     terms, mbs, toks, loss_toks = comm.psum((terms, mbs, toks, loss_toks))
     return StepSums(
         grads, terms.numerator, terms.denominator, terms.metrics, total, toks, mbs, end, loss_toks
     )
+
+
+def _with_step_constants(
+    loss_fn: LossFn,
+    params: Any,
+    micro_batch: Callable[[jax.Array], dict[str, jax.Array]],
+    rounds: Callable[..., Any],
+    global_docs_M: jax.Array,
+    step_constants: StepConstants,
+    comm: _Collectives,
+) -> Callable[[jax.Array], dict[str, jax.Array]]:
+    """The gradient pass's micro-batches: ``micro_batch(i)`` plus the fields
+    ``step_constants`` makes of the step's ``LossTerms`` summed (over the rounds the step
+    consumes, and over the ranks) by a no-grad pre-pass of ``loss_fn``."""
+    zero = _zeros_like_terms(loss_fn, params, micro_batch(0))
+
+    def add(carry, i, active):
+        terms, total = carry
+        t = loss_fn(params, micro_batch(i))
+        w = active.astype(jnp.float32)
+        terms = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), terms, t)
+        return terms, total + jnp.where(active, global_docs_M[i], 0)
+
+    _, (sums, _) = rounds(add, (zero, jnp.int32(0)), lambda c: c[1])
+    constants = step_constants(comm.psum(jax.lax.stop_gradient(sums)))
+    return lambda i: {**micro_batch(i), **constants}
 
 
 def _with_frozen(
@@ -243,6 +282,7 @@ def make_accumulate(
     loop: Literal["while", "scan"] = "while",
     grad_specs: Any | None = None,
     frozen_specs: Any | None = None,
+    step_constants: StepConstants | None = None,
 ) -> Callable[..., StepSums]:
     """``(params, batch[R,M,...], bounds[2], frozen=None) -> StepSums``, manual over the batch
     axes. ``frozen`` (e.g. a LoRA run's base) enters the loss as ``loss_fn(params, mb, frozen)``
@@ -255,6 +295,10 @@ def make_accumulate(
     as their fsdp shards (ZeRO-3, above) and the gradients come back split over fsdp as the
     parameters are (without it the parameters enter whole and the gradients come back whole).
     ``frozen_specs``: the same for ``frozen`` (without them it enters whole).
+    ``step_constants``: a no-grad pre-pass of ``loss_fn`` over the rounds the step consumes
+    first sums its ``LossTerms`` (over rounds and ranks); the fields this function makes of
+    them join every micro-batch of the gradient pass (the MoE load-balance loss's step-wide
+    expert fractions, ``jaxrl.losses.load_balance``).
     """
     manual = manual_batch_axes(mesh)
     comm = _Collectives(manual, grad_specs)
@@ -271,6 +315,7 @@ def make_accumulate(
             comm=comm,
             frozen=frozen,
             frozen_specs=frozen_specs,
+            step_constants=step_constants,
         )
 
     if not manual:  # one rank over several tensor devices: XLA partitions the whole loop

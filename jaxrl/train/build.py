@@ -11,6 +11,7 @@ attention kernel, layer stack: ``MODEL_SECTION_KEYS``) in both cases.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from jaxrl.models.model_config import LoraSpec, ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config
-from jaxrl.train.objectives import Objective, on_params
+from jaxrl.train.objectives import Objective, load_balance_constants, on_params
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.precision import auto_compute_dtype
 from jaxrl.train.state import TrainState, abstract_state, create_state
@@ -74,13 +75,17 @@ def model_config(
     ``vocab_size``: the tokenizer's, when known. ``model.init`` takes it as the vocabulary
     unless ``model.init.vocab_size`` names a larger one (padded, as HF models are); a model
     smaller than the tokenizer is refused (``ConfigError``), since ids past its vocabulary would
-    be clamped silently. ``model.path`` errors are those of ``read_config``.
+    be clamped silently. ``model.path`` errors are those of ``read_config``; with it,
+    ``model.init.router_aux_loss_coef`` (the MoE load-balance loss, docs/moe.md) still applies.
     """
     settings = {name: getattr(section, name) for name in MODEL_SECTION_KEYS}
     settings["dtype"] = auto_compute_dtype(section.dtype, platform)
     settings["lora"] = lora_spec(section)
     if section.path is not None:
         config = read_config(section.path, **settings)
+        if "router_aux_loss_coef" in section.init:  # a training setting over config.json's
+            coef = float(section.init["router_aux_loss_coef"])
+            config = dataclasses.replace(config, router_aux_loss_coef=coef)
         if vocab_size is not None and vocab_size > config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {vocab_size} tokens but the model at model.path="
@@ -194,6 +199,7 @@ def build_run(
             path = cfg.model.lora.adapter_path
             adapters = load_adapters(path, config, state.params, shardings.params)
             state = state.replace(params=adapters)
+    check_cpu_compiler(config, mesh)
     step = TrainStep(
         on_params(objective, graphdef),
         tx,
@@ -205,8 +211,32 @@ def build_run(
         master_rounding=cfg.optimizer.master_rounding,
         frozen=frozen,
         frozen_shardings=frozen_shardings,
+        step_constants=load_balance_constants(config),  # MoE aux loss on: a pre-pass
     )
     return RunParts(mesh, config, graphdef, state, shardings, step, frozen, frozen_shardings)
+
+
+CPU_AR_PASS = "all-reduce-promotion"  # XLA's CPU pass that aborts on MoE + LoRA + fsdp in bf16
+
+
+def check_cpu_compiler(config: ModelConfig, mesh: Mesh) -> None:
+    """ConfigError for the one layout XLA's CPU compiler aborts on (the whole process, not an
+    exception): LoRA on a MoE model with ``mesh.fsdp > 1`` and a bfloat16 compute dtype. Its
+    ``all-reduce-promotion`` pass fails with "Invalid binary instruction opcode copy" while
+    rewriting the step's all-reduces; with that pass disabled the step compiles and runs
+    (docs/moe.md). Other backends are not checked."""
+    if not (config.moe_layers and config.lora is not None and jax.default_backend() == "cpu"):
+        return
+    fsdp = dict(mesh.shape).get("fsdp", 1)
+    bf16 = str(config.dtype or config.param_dtype) == "bfloat16"
+    if fsdp > 1 and bf16 and CPU_AR_PASS not in os.environ.get("XLA_FLAGS", ""):
+        raise ConfigError(
+            f"model.lora.rank={config.lora.rank} on a MoE model with mesh.fsdp={fsdp} and "
+            "model.dtype=bfloat16 aborts XLA's CPU compiler (its all-reduce-promotion pass: "
+            "'Invalid binary instruction opcode copy'); on CPU use model.dtype=float32 or "
+            f"mesh.fsdp=1, or start with XLA_FLAGS=--xla_disable_hlo_passes={CPU_AR_PASS} "
+            "(the step then compiles and runs; docs/moe.md)"
+        )
 
 
 def exact_base(cfg: RunConfig, vocab_size: int, mesh: Mesh) -> Any:

@@ -19,15 +19,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.config import DPOConfig, GRPOConfig, KTOConfig, SFTConfig
+from jaxrl.losses import load_balance
 from jaxrl.losses.dpo import dpo_loss_terms, pair_documents
 from jaxrl.losses.kto import kto_loss_terms
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.losses.policy import policy_loss_terms
 from jaxrl.losses.sampler_correction import sampler_weights
 from jaxrl.losses.sft import sft_terms
+from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.moe.trace import route_disagreement
 from jaxrl.models.transformer import Transformer
-from jaxrl.train.accumulate import LossFn
+from jaxrl.train.accumulate import LossFn, StepConstants
 from jaxrl.train.forward import micro_batch_logprobs, routed_logprobs
 
 Objective = Callable[[Transformer, dict[str, jax.Array]], LossTerms]
@@ -59,11 +61,12 @@ def sft_objective(config: SFTConfig, *, chunk_size: int = 0) -> Objective:
     mode = config.loss_normalization
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-        logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
+        logp_BT, _, moe = policy_logprobs(model, mb, chunk_size=chunk_size)
         segments = mb["doc_sample_index"].shape[-1]
-        return sft_terms(
+        terms = sft_terms(
             logp_BT, mb["loss_mask"], mb["segment_ids"], mode=mode, num_segments=segments
         )
+        return with_moe_terms(terms, moe)
 
     return objective
 
@@ -84,9 +87,9 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
     orpo = config.loss_type == "orpo"
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-        logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
+        logp_BT, _, moe = policy_logprobs(model, mb, chunk_size=chunk_size)
         ref_c_BPr, ref_r_BPr = pair_documents(mb[REF_FIELD]) if needs_ref else (None, None)
-        return dpo_loss_terms(
+        terms = dpo_loss_terms(
             logp_BT,
             mb["loss_mask"],
             mb["segment_ids"],
@@ -96,6 +99,7 @@ def dpo_objective(config: DPOConfig, *, chunk_size: int = 0) -> Objective:
             nll_weight=mb[NLL_WEIGHT_FIELD][0] if orpo else None,
             **kwargs,
         )
+        return with_moe_terms(terms, moe)
 
     return objective
 
@@ -112,8 +116,8 @@ def kto_objective(config: KTOConfig, *, chunk_size: int = 0) -> Objective:
     )
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-        logp_BT, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size)
-        return kto_loss_terms(
+        logp_BT, _, moe = policy_logprobs(model, mb, chunk_size=chunk_size)
+        terms = kto_loss_terms(
             logp_BT,
             mb["loss_mask"],
             mb["segment_ids"],
@@ -123,6 +127,7 @@ def kto_objective(config: KTOConfig, *, chunk_size: int = 0) -> Objective:
             num_segments=mb["doc_sample_index"].shape[-1],
             **kwargs,
         )
+        return with_moe_terms(terms, moe)
 
     return objective
 
@@ -149,16 +154,9 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
     correction = config.importance_sampling_correction
 
     def objective(model: Transformer, mb: dict[str, jax.Array]) -> LossTerms:
-        moe_metrics: dict[str, tuple[jax.Array, jax.Array]] = {}
-        if model.config.moe_layers:  # MoE: the routing too (router replay, moe metrics)
-            logp_BT, entropy_BT, trace, recorded = routed_logprobs(
-                model, mb, chunk_size=chunk_size, temperature=config.temperature
-            )
-            moe_metrics = moe_route_metrics(trace, recorded, mb)
-        else:
-            logp_BT, entropy_BT = micro_batch_logprobs(
-                model, mb, chunk_size=chunk_size, temperature=config.temperature
-            )
+        logp_BT, entropy_BT, moe = policy_logprobs(  # MoE: route metrics, router replay
+            model, mb, chunk_size=chunk_size, temperature=config.temperature, routes=True
+        )
         weight_BT, weight_metrics = None, {}
         if correction is not None:
             weight_BT, weight_metrics = sampler_weights(
@@ -191,7 +189,6 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             kl_bias_correction=config.use_bias_correction_kl,
         )
         terms.metrics.update(weight_metrics)
-        terms.metrics.update(moe_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
         gap_BT = jnp.abs(jax.lax.stop_gradient(logp_BT) - mb["sampler_logp"])
         terms.metrics[MISMATCH] = (
@@ -204,7 +201,7 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
                 jnp.sum(jnp.where(m_BT, log_ratio_BT, 0.0)),
                 jnp.sum(m_BT.astype(jnp.float32)),
             )
-        return terms
+        return with_moe_terms(terms, moe)
 
     return objective
 
@@ -221,3 +218,71 @@ def moe_route_metrics(
         return {ROUTE_DISAGREEMENT: (zero, zero)}
     mask_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)
     return {ROUTE_DISAGREEMENT: route_disagreement(trace.routes_BTLK, recorded_BTLK, mask_BT)}
+
+
+MoeTerms = tuple[jax.Array | None, dict[str, tuple[jax.Array, jax.Array]]]
+
+
+def policy_logprobs(
+    model: Transformer,
+    mb: dict[str, jax.Array],
+    *,
+    chunk_size: int = 0,
+    temperature: float | jax.Array = 1.0,
+    routes: bool = False,
+) -> tuple[jax.Array, jax.Array, MoeTerms]:
+    """``(logp_BT, entropy_BT, moe)``: :func:`micro_batch_logprobs`, and for a MoE model the
+    terms :func:`with_moe_terms` adds: ``routes`` (GRPO) reports ``moe/route_disagreement``;
+    ``router_aux_loss_coef > 0`` adds the load-balance loss (``jaxrl.losses.load_balance``:
+    the pre-pass reports the expert counts, the gradient pass adds the loss). A dense model, or
+    a MoE one with neither, runs the plain forward."""
+    cfg = model.config
+    balance = bool(cfg.moe_layers) and cfg.router_aux_loss_coef > 0
+    if not (cfg.moe_layers and (routes or balance)):
+        logp_BT, entropy_BT = micro_batch_logprobs(
+            model, mb, chunk_size=chunk_size, temperature=temperature
+        )
+        return logp_BT, entropy_BT, (None, {})
+    logp_BT, entropy_BT, trace, recorded = routed_logprobs(
+        model, mb, chunk_size=chunk_size, temperature=temperature
+    )
+    metrics = moe_route_metrics(trace, recorded, mb) if routes else {}
+    aux = None
+    if balance and load_balance.F_FIELD in mb:  # the gradient pass
+        aux, balance_metrics = load_balance.balance_terms(
+            trace.probs_BTE,
+            mb["segment_ids"],
+            mb[load_balance.F_FIELD][0],
+            mb[load_balance.SCALE_FIELD][0],
+            coef=cfg.router_aux_loss_coef,
+            num_layers=len(cfg.moe_layers),
+            top_k=cfg.num_experts_per_tok,
+        )
+        metrics.update(balance_metrics)
+    elif balance:  # the engine's pre-pass: the step's expert counts
+        counts = load_balance.expert_counts(trace.routes_BTLK, mb["segment_ids"], cfg.num_experts)
+        metrics[load_balance.COUNTS] = counts
+    return logp_BT, entropy_BT, (aux, metrics)
+
+
+def with_moe_terms(terms: LossTerms, moe: MoeTerms) -> LossTerms:
+    """``terms`` with :func:`policy_logprobs`'s MoE metrics and load-balance numerator."""
+    aux, metrics = moe
+    if aux is None and not metrics:
+        return terms
+    numerator = terms.numerator if aux is None else terms.numerator + aux
+    return LossTerms(numerator, terms.denominator, {**terms.metrics, **metrics})
+
+
+def load_balance_constants(config: ModelConfig) -> StepConstants | None:
+    """The engine's ``step_constants`` for a MoE model with ``router_aux_loss_coef > 0`` (the
+    step's expert fractions f_e and max(D, 1) / N from the pre-pass's sums); None otherwise
+    (no pre-pass: the step program is unchanged)."""
+    if not config.moe_layers or config.router_aux_loss_coef <= 0:
+        return None
+
+    def constants(sums: LossTerms) -> dict[str, jax.Array]:
+        counts_E, rows = sums.metrics[load_balance.COUNTS]
+        return load_balance.step_constants(counts_E, rows, sums.denominator)
+
+    return constants

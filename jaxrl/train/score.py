@@ -49,6 +49,7 @@ from jaxrl.train.accumulate import as_shards, fsdp_in_specs, marked
 from jaxrl.train.forward import micro_batch_scores
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
+FORWARD_FIELD_PREFIX = "moe_"  # float token fields the forward reads (router replay)
 
 _sequence_values = jax.jit(sequence_logps, static_argnums=(3, 4))
 _entropy_threshold = jax.jit(entropy_threshold, static_argnums=2)
@@ -167,11 +168,16 @@ class Scorer:
         self, params: Any, rows: Mapping[str, np.ndarray], *, temperature: float | None = None
     ) -> RowScores:
         """Score host rows ``rows[f]`` of shape ``[..., T]`` for f in :data:`ROW_FIELDS`
-        (e.g. a packed batch's ``[R, M, T]``); results have the same shape."""
+        (e.g. a packed batch's ``[R, M, T]``); results have the same shape. Fields named
+        ``moe_*`` (a MoE rollout's recorded routes and replay flag, ``moe/trace.py``) reach
+        the forward too, which then replays the routes as the train step's does."""
         temp = self.temperature if temperature is None else float(temperature)
         shape = np.shape(rows["tokens"])
         t = shape[-1]
         flat = {k: np.asarray(rows[k], np.int32).reshape(-1, t) for k in ROW_FIELDS}
+        for k in rows:  # float token fields the forward reads (router replay's routes)
+            if k.startswith(FORWARD_FIELD_PREFIX):
+                flat[k] = np.asarray(rows[k], np.float32).reshape(-1, t)
         live = np.flatnonzero((flat["segment_ids"] > 0).any(axis=1))
         n = flat["tokens"].shape[0]
         logp = np.zeros((n, t), np.float32)
@@ -184,7 +190,7 @@ class Scorer:
             idx = live[lo : lo + c]
             batch = {}
             for name, arr in flat.items():
-                block = np.zeros((c, t), np.int32)
+                block = np.zeros((c, t), arr.dtype)
                 block[: idx.size] = arr[idx]
                 batch[name] = put_rows(block, self.mesh)
             with on_mesh(self.mesh):
@@ -247,14 +253,23 @@ class Scorer:
         sequences: Sequence[np.ndarray],
         *,
         temperature: float | None = None,
+        token_fields: Mapping[str, Sequence[np.ndarray]] | None = None,
     ) -> list[np.ndarray]:
         """Token-aligned log-probs per document: value i is log p(token i | tokens < i); 0 at 0.
 
-        The documents are packed into rows of ``row_len`` tokens (the constructor's)."""
+        The documents are packed into rows of ``row_len`` tokens (the constructor's).
+        ``token_fields``: per-document float fields packed with them as the train step's
+        batches are; the ``moe_*`` ones reach the forward (a MoE rollout's recorded routes and
+        replay flag: the scoring forward replays them, docs/moe.md)."""
         if self.row_len is None:
             raise ValueError("Scorer.token_logprobs needs the Scorer's row_len")
-        packed = pack_sequences(list(sequences), row_len=self.row_len)
-        logp = self.score(params, _rows_of(packed), temperature=temperature).logp
+        fields = dict(token_fields or {})
+        packed = pack_sequences(list(sequences), row_len=self.row_len, token_fields=fields)
+        rows = _rows_of(packed)
+        rows.update(
+            {k: v for k, v in packed.token_fields.items() if k.startswith(FORWARD_FIELD_PREFIX)}
+        )
+        logp = self.score(params, rows, temperature=temperature).logp
         by_doc = packed.split_by_sample(logp)  # value j predicts token j + 1
         return [
             np.concatenate([[0.0], by_doc[i][:-1]]).astype(np.float32)

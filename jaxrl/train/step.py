@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl.losses.normalize import finalize
 from jaxrl.runtime.mesh import make_mesh, put_batch, replicated
 from jaxrl.runtime.spmd import manual_batch_axes
-from jaxrl.train.accumulate import LossFn, as_shards, make_accumulate
+from jaxrl.train.accumulate import LossFn, StepConstants, as_shards, make_accumulate
 from jaxrl.train.precision import Rounding, write_master
 from jaxrl.train.state import TrainState
 
@@ -51,11 +51,13 @@ class TrainStep:
         master_rounding: Rounding | None = None,
         frozen: Any = None,
         frozen_shardings: Any = None,
+        step_constants: StepConstants | None = None,
     ):
         """``frozen``: the loss's constant inputs (a LoRA run's frozen base, already placed in
         ``frozen_shardings``): ``loss_fn(params, mb, frozen)``; only ``state.params`` are
         differentiated and updated. With ``state_shardings`` (and ``frozen_shardings``) and
-        ``fsdp > 1``, both enter the accumulation as ZeRO-3 shards (``accumulate.py``)."""
+        ``fsdp > 1``, both enter the accumulation as ZeRO-3 shards (``accumulate.py``).
+        ``step_constants``: a no-grad pre-pass's step-wide fields (``make_accumulate``)."""
         self.mesh = mesh
         self.frozen = frozen
         self.compiles = 0
@@ -71,6 +73,7 @@ class TrainStep:
             loop=loop,
             grad_specs=grad_specs,
             frozen_specs=None if frozen_shardings is None else _specs(frozen_shardings),
+            step_constants=step_constants,
         )
         self._tx = tx
         self._lr = learning_rate

@@ -464,8 +464,9 @@ class Session:
         checkpoint go back as bf16 and an fp32 checkpoint stays fp32 whatever the compute
         dtype. generation_config.json (the source's, with the tokenizer's ids) makes
         transformers' ``generate()`` stop where jaxrl's sampler does. A LoRA run also writes
-        its adapters in PEFT's format to ``<output_dir>/adapter`` (``jaxrl.models.adapters.peft``)
-        and exports the merged model (``W + scaling · A B``, a quantised base dequantised) as
+        its adapters in PEFT's format to ``<output_dir>/adapter`` (``jaxrl.models.adapters.peft``;
+        not for a MoE model, whose per-expert adapters PEFT cannot hold) and exports the merged
+        model (``W + scaling · A B``, a quantised base dequantised) as
         ``hf``, with ``W`` and every untouched weight read again in their original precision
         (``train.build.exact_base``), so ``hf`` is PEFT's merge of the base and ``adapter``.
         """
@@ -475,7 +476,8 @@ class Session:
         base = read_generation_config(source) if source else {}
         model = self.model
         if self.frozen is not None:  # LoRA: the adapters alone (PEFT), then the merged model
-            save_adapters(model, self.output_dir / "adapter", base_model=source)
+            if not model.config.moe_layers:  # PEFT has no per-expert adapters: merged only
+                save_adapters(model, self.output_dir / "adapter", base_model=source)
             # onto the base as read, not the compute-dtype copy the steps used
             exact = exact_base(self.cfg, self.vocab_size, self.mesh)
             model = nnx.merge(self.graphdef, lora.join(self.state.params, exact))

@@ -3,7 +3,7 @@
 :class:`MoeTrace` holds, for every token, the expert ids each MoE layer chose (``routes``,
 ``[B, T, Lm, K]`` int32, Lm = MoE layers in order; the rollout row's layout) and the sum over
 the MoE layers of the router's softmax (``probs``, ``[B, T, E]`` float32; the load-balance loss
-is linear in it, ``balance.py``). :func:`trace_step` builds the layer-stack step
+is linear in it, ``jaxrl/losses/load_balance.py``). :func:`trace_step` builds the layer-stack step
 (``layer_stack.run_blocks``) that fills it, layer ``i`` writing slot ``moe_index(i)``, and that
 feeds each MoE layer its slot of replayed routes when given.
 """
