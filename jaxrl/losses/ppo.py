@@ -125,20 +125,77 @@ def value_loss_terms(
 
     numerator Σ_t m_t ℓ_t, denominator Σ_t m_t over the micro-batch's loss tokens; the engine
     sums both over micro-batches and ranks and divides once. Metrics (sum, count):
-    ``value_loss`` (= the loss), ``value/mean`` (V over loss tokens) and ``value/clipfrac``
-    (tokens where the clipped branch is the larger)."""
+    ``value_loss`` (the loss without c_v, as TRL logs ``vf_loss``), ``value/mean`` (V over
+    loss tokens) and ``value/clipfrac`` (tokens where the clipped branch is the larger)."""
     on = (loss_mask_BT > 0) & (segment_ids_BT > 0)
     v = values_BT.astype(jnp.float32)
     old = old_values_BT.astype(jnp.float32)
     ret = returns_BT.astype(jnp.float32)
     clipped = old + jnp.clip(v - old, -clip_range_value, clip_range_value)
     plain, clip = jnp.square(v - ret), jnp.square(clipped - ret)
-    loss_BT = 0.5 * vf_coef * jnp.maximum(plain, clip)
+    loss_BT = 0.5 * jnp.maximum(plain, clip)
     total = jnp.sum(jnp.where(on, loss_BT, 0.0))
     count = jnp.sum(on.astype(jnp.float32))
     metrics = {
-        VALUE_LOSS: (jax.lax.stop_gradient(total), count),
+        VALUE_LOSS: (jax.lax.stop_gradient(total), count),  # without c_v, as TRL logs vf_loss
         VALUE_MEAN: (jnp.sum(jnp.where(on, jax.lax.stop_gradient(v), 0.0)), count),
         VALUE_CLIPFRAC: (jnp.sum(jnp.where(on & (clip > plain), 1.0, 0.0)), count),
     }
-    return LossTerms(total, count, metrics)
+    return LossTerms(vf_coef * total, count, metrics)
+
+
+def ppo_advantages(
+    rewards_B: np.ndarray,
+    values: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    *,
+    gamma: float,
+    lam: float,
+    kl: Sequence[np.ndarray] | None = None,
+    beta: float = 0.0,
+    whiten_advantages: bool = True,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(advantages, returns)`` float32 per completion token of a whole generation batch.
+
+    Row i's completion tokens get :func:`token_rewards` (``rewards_B[i]`` on its last loss token,
+    −β·kl_t on every loss token when ``kl`` is given), then :func:`gae` against the critic's
+    ``values`` (V_old), each row its own document. Returns R = A + V are taken before
+    whitening; the advantages are then whitened over every loss token of the batch
+    (:func:`whiten`). Unscorable rows (NaN reward) get A = 0 and R = V_old and stay out of the
+    whitening statistics.
+    """
+    r_B = np.asarray(rewards_B, np.float64)
+    n = len(values)
+    width = max((len(v) for v in values), default=0)
+    rew_RT, val_RT, mask_RT = np.zeros((n, width)), np.zeros((n, width)), np.zeros((n, width))
+    seg_RT = np.zeros((n, width), np.int32)
+    for i, (v, m) in enumerate(zip(values, masks, strict=True)):
+        scorable = not np.isnan(r_B[i])
+        on = (np.asarray(m) > 0) & scorable
+        k = None if kl is None else kl[i]
+        rew_RT[i, : len(v)] = token_rewards(r_B[i] if scorable else 0.0, on, k, beta)
+        val_RT[i, : len(v)] = v
+        mask_RT[i, : len(v)] = on
+        seg_RT[i, : len(v)] = 1
+    adv_RT, ret_RT = gae(rew_RT, val_RT, mask_RT, seg_RT, gamma=gamma, lam=lam)
+    lengths = [len(v) for v in values]
+    adv = [adv_RT[i, :c] for i, c in enumerate(lengths)]
+    on_rows = [mask_RT[i, :c] for i, c in enumerate(lengths)]
+    if whiten_advantages:
+        adv = whiten(adv, on_rows)
+    returns = [
+        np.where(o > 0, ret_RT[i, : len(o)], np.asarray(values[i], np.float64))
+        for i, o in enumerate(on_rows)
+    ]
+    return [a.astype(np.float32) for a in adv], [r.astype(np.float32) for r in returns]
+
+
+def explained_variance(
+    returns: Sequence[np.ndarray], values: Sequence[np.ndarray], masks: Sequence[np.ndarray]
+) -> float:
+    """1 − Var(R − V) / Var(R) over the batch's loss tokens (NaN when Var(R) = 0)."""
+    on = [np.asarray(m) > 0 for m in masks]
+    r = np.concatenate([np.asarray(x, np.float64)[o] for x, o in zip(returns, on, strict=True)])
+    v = np.concatenate([np.asarray(x, np.float64)[o] for x, o in zip(values, on, strict=True)])
+    var = r.var() if r.size else 0.0
+    return float(1.0 - (r - v).var() / var) if var > 0 else float("nan")
