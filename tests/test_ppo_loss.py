@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from jaxrl.losses.normalize import finalize
-from jaxrl.losses.ppo import gae, kl_penalty, token_rewards, value_loss_terms, whiten
+from jaxrl.losses.ppo import (
+    gae,
+    kl_penalty,
+    ppo_advantages,
+    token_rewards,
+    value_loss_terms,
+    whiten,
+)
 
 
 def _packed_rows(seed: int, rows: int = 3, t: int = 29):
@@ -140,3 +147,27 @@ def test_value_loss_value_and_gradient_match_float64():
     total, count = terms.metrics["value_loss"]
     assert float(total / count) == pytest.approx(want / coef, rel=1e-6)  # logged without c_v
     assert float(terms.metrics["value/mean"][0] / count) == pytest.approx(v64[on].mean(), rel=1e-5)
+
+
+def test_ppo_advantages_returns_before_whitening_and_unscorable_rows():
+    rng = np.random.default_rng(7)
+    values = [rng.normal(size=n) for n in (3, 5, 2)]
+    masks = [np.array([1, 1, 1]), np.array([1, 0, 1, 1, 1]), np.array([1, 1])]
+    kl = [rng.normal(size=v.size) * 0.1 for v in values]
+    rewards = np.array([1.0, 0.0, np.nan])  # the last row is unscorable
+    adv, ret = ppo_advantages(rewards, values, masks, gamma=0.9, lam=0.8, kl=kl, beta=0.2)
+    raw, want_ret = [], []
+    for r, v, m, k in zip(rewards[:2], values[:2], masks[:2], kl[:2], strict=True):
+        rew = token_rewards(r, m, k, 0.2)
+        a, g = gae(rew[None], v[None], m[None], np.ones((1, v.size)), gamma=0.9, lam=0.8)
+        raw.append(a[0])
+        want_ret.append(np.where(m > 0, g[0], v))
+    for got, want in zip(ret[:2], want_ret, strict=True):  # R = A + V, before whitening
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ret[2], values[2], rtol=1e-6)  # unscorable: R = V_old, A = 0
+    assert np.all(adv[2] == 0)
+    white = whiten(raw, masks[:2])
+    for got, want in zip(adv[:2], white, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    on = np.concatenate([a[m > 0] for a, m in zip(adv[:2], masks[:2], strict=True)])
+    assert abs(on.mean()) < 1e-6 and on.std(ddof=1) == pytest.approx(1.0, rel=1e-4)
