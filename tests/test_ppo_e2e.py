@@ -114,6 +114,7 @@ def _run(tmp_path, name):
     from jaxrl.trainers import run
 
     sets = [*SMALL, *LAYOUTS["dp1_1mb"][0], f"output_dir={tmp_path / name}", "max_steps=3",
+            "grpo.num_iterations=2",  # μ = 2: step 2 trains on step 1's generation
             "checkpoint.every=1", "logging.eval_every=0", "logging.progress=false"]  # fmt: skip
     with use_devices(jax.devices()[:1]):
         return run(load_run_config("configs/ppo_tiny.yaml", sets))
@@ -125,16 +126,17 @@ def _rows(path):
 
 @pytest.mark.slow
 def test_ppo_resume_gives_the_uninterrupted_next_step_critic_included(tmp_path, monkeypatch):
-    """A run stopped after step 2 (its checkpoint: the policy's and the critic's) and started
-    again gives the uninterrupted run's step 3, the actor's and the critic's numbers; the
-    exported critic reads back through ppo.critic_path."""
+    """A run stopped after step 1, mid-generation (μ = 2: its rows, with their V_old and
+    returns, wait in the checkpointed queue; the critic is checkpointed beside the policy), and
+    started again gives the uninterrupted run's steps 2 and 3, the actor's and the critic's
+    numbers; the exported critic reads back through ppo.critic_path."""
     from jaxrl.trainers.session import Session
 
     straight = _run(tmp_path, "straight")
     original = Session.run_step
 
     def crashing(self, *args, **kwargs):
-        if self.step == 2:
+        if self.step == 1:
             raise _Crash
         return original(self, *args, **kwargs)
 
@@ -143,10 +145,12 @@ def test_ppo_resume_gives_the_uninterrupted_next_step_critic_included(tmp_path, 
         _run(tmp_path, "resumed")
     monkeypatch.setattr(Session, "run_step", original)
     _run(tmp_path, "resumed")
-    a, b = _rows(tmp_path / "straight")[-1], _rows(tmp_path / "resumed")[-1]
-    assert a["step"] == b["step"] == 3
-    for key in ("loss", "grad_norm", "value_loss", "critic/grad_norm", "value/mean", "reward"):
-        assert a[key] == b[key], key
+    straight_rows, resumed_rows = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in straight_rows] == [r["step"] for r in resumed_rows] == [1, 2, 3]
+    assert straight_rows[1]["policy/abs_log_ratio"] > 0  # step 2 is off-policy: the same rows
+    for a, b in zip(straight_rows[1:], resumed_rows[1:], strict=True):
+        for key in ("loss", "grad_norm", "value_loss", "critic/grad_norm", "value/mean", "reward"):
+            assert a[key] == b[key], (a["step"], key)
     critic = tmp_path / "straight" / "critic" / "hf"
     assert straight["critic_export"] == str(critic) and (critic / "value_head.npz").is_file()
     cfg = load_run_config(
