@@ -5,8 +5,8 @@ The critic is a :class:`Critic` module (a ``Transformer`` backbone, whose LM hea
 and ``value_head``: d_model → 1 in fp32). It trains on the actor's packed batch (the same
 ``[R, M, T]`` rows, with the token fields ``value_old`` and ``return``) through the engine's
 own ``TrainStep``, so its value loss is one global Σ/Σ like every jaxrl loss. V_old comes from
-a ``Scorer`` whose per-row forward returns the critic's values: the train step's structure, so
-V_old equals the step's first forward (bit for bit without tensor parallelism).
+a ``Scorer`` whose per-row forward returns the critic's values: the train step's program
+structure, as for GRPO's old log-probs.
 """
 
 from __future__ import annotations
