@@ -44,12 +44,19 @@ def test_layouts_regroup_the_ranks_and_halve_the_budget():
             "configs/grpo_tiny.yaml",
             [*SMALL, "grpo.per_device_train_batch_size=8", "grpo.num_generations=4"],
         ),
+        (  # the same generation; each layout's critic values it, both steps compared
+            "configs/ppo_tiny.yaml",
+            [*SMALL, "grpo.per_device_train_batch_size=8", "grpo.num_generations=4"],
+        ),
     ],
 )
 def test_shipped_tiny_configs_pass(config, sets, capsys):
     assert _check(config, *sets) == 0
     out = capsys.readouterr().out
-    for name in ("loss", "grad_norm", "params"):
+    names = ("loss", "grad_norm", "params")
+    if "ppo" in config:
+        names += ("value_loss", "critic/grad_norm")
+    for name in names:
         assert any(line.startswith(name) and line.endswith("ok") for line in out.splitlines())
     assert "verdict: PASS" in out
 

@@ -32,7 +32,7 @@ def test_shipped_sft_config_loads_with_overrides():
         ("schedule.max_tokens=8", "raise schedule.max_tokens"),
         ("optimizer.decay=exponential", "'cosine'"),
         ("max_steps=0", "max_steps=0"),
-        ("algorithm=ppo", "'grpo'"),
+        ("algorithm=a2c", "'ppo'"),
         ("schedule.max_tokenz=4", "did you mean 'max_tokens'"),
         ("sft.batch_size=many", "expected an integer"),
         ("nonsense", "key.path=value"),

@@ -5,6 +5,7 @@ from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.kto import KTOConfig
 from jaxrl.config.loading import anchor_reward_paths, load_run_config
+from jaxrl.config.ppo import PPOConfig
 from jaxrl.config.run import (
     CheckpointConfig,
     DataConfig,
@@ -29,6 +30,7 @@ __all__ = [
     "DPOConfig",
     "GRPOConfig",
     "KTOConfig",
+    "PPOConfig",
     "ExportConfig",
     "LoggingConfig",
     "RolloutConfig",

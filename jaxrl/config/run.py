@@ -11,6 +11,7 @@ from jaxrl.config.base import ConfigError, config_error, require, require_choice
 from jaxrl.config.dpo import DPOConfig
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.config.kto import KTOConfig
+from jaxrl.config.ppo import PPOConfig
 from jaxrl.config.sft import SFTConfig
 from jaxrl.config.vllm import VLLMConfig
 from jaxrl.models.model_config import (
@@ -545,7 +546,7 @@ def check_max_steps(value: int) -> None:
 
 def check_algorithm(value: str) -> None:
     """``algorithm`` must be a known trainer."""
-    require_choice("algorithm", value, ("sft", "grpo", "dpo", "kto"))
+    require_choice("algorithm", value, ("sft", "grpo", "dpo", "kto", "ppo"))
 
 
 __all__ = [
@@ -577,7 +578,7 @@ def _algorithm_section(cls: type) -> Any:
 class RunConfig:
     """A whole run, as ``jaxrl train CONFIG.yaml`` reads it."""
 
-    algorithm: Literal["sft", "grpo", "dpo", "kto"] = "sft"  # which trainer runs
+    algorithm: Literal["sft", "grpo", "dpo", "kto", "ppo"] = "sft"  # which trainer runs
     output_dir: str = "runs/default"  # metrics.jsonl, checkpoints and plots go here
     seed: int = 0  # seeds data order, initialisation and sampling
     max_steps: int = 100  # optimizer steps
@@ -602,6 +603,8 @@ class RunConfig:
     grpo: GRPOConfig = _algorithm_section(GRPOConfig)  # world_size: the mesh's data × fsdp
     dpo: DPOConfig = _algorithm_section(DPOConfig)  # world_size: the mesh's data × fsdp
     kto: KTOConfig = _algorithm_section(KTOConfig)  # world_size: the mesh's data × fsdp
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)  # algorithm: ppo's critic
+    # and GAE; its rollout and actor settings are the grpo section's
 
     def __post_init__(self):
         check_algorithm(self.algorithm)
@@ -693,7 +696,7 @@ class RunConfig:
         run that generates ahead), so a bad value stops the run before any stage, not after an
         SFT warm start. Otherwise the sampler's construction checks it."""
         t = self.rollout.tensor_parallel
-        if self.algorithm != "grpo" or t <= 1 or -1 in self.mesh.sizes:
+        if self.algorithm not in ("grpo", "ppo") or t <= 1 or -1 in self.mesh.sizes:
             return
         devices = self.mesh.fixed_devices
         if self.rollout.max_staleness:

@@ -16,7 +16,9 @@ into target alignment):
 - ``old_logp`` / ``ref_logp`` (when computed): the log-prob under the parameters at generation /
   the frozen reference parameters;
 - ``token_advantage`` (REINFORCE++ with the KL in the reward, ``grpo.kl_in_reward``): each
-  completion token's own advantage, used instead of the row's.
+  completion token's own advantage, used instead of the row's (PPO: the whitened GAE advantage);
+- ``value_old`` / ``returns`` (PPO, ``jaxrl.trainers.ppo``): the critic's values at generation
+  and the GAE returns R = A + V_old, the critic's targets.
 
 Per row: ``truncated``, its rewards (one column per reward function) and its ``advantage``.
 
@@ -46,7 +48,7 @@ from jaxrl.rollout.buffer import GenerationBuffer
 __all__ = ["RolloutBatch", "RolloutQueue", "RowDocuments"]
 
 # token fields computed for every batch of a run or for none
-OPTIONAL_FIELDS = ("old_logp", "ref_logp", "token_advantage")
+OPTIONAL_FIELDS = ("old_logp", "ref_logp", "token_advantage", "value_old", "returns")
 MOE_FIELD_PREFIX = "moe_"  # a MoE sampler's recorded routes and the replay flag (docs/moe.md)
 
 
@@ -84,6 +86,8 @@ class RolloutBatch:
         old_logp: Sequence[np.ndarray] | None = None,
         ref_logp: Sequence[np.ndarray] | None = None,
         token_advantage: Sequence[np.ndarray] | None = None,
+        value_old: Sequence[np.ndarray] | None = None,
+        returns: Sequence[np.ndarray] | None = None,
         completion_masks: Sequence[np.ndarray] | None = None,
         episode_stats: Mapping[str, np.ndarray] | None = None,
     ) -> RolloutBatch:
@@ -144,7 +148,7 @@ class RolloutBatch:
                 else {k: np.asarray(v, np.int64) for k, v in episode_stats.items()}
             ),
         )
-        optional = (old_logp, ref_logp, token_advantage)
+        optional = (old_logp, ref_logp, token_advantage, value_old, returns)
         for name, values in zip(OPTIONAL_FIELDS, optional, strict=True):
             if values is not None:
                 batch.set_completion_field(name, values)

@@ -101,7 +101,11 @@ class Scorer:
         rows_per_call: int = 32,
         row_len: int | None = None,
         temperature: float = 1.0,
+        row_scores: Any = micro_batch_scores,
     ):
+        """``row_scores(model, mb, chunk_size=, temperature=)``: the per-row forward,
+        ``(logp, entropy, correct)`` each ``[1, T]`` (another model's values in the ``logp``
+        slot, e.g. a PPO critic's)."""
         if rows_per_call <= 0:
             raise ValueError(f"Scorer: rows_per_call={rows_per_call} must be positive")
         self.graphdef = graphdef
@@ -111,6 +115,7 @@ class Scorer:
         self.rows_per_call = -(-rows_per_call // ranks) * ranks
         self.row_len = row_len
         self.temperature = float(temperature)
+        self.row_scores = row_scores
         self.compiles = 0
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self._programs: dict[tuple, Any] = {}  # by the parameters' PartitionSpecs
@@ -139,7 +144,7 @@ class Scorer:
 
             def one(row_T: dict[str, jax.Array]):
                 mb_1T = {k: v[None] for k, v in row_T.items()}
-                scores = micro_batch_scores(
+                scores = self.row_scores(
                     model, mb_1T, chunk_size=self.chunk_size, temperature=temperature
                 )
                 return tuple(x[0] for x in scores)

@@ -17,7 +17,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         from jaxrl.trainers.sft import SFTTrainer
 
         return SFTTrainer(cfg).run()
-    if cfg.algorithm not in ("grpo", "dpo", "kto"):
+    if cfg.algorithm not in ("grpo", "dpo", "kto", "ppo"):
         raise NotImplementedError(f"algorithm={cfg.algorithm!r} has no trainer")
     from jaxrl.trainers.dpo import DPOTrainer
     from jaxrl.trainers.grpo import GRPOTrainer, load_reward_funcs
@@ -26,10 +26,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from jaxrl.trainers.warm_start import warm_start
 
     cfg = with_device_ranks(cfg)
-    funcs = load_reward_funcs(cfg.grpo) if cfg.algorithm == "grpo" else None
+    funcs = load_reward_funcs(cfg.grpo) if cfg.algorithm in ("grpo", "ppo") else None
     start = time.perf_counter()
     stage_cfg = warm_start(cfg)
-    if funcs:
+    if funcs and cfg.algorithm == "ppo":  # GRPO's rollouts and actor, plus a critic
+        from jaxrl.trainers.ppo import PPOTrainer
+
+        trainer = PPOTrainer(stage_cfg, reward_funcs=funcs)
+    elif funcs:
         trainer = GRPOTrainer(stage_cfg, reward_funcs=funcs)
     else:
         trainer = KTOTrainer(stage_cfg) if cfg.algorithm == "kto" else DPOTrainer(stage_cfg)

@@ -1,15 +1,12 @@
 """GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → row queue → exact engine.
 
-Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order →
-``RolloutGenerator`` (weights synced from the trainer, KV-cache sampling, rewards, advantages on
-the whole batch, each row's document, old / reference log-probs when needed) → the
-``RolloutQueue``, which holds every row until it is trained on (the generation buffer inside it
-serves them). Per optimizer step: the window's documents (the micro-steps ``MicroStepRule``
-says make a step) → ``build_dp_schedule`` as one step → packed ``[R, M, T]`` batch → the train
-step with ``grpo_objective``. Every generation comes from the ``RolloutPipeline`` (made when
-taken, or ahead with ``rollout.max_staleness``). Orchestration only: the rollout parts are
-built in ``grpo_rollouts``, the numerics live in losses/, train/ and rollout/.
-"""
+Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order → ``RolloutGenerator``
+(weights synced from the trainer, KV-cache sampling, rewards, advantages on the whole batch, each
+row's document, old / reference log-probs when needed) → the ``RolloutQueue``, which holds every
+row until it is trained on (the generation buffer inside it serves them). Per optimizer step: the
+window's documents (the micro-steps ``MicroStepRule`` says make a step) → ``build_dp_schedule``
+as one step → packed ``[R, M, T]`` batch → the train step with ``grpo_objective``. Generations
+come from the ``RolloutPipeline`` (made when taken, or ahead with ``rollout.max_staleness``)."""
 
 from __future__ import annotations
 
@@ -84,8 +81,7 @@ class GRPOTrainer:
         builtin = self.cfg.data.train is None  # the task's problems (notebooks, benchmarks)
         self.train_examples = data.examples("train") if builtin else None
         self.eval_examples = data.examples("eval") if builtin else None
-        chunk = self.cfg.model.logprob_chunk
-        self.session = pre.session(grpo_objective(self.config, chunk_size=chunk))
+        self.session = pre.session(self._objective())
         parts = build_rollout_parts(
             self.cfg, self.session, self.tokenizer, data, funcs, toolbox, generation,
             old_logprobs=self.computes_old_logprobs,
@@ -115,6 +111,9 @@ class GRPOTrainer:
         self.warned_zero_advantage = False
         self._started = False
 
+    def _objective(self) -> Any:  # what the step minimises (PPO: its actor's)
+        return grpo_objective(self.config, chunk_size=self.cfg.model.logprob_chunk)
+
     # -- generation ---------------------------------------------------------------------------
     @property
     def computes_old_logprobs(self) -> bool:
@@ -124,8 +123,7 @@ class GRPOTrainer:
         return snapshot(self.session, self.generation_mesh)
 
     def generate(self) -> RolloutBatch:
-        """Take the next generation (made now, or ahead by the pipeline) and load it into the
-        buffer."""
+        """Take the next generation (made now, or ahead) and load it into the buffer."""
         made = self.pipeline.take(self.session.step)
         self.generation_s += made.seconds
         if made.stats:
@@ -140,8 +138,7 @@ class GRPOTrainer:
 
     # -- training -----------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
-        """One optimizer step on the next window (``MicroStepRule``: g micro-steps, or
-        docs_per_step documents)."""
+        """One optimizer step on the next window (``MicroStepRule``: g micro-steps, or D docs)."""
         self._start()
         self.pipeline.launch_due(self.session.step)  # generations made ahead, if any
         self.rule.run_step(self._micro_step, lambda: len(self.rollouts))
@@ -208,7 +205,7 @@ class GRPOTrainer:
         used_ids = np.asarray(used, np.int64)
         start = time.perf_counter()
         cause = empty_cause(self.config, docs.truncated[used_ids])
-        row = self.session.train_on(batch, empty_cause=cause)
+        row = self._train_on(batch, cause)
         row["time/train_s"] = time.perf_counter() - start
         row["time/generation_s"], self.generation_s = self.generation_s, 0.0
         row.update(self.pipeline.metrics())
@@ -225,6 +222,9 @@ class GRPOTrainer:
             self.session.say([zero_advantage_warning(self.session.step, self.config, row)])
         self.rollouts.done(docs, batch.returned)
         return row
+
+    def _train_on(self, batch: Any, cause: str) -> dict[str, Any]:  # PPO: + the critic's step
+        return self.session.train_on(batch, empty_cause=cause)
 
     # -- evaluation, state, the loop ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

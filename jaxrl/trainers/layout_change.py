@@ -10,7 +10,7 @@ __all__ = ["layout_change_line", "model_change_error", "model_changes"]
 
 SECTIONS = ("mesh", "schedule")
 STEP_SIZE = "schedule.docs_per_step"  # not layout: it sets the documents of a step
-PER_RANK = ("grpo", "dpo")  # algorithms whose batch is per data-parallel rank
+PER_RANK = ("grpo", "dpo", "ppo")  # algorithms whose batch is per data-parallel rank
 
 
 def _flat(d: Any, prefix: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def stage_config(cfg: RunConfig) -> RunConfig:
     ``lr_scheduler_type``, or ``dpo.learning_rate``, over ``optimizer``'s (an SFT run, and the
     SFT warm start, keep ``optimizer``'s)."""
     stage: dict[str, Any] = {}
-    if cfg.algorithm == "grpo":
+    if cfg.algorithm in ("grpo", "ppo"):  # PPO's actor: the grpo section's
         g = cfg.grpo
         stage = {
             "learning_rate": g.learning_rate,

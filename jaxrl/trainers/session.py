@@ -71,7 +71,7 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
 def generation_devices(cfg: RunConfig, pool: int) -> int:
     """Devices of a pool of ``pool`` that a GRPO run sets aside for asynchronous generation
     (``rollout``; ``jaxrl.rollout.pipeline.generation_device_count``), 0 for other runs."""
-    if cfg.algorithm != "grpo":
+    if cfg.algorithm not in ("grpo", "ppo"):
         return 0
     r = cfg.rollout
     count = generation_device_count(r.max_staleness, r.devices, pool)

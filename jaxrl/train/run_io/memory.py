@@ -317,7 +317,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     rollout interface, holds on the largest device: its weights (``device_weight_bytes``; the
     whole model is ``weight_bytes``) and its KV caches for the configured generation batch.
     ``(None, None)`` for other algorithms."""
-    if cfg.algorithm != "grpo":
+    if cfg.algorithm not in ("grpo", "ppo"):  # PPO samples with GRPO's sampler
         return None, None
     r, g = cfg.rollout, cfg.grpo
     dense = dense_config(config)
@@ -384,10 +384,16 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
             f"{cfg.algorithm} is planned with the SFT loss: the same forward, backward and "
             "optimizer step; its extra per-token / per-document fp32 fields are not counted"
         )
-    if cfg.algorithm == "grpo":
+    if cfg.algorithm == "ppo":
         notes.append(
-            "grpo: kv_cache_bytes sizes the prompts at the bucket of grpo.max_prompt_length; "
-            "rollout.max_slots shrinks the decode cache"
+            "ppo: the critic (a second copy of the model, its fp32 AdamW moments and gradients; "
+            "docs/algorithms/ppo.md) is not counted: add the params, gradient and optimizer rows "
+            "once more"
+        )
+    if cfg.algorithm in ("grpo", "ppo"):
+        notes.append(
+            f"{cfg.algorithm}: kv_cache_bytes sizes the prompts at the bucket of "
+            "grpo.max_prompt_length; rollout.max_slots shrinks the decode cache"
         )
     if cfg.model.dtype == AUTO:
         notes.append(

@@ -30,10 +30,11 @@ __all__ = [
     "verdict_lines",
 ]
 
-SUPPORTED = ("sft", "dpo", "grpo", "kto")  # algorithms whose first step the check can take
+SUPPORTED = ("sft", "dpo", "grpo", "kto", "ppo")  # algorithms whose first step the check can take
 # Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
 # sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
 TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
+CRITIC = ("value_loss", "critic/grad_norm")  # PPO's critic step, compared as loss, grad_norm
 # A GRPO-family loss is a sum of advantage-weighted terms that cancel to near 0 (advantages sum
 # to 0 per group): its difference is measured relative to at least this (an absolute 1e-7).
 LOSS_FLOOR = 1e-2
@@ -88,16 +89,24 @@ def one_step(cfg: RunConfig) -> StepOutcome:
 
 
 def _outcome(trainer: Any, row: dict[str, Any]) -> StepOutcome:
-    params = to_host(trainer.session.state.params)
-    return StepOutcome(row, [np.asarray(x, np.float64) for x in _leaves(params)])
+    """The row and the updated parameters (PPO: the actor's, then the critic's)."""
+    params = _leaves(to_host(trainer.session.state.params))
+    if hasattr(trainer, "critic"):
+        params += _leaves(to_host(trainer.critic.state.params))
+    return StepOutcome(row, [np.asarray(x, np.float64) for x in params])
 
 
 def _grpo_trainer(cfg: RunConfig) -> Any:
-    """A GRPO trainer past its start (a fresh output_dir: nothing to resume), without the
-    held-out evaluation a run measures first."""
+    """A GRPO (or PPO) trainer past its start (a fresh output_dir: nothing to resume),
+    without the held-out evaluation a run measures first."""
     from jaxrl.trainers.grpo import GRPOTrainer
 
-    trainer = GRPOTrainer(cfg)
+    if cfg.algorithm == "ppo":
+        from jaxrl.trainers.ppo import PPOTrainer
+
+        trainer = PPOTrainer(cfg)
+    else:
+        trainer = GRPOTrainer(cfg)
     trainer.session.resume({})
     trainer._started = True  # noqa: SLF001 (the check's step needs no starting evaluation)
     return trainer
@@ -107,7 +116,7 @@ def two_layouts(cfg_a: RunConfig, cfg_b: RunConfig) -> tuple[StepOutcome, StepOu
     """The first step of the same config in two layouts. GRPO: layout A generates the first
     generation (its prompts, the policy's samples, the user's reward functions) and both
     layouts train on that same generation (sampling itself is not part of the update)."""
-    if cfg_a.algorithm != "grpo":
+    if cfg_a.algorithm not in ("grpo", "ppo"):  # PPO: GRPO's rollouts, each layout's critic
         return one_step(cfg_a), one_step(cfg_b)
     import copy
 
@@ -147,11 +156,15 @@ def compare(a: StepOutcome, b: StepOutcome) -> dict[str, float]:
     """Relative differences of ``a`` from ``b``: loss (relative to at least ``LOSS_FLOOR``),
     grad norm, updated parameters."""
     rel = lambda x, y, floor=1e-30: abs(x - y) / max(abs(y), floor) if x != y else 0.0
-    return {
+    out = {
         "loss": rel(a.loss, b.loss, LOSS_FLOOR),
         "grad_norm": rel(a.grad_norm, b.grad_norm),
         "params": max_relative_difference(a.params, b.params),
     }
+    for name in CRITIC:  # PPO: the critic's step too (its parameters are in params)
+        if name in a.row and name in b.row:
+            out[name] = rel(float(a.row[name]), float(b.row[name]))
+    return out
 
 
 def layout_overrides(cfg: RunConfig, devices: int) -> tuple[list[str], list[str], str, str]:
@@ -193,12 +206,14 @@ def verdict_lines(a: StepOutcome, b: StepOutcome) -> tuple[list[str], list[str]]
     """The report's lines (one per quantity) and the names of the quantities over tolerance."""
     diffs = compare(b, a)
     lines, failed = [], []
+    critic = [(n, a.row[n], b.row[n]) for n in CRITIC if n in diffs]
     for name, value_a, value_b in (
         ("loss", a.loss, b.loss),
         ("grad_norm", a.grad_norm, b.grad_norm),
+        *critic,
         ("params", None, None),
     ):
-        tol, diff = TOLERANCE[name], diffs[name]
+        tol, diff = TOLERANCE.get(name, TOLERANCE["loss"]), diffs[name]
         ok = diff <= tol
         failed += [] if ok else [name]
         values = (

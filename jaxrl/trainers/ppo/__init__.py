@@ -1,0 +1,171 @@
+"""PPO with a learned critic (``algorithm: ppo``; docs/algorithms/ppo.md).
+
+The GRPO trainer's rollouts, schedule, scorer and clipped actor objective (the ``grpo``
+section), plus a critic (``trainers.ppo.critic``). Per generation, before its rows enter the
+queue: the critic's values V_old (a no-grad pass), the token rewards (the scalar reward on the
+last completion token, −β·KL per token with ``ppo.kl_in_reward``), GAE per document and the
+advantages whitened over the whole generation batch, on the host (``losses.ppo``). Per step:
+the actor's step on the token advantages, then the critic's step on the same packed batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl.config import ConfigError, GRPOConfig, RunConfig
+from jaxrl.losses.advantages import aggregate_rewards
+from jaxrl.losses.ppo import explained_variance, kl_penalty, ppo_advantages
+from jaxrl.rollout.rewards.compute import RewardFunc
+from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
+from jaxrl.train.objectives import grpo_objective
+from jaxrl.trainers.grpo import GRPOTrainer
+from jaxrl.trainers.ppo.critic import RETURN, VALUE_OLD, CriticRun
+
+__all__ = ["PPOTrainer", "check_ppo_settings"]
+
+
+def check_ppo_settings(cfg: RunConfig) -> None:
+    """What PPO does not combine with (yet), as ConfigErrors naming the field."""
+    if cfg.model.lora.spec() is not None or cfg.model.lora.adapter_path is not None:
+        raise ConfigError(
+            "model.lora is set: PPO's critic is a full copy of the backbone and does not take "
+            "LoRA adapters yet; remove model.lora (or use algorithm: grpo)"
+        )
+    if cfg.rollout.max_staleness:
+        raise ConfigError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} is invalid with algorithm: ppo: "
+            "the critic's values are taken when a generation is trained on; use 0"
+        )
+    if cfg.grpo.kl_in_reward or cfg.grpo.advantage_estimator != "grpo":
+        raise ConfigError(
+            f"grpo.advantage_estimator={cfg.grpo.advantage_estimator!r} / grpo.kl_in_reward="
+            f"{cfg.grpo.kl_in_reward} are invalid with algorithm: ppo, whose advantages are "
+            "GAE's: remove them (the KL in the reward is ppo.kl_in_reward)"
+        )
+
+
+def value_stats(
+    returns: list[np.ndarray], values: list[np.ndarray], masks: list[np.ndarray], kl: Any
+) -> dict[str, float]:
+    """A generation's ``value/explained_variance``, ``returns/mean`` and, with the KL in the
+    reward, ``kl_in_reward`` (the mean KL estimate over loss tokens)."""
+    on = [np.asarray(m) > 0 for m in masks]
+    out = {
+        "value/explained_variance": explained_variance(returns, values, masks),
+        "returns/mean": float(
+            np.mean(np.concatenate([r[o] for r, o in zip(returns, on, strict=True)]))
+        ),
+    }
+    if kl is not None:
+        out["kl_in_reward"] = float(
+            np.mean(np.concatenate([k[o] for k, o in zip(kl, on, strict=True)]))
+        )
+    return out
+
+
+class _CriticQueue(RolloutQueue):
+    """The rollout queue, with PPO's advantages added to each generation as it enters."""
+
+    def __init__(self, config: GRPOConfig, *, seed: int, prepare: Callable[[RolloutBatch], None]):
+        super().__init__(config, seed=seed)
+        self.prepare = prepare
+
+    def load(self, batch: RolloutBatch) -> None:
+        self.prepare(batch)
+        super().load(batch)
+
+    def submit(self, batch: RolloutBatch) -> None:
+        self.prepare(batch)
+        super().submit(batch)
+
+
+class PPOTrainer(GRPOTrainer):
+    """PPO on the GRPO trainer's rollouts with a critic; ``run()`` as GRPO's. The critic's
+    metrics join each step's row: ``value_loss``, ``value/mean``, ``value/clipfrac``,
+    ``value/explained_variance``, ``critic/grad_norm``."""
+
+    def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
+        check_ppo_settings(cfg)
+        super().__init__(cfg, reward_funcs=reward_funcs)
+
+    def _build(self, cfg: RunConfig, reward_funcs: Any, generation: list) -> None:
+        super()._build(cfg, reward_funcs, generation)
+        self.critic = CriticRun.build(self.cfg, self.session, self.scorer.row_len)
+        self.session.programs.add("critic step", self.critic.step_fn)
+        self.session.programs.add("critic values", self.critic.scorer)
+        self.rollouts = _CriticQueue(self.config, seed=self.cfg.seed, prepare=self._advantages)
+        self.value_stats: dict[str, float] = {}
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.cfg.ppo.kl_in_reward and self.cfg.grpo.beta > 0
+
+    @property
+    def computes_old_logprobs(self) -> bool:  # the KL in the reward: π_old against π_ref
+        return super().computes_old_logprobs or self.kl_in_reward
+
+    def _objective(self) -> Any:
+        """The GRPO family's clipped objective on the token advantages; with the KL in the
+        reward the loss has no KL term."""
+        config = self.config
+        if self.cfg.ppo.kl_in_reward:
+            config = dataclasses.replace(config, beta=0.0)
+        return grpo_objective(config, chunk_size=self.cfg.model.logprob_chunk)
+
+    def _advantages(self, batch: RolloutBatch) -> None:
+        """V_old, token rewards, GAE and whitening of one generation batch (host, float64)."""
+        p = self.cfg.ppo
+        starts = [int(n) for n in batch.prompt_lengths]
+        values = [v[n:] for v, n in zip(self.critic.values(batch.sequences), starts, strict=True)]
+        masks = [m[n:] for m, n in zip(batch.loss_masks, starts, strict=True)]
+        weights = self.generator.reward_columns(batch.rewards.shape[1])[0]
+        kl = None
+        if self.kl_in_reward:  # the generating policy against the reference, per token
+            pairs = zip(batch.old_logp, batch.ref_logp, strict=True)
+            kl = [kl_penalty(old, ref, p.kl_estimator) for old, ref in pairs]
+        adv, ret = ppo_advantages(
+            aggregate_rewards(batch.rewards, weights), values, masks, gamma=p.gamma,
+            lam=p.gae_lambda, kl=kl, beta=self.config.beta, whiten_advantages=p.whiten_advantages,
+        )  # fmt: skip
+        batch.set_completion_field("token_advantage", adv)
+        batch.set_completion_field(VALUE_OLD, values)
+        batch.set_completion_field(RETURN, ret)
+        batch.advantages = np.asarray([a[0] if len(a) else 0.0 for a in adv], np.float32)
+        self.value_stats = value_stats(ret, values, masks, kl)
+
+    def _train_on(self, batch: Any, cause: str) -> dict[str, Any]:
+        """The actor's step, then the critic's on the same packed batch."""
+        row = self.session.train_on(batch, empty_cause=cause)
+        critic = self.critic.train_on(batch.arrays, batch.rounds)
+        row["critic/grad_norm"] = critic["grad_norm"]
+        row["critic/learning_rate"] = critic["learning_rate"]
+        for name in ("value_loss", "value/mean", "value/clipfrac"):
+            row[name] = critic[name]
+        row.update(self.value_stats)
+        return row
+
+    def host_state(self) -> dict[str, Any]:
+        """GRPO's host state; the critic is saved beside the policy's checkpoint (same step)."""
+        self.critic.save(self.session.step)
+        return super().host_state()
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        super()._start()
+        if self.session.step:  # resumed: the critic of the same step
+            self.critic.restore(self.session.step)
+
+    def run(self) -> dict[str, Any]:
+        """GRPO's loop; then the critic is exported to ``<output_dir>/critic/hf``."""
+        try:
+            summary = super().run()
+            dtype = self.cfg.export.dtype or self.cfg.model.param_dtype
+            summary["critic_export"] = str(self.critic.export(dtype))
+        finally:
+            self.critic.close()
+        return summary
