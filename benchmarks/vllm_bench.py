@@ -7,6 +7,10 @@ cache). Cases: (a) ``grouped``: 8 prompts × G = 8, up to 64 new tokens each; (b
 64 distinct prompts, per-request limits log-normal (median 16, max 128: sampler_bench.py's mix).
 Useful tokens/s = generated tokens (eos included) / wall time, the median of ``--repeat`` timed
 calls after a warm-up. Also: the weight sync (export + reload) and the server's start.
+``--methods`` picks among ``engine``, ``vllm-cpu`` and ``hf`` (transformers ``generate`` on the
+same checkpoint, fp32, sdpa, torch's threads = the CPU count: every request runs to its case's
+longest limit, greedy, as ``sampler_bench.py`` runs it; its useful tokens are the other methods'
+count, so only the grouped case, where every request runs to 64, compares like with like).
 
     /work/venv-vllm/bin/python benchmarks/vllm_bench.py   # a venv with vllm-cpu (docs/rollout.md)
 """
@@ -24,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 from machine import machine
-from sampler_bench import long_tail_limits
+from sampler_bench import hf_generate, long_tail_limits
 
 from jaxrl.config.vllm import VLLMConfig
 from jaxrl.generate.sampler import Sampler, SamplingParams
@@ -45,11 +49,28 @@ def timed(fn, repeat: int) -> tuple[float, list[float], object]:
     return statistics.median(times), times, out
 
 
+def _method(method, engine, backend, model_dir, prompts, limits, key):
+    """A call of ``method`` returning its useful tokens (``hf``: the case's own count, since
+    it runs every request to the longest limit)."""
+    if method == "hf":
+        import torch
+        import transformers
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, attn_implementation="sdpa", dtype=torch.float32
+        ).eval()
+        return lambda: (hf_generate(hf, prompts, int(limits.max())), int(limits.sum()))[1]
+    gen = engine if method == "engine" else backend
+    return lambda: int(gen.generate(prompts, key, max_tokens=limits).lengths.sum())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=str(MODEL_DIR))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", nargs="+", default=["grouped", "long-tail"])
+    ap.add_argument("--methods", nargs="+", default=["engine", "vllm-cpu", "hf"])
     ap.add_argument("--out", default=str(HERE / ".cache" / "results" / "vllm_bench.json"))
     args = ap.parse_args()
     info = machine(("jax", "jaxlib", "torch", "vllm-cpu", "transformers"))
@@ -68,36 +89,40 @@ def main() -> None:
     }
     key, sampling = jax.random.key(0), SamplingParams(temperature=1.0)
     results: dict = {"machine": info}
-    t0 = time.perf_counter()
-    backend = VLLMBackend(
-        config, VLLMConfig(), max_new_tokens=128, eos_id=eos, pad_id=pad, sampling=sampling,
-        max_model_len=256, log_dir=HERE / ".cache" / "results",
-    )  # fmt: skip
-    try:
-        backend.load_params(model, version=0)
-        results["server_start_s"] = time.perf_counter() - t0  # export + start + healthy
+    backend = None
+    if "vllm-cpu" in args.methods:
         t0 = time.perf_counter()
-        backend.load_params(jax.tree.map(lambda x: x + 0, nnx.state(model, nnx.Param)), version=1)
-        results["weight_sync_s"] = time.perf_counter() - t0  # export + reload, 135M fp32
+        backend = VLLMBackend(
+            config, VLLMConfig(), max_new_tokens=128, eos_id=eos, pad_id=pad, sampling=sampling,
+            max_model_len=256, log_dir=HERE / ".cache" / "results",
+        )  # fmt: skip
+    try:
+        if backend is not None:
+            backend.load_params(model, version=0)
+            results["server_start_s"] = time.perf_counter() - t0  # export + start + healthy
+            t0 = time.perf_counter()
+            params = jax.tree.map(lambda x: x + 0, nnx.state(model, nnx.Param))
+            backend.load_params(params, version=1)
+            results["weight_sync_s"] = time.perf_counter() - t0  # export + reload, 135M fp32
         for name in args.cases:
             prompts, limits, n, what = cases[name]
             engine = Sampler(config, max_new_tokens=n, eos_id=eos, pad_id=pad, sampling=sampling)
             engine.load_params(model)
             row = {"what": what, "load_before": os.getloadavg()[0]}
-            for method, gen in (("engine", engine), ("vllm-cpu", backend)):
-                med, times, res = timed(
-                    lambda g=gen, p=prompts, m=limits: g.generate(p, key, max_tokens=m),
-                    args.repeat,
-                )
-                useful = int(res.lengths.sum())
+            for method in args.methods:
+                med, times, useful = timed(_method(method, engine, backend, args.model_dir,
+                                                   prompts, limits, key), args.repeat)  # fmt: skip
                 row[method] = {"median_s": med, "times": times, "useful_tokens": useful,
                                "tok_s": useful / med}  # fmt: skip
                 print(f"{name} {method}: {useful} tokens in {med:.2f} s = {useful / med:.0f} tok/s")
             row["load_after"] = os.getloadavg()[0]
-            row["engine_over_vllm"] = row["engine"]["tok_s"] / row["vllm-cpu"]["tok_s"]
+            for other in ("vllm-cpu", "hf"):
+                if "engine" in row and other in row:
+                    row[f"engine_over_{other}"] = row["engine"]["tok_s"] / row[other]["tok_s"]
             results[name] = row
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results))
