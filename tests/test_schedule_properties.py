@@ -630,12 +630,20 @@ def test_swap_refine_matches_reference_on_many_ranks(num_ranks, per_rank, spread
 
 def test_swap_refine_is_fast_at_pod_scale():
     """32,768 uniform lengths 16..4096 on 256 ranks (benchmarks/schedule_bench.py's pod section):
-    the whole default-mode build in under a second of CPU time (about 0.1 s on the 2-core CI
-    machine; the quadratic swap pass took 3.5 s), and the swaps still level the ranks."""
+    the default-mode build costs a small multiple of slime mode's (no swap pass) on the same
+    lengths, measured side by side in CPU time, and the swaps still level the ranks. Quiet
+    (benchmarks/README.md): 0.11 s against 0.07 s; the quadratic swap pass took 3.5 s, 50x. A
+    ratio, not a time, so a loaded machine slows both sides alike."""
     lengths = np.random.default_rng(0).integers(16, 4097, 32_768)
-    start = time.process_time()
-    sched = build_dp_schedule(lengths, dp_size=256, max_tokens=8192)
-    assert time.process_time() - start < 1.0
+
+    def cpu_s(**mode):
+        start = time.process_time()
+        sched = build_dp_schedule(lengths, dp_size=256, max_tokens=8192, **mode)
+        return time.process_time() - start, sched
+
+    slime_s = min(cpu_s(packing="first_fit", balance="strided")[0] for _ in range(2))
+    default_s, sched = min((cpu_s() for _ in range(2)), key=lambda r: r[0])
+    assert default_s < 6 * slime_s, (default_s, slime_s)
     assert sched.steps[0].stats.imbalance < 1e-5
 
 
