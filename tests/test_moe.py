@@ -366,9 +366,11 @@ def test_expert_parallel_sampler_equals_expert_1(ckpt, monkeypatch):
     """The sampler's decode mesh takes the run's ``mesh.expert`` (decode_layout.py): on a
     trainer mesh (data 4, expert 2) it decodes on that mesh, holds 1/2 of each expert kernel per
     device, runs every MoE block expert-parallel (prefill and decode), and its greedy completions
-    and recorded routes equal the expert=1 decode mesh's (data 8), token for token."""
+    and recorded routes equal the expert=1 decode mesh's (data 8), token for token; a synchronous
+    sampler reads the trainer's arrays on that mesh in place."""
     from jaxrl.generate.decode_layout import sampler_mesh
     from jaxrl.models.moe import expert_parallel
+    from jaxrl.models.sharding import state_shardings
     from jaxrl.runtime.mesh import make_mesh
 
     seen = []
@@ -398,3 +400,10 @@ def test_expert_parallel_sampler_equals_expert_1(ckpt, monkeypatch):
     experts = c.num_hidden_layers * 3 * c.num_experts * c.hidden_size * c.moe_intermediate_size
     itemsize = np.dtype(c.dtype).itemsize
     assert out[1][2] - out[2][2] == experts * itemsize // 2
+    # the trainer's (data 4, expert 2) arrays already lie in the decode layout: read in place
+    params = nnx.split(model, nnx.Param)[1]
+    params = jax.device_put(params, state_shardings(params, trainer))
+    in_place = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, mesh=trainer,
+                       copy_params=False)  # fmt: skip
+    in_place.load_params(params)
+    assert not in_place.weights.copied
