@@ -360,3 +360,50 @@ def test_session_turns_record_the_routes_of_a_forward(ckpt):
     assert routes.shape == (len(seq), 2, 2)
     _, trace = model.routed_hidden_states(np.asarray([seq]))
     np.testing.assert_array_equal(routes, np.asarray(trace.routes_BTLK)[0])
+
+
+def test_expert_parallel_sampler_equals_expert_1(ckpt, monkeypatch):
+    """The sampler's decode mesh takes the run's ``mesh.expert`` (decode_layout.py): on a
+    trainer mesh (data 4, expert 2) it decodes on that mesh, holds 1/2 of each expert kernel per
+    device, runs every MoE block expert-parallel (prefill and decode), and its greedy completions
+    and recorded routes equal the expert=1 decode mesh's (data 8), token for token; a synchronous
+    sampler reads the trainer's arrays on that mesh in place."""
+    from jaxrl.generate.decode_layout import sampler_mesh
+    from jaxrl.models.moe import expert_parallel
+    from jaxrl.models.sharding import state_shardings
+    from jaxrl.runtime.mesh import make_mesh
+
+    seen = []
+    axis = expert_parallel.expert_axis
+    monkeypatch.setattr(expert_parallel, "expert_axis", lambda e: seen.append(axis(e)) or seen[-1])
+    model = hf.from_pretrained(ckpt, scan_layers=True)
+    prompts = [IDS[0, :5].tolist(), IDS[1, :3].tolist(), IDS[0, :4].tolist(), IDS[1, :6].tolist()]
+    out = {}
+    for e, trainer in ((1, make_mesh(8, 1, 1)), (2, make_mesh(4, 1, 1, expert=2))):
+        mesh = sampler_mesh(trainer, model.config, 0, 100.0)
+        assert mesh is trainer and mesh.shape.get("expert", 1) == e
+        seen.clear()
+        sampler = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, prefill_chunk=4,
+                          sampling=SamplingParams(temperature=0.0), mesh=mesh)  # fmt: skip
+        sampler.load_params(model)
+        result = sampler.generate(prompts, jax.random.key(0))
+        assert seen and set(seen) == {0 if e == 1 else 2}  # traced expert-parallel (or not)
+        leaves = jax.tree.leaves_with_path(sampler.weights.get())
+        kernel = next(x for p, x in leaves if "expert_up_kernel" in jax.tree_util.keystr(p))
+        assert kernel.shape[1] == 8
+        assert {s.data.shape[1] for s in kernel.addressable_shards} == {8 // e}
+        out[e] = ([c.tolist() for c in result.completions()], result.routes, sampler.weight_bytes())
+    assert out[2][0] == out[1][0]
+    for a, b in zip(out[2][1], out[1][1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    c = model.config  # half of the expert kernels leave each device
+    experts = c.num_hidden_layers * 3 * c.num_experts * c.hidden_size * c.moe_intermediate_size
+    itemsize = np.dtype(c.dtype).itemsize
+    assert out[1][2] - out[2][2] == experts * itemsize // 2
+    # the trainer's (data 4, expert 2) arrays already lie in the decode layout: read in place
+    params = nnx.split(model, nnx.Param)[1]
+    params = jax.device_put(params, state_shardings(params, trainer))
+    in_place = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, mesh=trainer,
+                       copy_params=False)  # fmt: skip
+    in_place.load_params(params)
+    assert not in_place.weights.copied

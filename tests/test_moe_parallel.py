@@ -107,3 +107,36 @@ def test_moe_lora_fsdp_bf16_on_cpu_is_a_config_error(monkeypatch):
         build_run(cfg, None, objective, abstract=True)
     monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=all-reduce-promotion")
     assert build_run(cfg, None, objective, abstract=True).mesh.shape["fsdp"] == 2
+
+
+def test_sampler_decode_layout_takes_the_expert_axis():
+    """The sampler's decode mesh (jaxrl/generate/decode_layout.py) of a MoE model keeps the run's
+    ``mesh.expert`` (reduced to a divisor of N / t; data = 1 allowed), a dense model's has none;
+    ``jaxrl memory`` counts the sampler's expert-split copy: 3/4 of the expert kernels leave
+    each device on expert=4 (abstract: nothing compiles)."""
+    from jaxrl.generate.decode_layout import sampler_mesh
+    from jaxrl.models.model_config import ModelConfig
+    from jaxrl.runtime.mesh import make_mesh
+    from jaxrl.train.run_io.memory import _decode_plan, plan_run
+
+    moe = ModelConfig.tiny(64, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=8)  # fmt: skip
+    dense = ModelConfig.tiny(64)
+    trainer = make_mesh(2, 1, 1, expert=4)
+    shape = lambda config, t: dict(sampler_mesh(trainer, config, t, 100.0).shape)  # noqa: E731
+    assert sampler_mesh(trainer, moe, 0, 100.0) is trainer
+    assert shape(moe, 2) == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 2}
+    assert shape(moe, 4) == {"data": 1, "fsdp": 1, "expert": 2, "tensor": 4}
+    assert shape(dense, 0) == {"data": 8, "fsdp": 1, "tensor": 1}
+
+    decode = {}
+    for e, mesh in ((1, ["mesh.data=8"]), (4, ["mesh.data=2", "mesh.expert=4"])):
+        cfg = load_run_config("configs/grpo_tiny.yaml", [MOE, *mesh, "model.dtype=bfloat16"])
+        run = plan_run(cfg)
+        decode[e] = _decode_plan(cfg, run.model_config, run.mesh)[0]
+    assert decode[4]["mesh"] == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert (decode[1]["expert_parallel"], decode[4]["expert_parallel"]) == (1, 4)
+    assert decode[4]["weight_bytes"] == decode[1]["weight_bytes"]
+    experts = 2 * 3 * 8 * 64 * 32 * 2  # layers · kernels · E · D · F · bf16 bytes
+    saved = decode[1]["device_weight_bytes"] - decode[4]["device_weight_bytes"]
+    assert saved == experts * 3 // 4

@@ -315,7 +315,8 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     """``(decode, mesh)``: GRPO's sampler in its decode layout (``jaxrl.generate.decode_layout``)
     and that layout's mesh; ``decode`` reports the layout and what the sampler, asked through the
     rollout interface, holds on the largest device: its weights (``device_weight_bytes``; the
-    whole model is ``weight_bytes``) and its KV caches for the configured generation batch.
+    whole model is ``weight_bytes``; a MoE model's experts split over the decode mesh's
+    ``expert`` axis, ``expert_parallel``) and its KV caches for the configured generation batch.
     ``(None, None)`` for other algorithms."""
     if cfg.algorithm not in ("grpo", "ppo"):  # PPO samples with GRPO's sampler
         return None, None
@@ -330,6 +331,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
     decode = {
         "tensor_parallel": int(dmesh.shape["tensor"]),
+        "expert_parallel": int(dmesh.shape.get("expert", 1)),  # MoE: the run's mesh.expert
         "mesh": {axis: int(size) for axis, size in dmesh.shape.items()},
         "weight_bytes": int(weight_bytes(dense)),
         "device_weight_bytes": int(sampler.weight_bytes()),
