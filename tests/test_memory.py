@@ -28,6 +28,7 @@ PARTS = (
     "grads_bytes",
     "compute_copy_bytes",
     "kv_cache_bytes",
+    "critic_bytes",
     "temp_bytes",
 )
 QWEN25_7B = {  # Qwen2.5-7B's config.json shape
@@ -151,6 +152,11 @@ def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference()
     tensor = plan_memory(load_run_config(TINY, [*sets, "rollout.tensor_parallel=2"]))
     assert tensor["decode"]["mesh"] == {"data": 4, "fsdp": 1, "tensor": 2}
     assert tensor["compute_copy_bytes"] < plans[0.0]["compute_copy_bytes"]  # heads, mlp split
+    assert plans[0.0]["critic_bytes"] == 0
+    ppo = plan_memory(load_run_config(TINY, [*sets, "algorithm=ppo"]))  # + the critic's state
+    state = sum(ppo[k] for k in ("params_bytes", "optimizer_bytes", "grads_bytes"))
+    assert ppo["critic_bytes"] == state
+    assert ppo["total_bytes"] == sum(ppo[k] for k in PARTS)
 
 
 def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():

@@ -191,6 +191,9 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
             reference_copy = bytes_per_device(compute_shapes, dense_shardings)
         copies = int(sampler_copy > 0) + int(reference_copy > 0)
     compute_copy_bytes = sampler_copy + reference_copy
+    # PPO's critic: a second Transformer (plus a d → 1 value head) trained by its own AdamW in
+    # the policy's layout: once more the policy's master weights, moments and gradients
+    critic_bytes = params_bytes + optimizer_bytes + grads_bytes if cfg.algorithm == "ppo" else 0
     params_bytes += frozen_bytes
     kv_cache_bytes = 0 if decode is None else decode["kv_cache_bytes"]
 
@@ -217,11 +220,13 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         "compute_copies": copies,
         "decode": decode,
         "kv_cache_bytes": int(kv_cache_bytes),
+        "critic_bytes": int(critic_bytes),
         "temp_bytes": int(temp_bytes),
         "total_bytes": int(
             params_bytes
             + optimizer_bytes
             + grads_bytes
+            + critic_bytes
             + compute_copy_bytes
             + kv_cache_bytes
             + temp_bytes
@@ -269,7 +274,7 @@ def _lora_fields(config: Any, adapters: Any, frozen_bytes: int) -> dict[str, Any
 
 
 MIN_FIT_TOKENS = 512  # fit_budget tries micro-batch token budgets down to this one
-STATE_KEYS = ("params_bytes", "optimizer_bytes", "grads_bytes")
+STATE_KEYS = ("params_bytes", "optimizer_bytes", "grads_bytes", "critic_bytes")
 
 
 def fit_budget(cfg: RunConfig, plan: dict[str, Any], budget: int) -> dict[str, Any]:
@@ -388,9 +393,9 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
         )
     if cfg.algorithm == "ppo":
         notes.append(
-            "ppo: the critic (a second copy of the model, its fp32 AdamW moments and gradients; "
-            "docs/algorithms/ppo.md) is not counted: add the params, gradient and optimizer rows "
-            "once more"
+            "ppo: the critic row is the policy's master weights, moments and gradients once "
+            "more (docs/algorithms/ppo.md); its value pass and step reuse the temporaries of "
+            "the policy's, which run before or after them"
         )
     if cfg.algorithm in ("grpo", "ppo"):
         notes.append(
@@ -469,10 +474,13 @@ def print_plan(plan: dict[str, Any], *, title: str = "", console: Any = None) ->
             else f"none kept: the step casts to {compute} where used",
         ),
         ("KV caches", "kv_cache_bytes", "sampler decode slots + prompt prefill"),
+        ("critic", "critic_bytes", "ppo: weights, moments and gradients of the value model"),
         ("temporaries", "temp_bytes", "activations, gathered weights, ..."),
     )
     for name, key, what in rows:
-        n = plan[key]
+        n = plan.get(key, 0)
+        if key == "critic_bytes" and not n:
+            continue
         table.add_row(name, _size(n), f"{100 * n / total:.0f}%", what)
     table.add_section()
     n = plan["total_bytes"]
