@@ -198,27 +198,6 @@ def worker_train(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def hf_generate(model: Any, prompts: list, new_tokens: int, device: str) -> Any:
-    """``sampler_bench.hf_generate`` on ``device``: greedy, left-padded, no eos."""
-    import numpy as np
-    import torch
-    from sampler_bench import PAD
-
-    width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), PAD, np.int64)
-    mask = np.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.as_tensor(ids, device=device),
-            attention_mask=torch.as_tensor(mask, device=device),
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=PAD,
-        )  # fmt: skip
-    return out[:, width:].cpu().numpy()
-
-
 def worker_decode(job: dict[str, Any]) -> dict[str, Any]:
     """Engine vs static sampler vs transformers ``generate``: ``sampler_bench.run_case``."""
     import flax.nnx as nnx
@@ -264,7 +243,7 @@ def worker_decode(job: dict[str, Any]) -> dict[str, Any]:
             engine.generate(prompts, key, sampler_bench.GREEDY, max_tokens=limits).tokens
         ),
         "static sampler": lambda: static.generate(prompts, key, sampler_bench.GREEDY).tokens,
-        "HF generate": lambda: hf_generate(hf, prompts, job["new_tokens"], device),
+        "HF generate": lambda: sampler_bench.hf_generate(hf, prompts, job["new_tokens"], device),
     }
     rows = sampler_bench.run_case("decode, equal lengths", methods, limits, job["repeat"])
     return {**info, "dtype": dtype, "torch_device": device, "torch": torch.__version__,

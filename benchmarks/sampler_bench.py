@@ -66,8 +66,11 @@ PAD, EOS = 0, 1
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def hf_generate(model, prompts: list[np.ndarray], new_tokens: int) -> np.ndarray:
-    """Greedy transformers ``generate`` on left-padded prompts, no eos: ``[B, new_tokens]``."""
+def hf_generate(
+    model, prompts: list[np.ndarray], new_tokens: int, device: str = "cpu"
+) -> np.ndarray:
+    """Greedy transformers ``generate`` on left-padded prompts, no eos: ``[B, new_tokens]``
+    (the model and the inputs on torch ``device``)."""
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), PAD, np.int64)
     mask = np.zeros_like(ids)
@@ -75,15 +78,15 @@ def hf_generate(model, prompts: list[np.ndarray], new_tokens: int) -> np.ndarray
         ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
     with torch.no_grad():
         out = model.generate(
-            input_ids=torch.as_tensor(ids),
-            attention_mask=torch.as_tensor(mask),
+            input_ids=torch.as_tensor(ids, device=device),
+            attention_mask=torch.as_tensor(mask, device=device),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=PAD,
         )
-    return out[:, width:].numpy()
+    return out[:, width:].cpu().numpy()
 
 
 def long_tail_limits(rng, batch: int, median: float, sigma: float, longest: int) -> np.ndarray:
