@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jaxrl.data.feed import DocumentFeed, cut_rounds
+import pytest
+
+from jaxrl.data.feed import DocumentFeed, OutOfDataError, cut_rounds
 
 
 def test_epochs_cover_every_document_once():
@@ -29,6 +31,15 @@ def test_finite_feed_runs_out():
     feed = DocumentFeed(4, seed=0, num_epochs=1)
     assert len(feed.take(3)) == 3 and feed.available() == 1
     assert len(feed.take(3)) == 1 and feed.available() == 0
+
+
+def test_a_step_that_needs_every_id_gets_them_or_a_clear_error():
+    """DPO's and KTO's steps (``take_exactly``): all n ids, else no partial step."""
+    feed = DocumentFeed(5, seed=0, num_epochs=1)
+    assert len(feed.take_exactly(3, step=1, unit="pairs")) == 3
+    with pytest.raises(OutOfDataError, match="step 2: the data ran out with 2 pairs available "
+                       "for a step of 3"):  # fmt: skip
+        feed.take_exactly(3, step=2, unit="pairs")
 
 
 def test_cut_rounds_follows_fastllm():

@@ -72,6 +72,16 @@ class DocumentFeed:
             self.position += k
         return out
 
+    def take_exactly(self, n: int, *, step: int, unit: str) -> list[int]:
+        """:meth:`take` of a step that needs all ``n`` ids (``unit``: what they are, for the
+        message); ``OutOfDataError`` naming ``step`` when fewer are left."""
+        ids = self.take(n)
+        if len(ids) < n:
+            raise OutOfDataError(
+                f"step {step}: the data ran out with {len(ids)} {unit} available for a step of {n}"
+            )
+        return ids
+
     @property
     def epochs(self) -> float:
         """Passes over the data so far, as a float (``epoch`` in metrics rows): 1.5 = one full

@@ -22,7 +22,7 @@ from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.preference import PairDocuments, preference_accuracy
 from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import dpo_documents
-from jaxrl.data.feed import DocumentFeed, OutOfDataError
+from jaxrl.data.feed import DocumentFeed
 from jaxrl.data.tasks import TASK_SOURCE
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import NLL_WEIGHT_FIELD, REF_FIELD, dpo_objective
@@ -215,12 +215,7 @@ class DPOTrainer:
         """The next step's ``dpo.pairs_per_step`` pairs, planned and packed (pair p → documents
         2p, 2p + 1, adjacent in one row), with their cached reference values."""
         want = self.dpo.pairs_per_step
-        ids = self.feed.take(want)
-        if len(ids) < want:
-            raise OutOfDataError(
-                f"step {self.session.step + 1}: the data ran out with {len(ids)} pairs "
-                f"available for a step of {want}"
-            )
+        ids = self.feed.take_exactly(want, step=self.session.step + 1, unit="pairs")
         batch = self.session.plan(
             ids,
             pairs=True,

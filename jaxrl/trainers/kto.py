@@ -20,7 +20,7 @@ from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.datasets import rows_dataset
-from jaxrl.data.feed import DocumentFeed, OutOfDataError
+from jaxrl.data.feed import DocumentFeed
 from jaxrl.data.tasks import TASK_SOURCE
 from jaxrl.data.unpaired import Examples, kto_examples, task_rows
 from jaxrl.losses.dpo import MARGIN_TOLERANCE
@@ -128,12 +128,7 @@ class KTOTrainer:
     def next_batch(self) -> StepBatch:
         """The next step's examples, planned and packed, with z₀ as a per-slot constant."""
         want = self.kto.examples_per_step
-        ids = self.feed.take(want)
-        if len(ids) < want:
-            raise OutOfDataError(
-                f"step {self.session.step + 1}: the data ran out with {len(ids)} examples "
-                f"available for a step of {want}"
-            )
+        ids = self.feed.take_exactly(want, step=self.session.step + 1, unit="examples")
         z0 = self.reference_point(list(ids))
         batch = self.session.plan(
             ids,
