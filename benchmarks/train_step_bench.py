@@ -46,7 +46,8 @@ def main() -> None:
         tokens[0, s : s + DOC_LEN] = rng.integers(0, model.config.vocab_size, DOC_LEN)
         seg[0, s : s + DOC_LEN] = d + 1
         mask[0, s + PROMPT_LEN : s + DOC_LEN] = 1
-    mb = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": seg}
+    mb = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": seg,
+          "loss_mask": mask}  # fmt: skip
     graphdef, params = nnx.split(model)
 
     def loss(p):

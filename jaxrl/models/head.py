@@ -8,6 +8,8 @@ so the input and weight gradients come back in the input and weight dtypes, comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -125,6 +127,7 @@ def token_logprobs(
     temperature: float | jax.Array = 1.0,
     chunk_size: int | None = None,
     vocab_axis: str | None = None,
+    needed_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of each target and the entropy, both float32 [B, T].
 
@@ -140,6 +143,8 @@ def token_logprobs(
     in the hidden dtype. The kernel's gradient is accumulated over chunks in fp32 and returned
     in the kernel's dtype. ``vocab_axis``: inside a per-rank program, the kernel is this rank's
     columns of a head split over that mesh axis (:func:`vocab_parallel_scores`).
+    ``needed_BT``: compute only where it is non-zero (e.g. the loss mask), in chunks of
+    ``chunk_size`` needed positions (:func:`needed_chunks`); 0 elsewhere.
     """
     b, t, d = hidden_BTD.shape
     if kernel_DV.shape[0] != d or targets_BT.shape != (b, t):
@@ -150,19 +155,96 @@ def token_logprobs(
     chunk = t if chunk_size is None else int(chunk_size)
     if chunk <= 0:
         raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be a positive int")
-    hidden_NcBCD, targets_NcBC = split_chunks(hidden_BTD, targets_BT, chunk)
     kernel32_DV = kernel_DV.astype(jnp.float32)
 
     @jax.checkpoint
-    def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def scores(hidden_BCD: jax.Array, targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
         if vocab_axis is not None:
             return vocab_parallel_scores(
-                xs[0], kernel32_DV, xs[1], fp32=fp32, temperature=temperature, axis=vocab_axis
+                hidden_BCD,
+                kernel32_DV,
+                targets_BC,
+                fp32=fp32,
+                temperature=temperature,
+                axis=vocab_axis,
             )[:2]
-        return _chunk_logprobs(xs[0], kernel32_DV, xs[1], fp32=fp32, temperature=temperature)
+        return _chunk_logprobs(
+            hidden_BCD, kernel32_DV, targets_BC, fp32=fp32, temperature=temperature
+        )
 
-    logp_NcBC, entropy_NcBC = lax.map(body, (hidden_NcBCD, targets_NcBC))
+    if needed_BT is not None:
+        return needed_chunks(
+            scores,
+            hidden_BTD,
+            targets_BT,
+            needed_BT,
+            chunk,
+            dtypes=(jnp.float32, jnp.float32),
+            sync_axis=vocab_axis,
+        )
+    hidden_NcBCD, targets_NcBC = split_chunks(hidden_BTD, targets_BT, chunk)
+    logp_NcBC, entropy_NcBC = lax.map(lambda xs: scores(*xs), (hidden_NcBCD, targets_NcBC))
     return join_chunks(logp_NcBC, t), join_chunks(entropy_NcBC, t)
+
+
+NEEDED_CHUNK = 256  # positions per chunk of the trainer's head (train/forward.py), at most
+
+
+def needed_chunks(
+    body: Callable[[jax.Array, jax.Array], tuple[jax.Array, ...]],
+    hidden_BTD: jax.Array,
+    targets_BT: jax.Array,
+    needed_BT: jax.Array,
+    chunk: int,
+    *,
+    dtypes: tuple[jax.typing.DTypeLike, ...],
+    sync_axis: str | None = None,
+) -> tuple[jax.Array, ...]:
+    """``body``'s per-token values ``[B, T]`` (one per dtype of ``dtypes``), computed only where
+    ``needed_BT`` is non-zero; exactly 0 (False) elsewhere.
+
+    ``body(hidden_1CD, targets_1C)`` returns a tuple of ``[1, C]`` arrays. The needed positions
+    are compacted in order (``jnp.nonzero`` at the static size B·T) and cut into Nc chunks of
+    C = ``min(chunk, B·T)``; ``lax.map`` runs the chunks that hold a needed position and
+    ``lax.cond`` skips the rest, forward and backward, so the program's shapes never depend on
+    the mask. A needed position's values are those of a ``[1, C]`` chunk of the full head:
+    the same arithmetic, whatever the other rows of its chunk. ``sync_axis``: inside a
+    per-rank program whose ``body`` runs collectives over that mesh axis (the
+    vocabulary-parallel head), every rank of the axis runs the largest chunk count among them
+    (``pmax``), so their collectives stay matched; the extra chunks gather no row and their
+    values are dropped.
+    """
+    b, t, d = hidden_BTD.shape
+    n = b * t
+    c = min(int(chunk), n)
+    n_chunks = -(-n // c)
+    needed_T = jnp.reshape(needed_BT, (n,)) != 0
+    (at_T,) = jnp.nonzero(needed_T, size=n_chunks * c, fill_value=n)  # n: no position
+    todo = (jnp.sum(needed_T, dtype=jnp.int32) + c - 1) // c
+    if sync_axis is not None:
+        todo = lax.pmax(todo, sync_axis)
+    hidden_TD = jnp.reshape(hidden_BTD, (n, d))
+    targets_T = jnp.reshape(targets_BT, (n,))
+
+    def run(at_C: jax.Array) -> tuple[jax.Array, ...]:
+        hidden_1CD = jnp.take(hidden_TD, at_C, axis=0, mode="fill", fill_value=0)[None]
+        targets_1C = jnp.take(targets_T, at_C, axis=0, mode="fill", fill_value=0)[None]
+        outs = body(hidden_1CD, targets_1C)
+        return tuple(x.astype(dt) for x, dt in zip(outs, dtypes, strict=True))
+
+    def skip(at_C: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jnp.zeros((1, c), dt) for dt in dtypes)
+
+    def step(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        i, at_C = xs
+        return lax.cond(i < todo, run, skip, at_C)
+
+    at_NcC = at_T.reshape(n_chunks, c)
+    outs_NcC = lax.map(step, (jnp.arange(n_chunks, dtype=jnp.int32), at_NcC))
+    return tuple(
+        jnp.zeros((n,), x_NcC.dtype).at[at_T].set(x_NcC.reshape(-1), mode="drop").reshape(b, t)
+        for x_NcC in outs_NcC
+    )
 
 
 def split_chunks(

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxrl.models.fsdp import rows_per_chunk
 from jaxrl.models.head import (
+    NEEDED_CHUNK,
     auto_chunk,
-    join_chunks,
-    split_chunks,
+    needed_chunks,
     token_logprobs,
     vocab_parallel_scores,
 )
@@ -35,10 +34,11 @@ def micro_batch_logprobs(
     """``(logp_BT, entropy_BT)`` of ``mb["targets"]`` given ``mb["tokens"]`` (target-aligned).
 
     Positions restart per document (from ``segment_ids``) unless ``mb`` carries ``positions``.
-    The head is the model's (fp32 when ``fp32_lm_head``), chunked over tokens.
+    The head is the model's (fp32 when ``fp32_lm_head``), chunked over the positions where
+    ``mb["loss_mask"]`` is non-zero (all without one); 0 elsewhere.
     """
     hidden_BTD = _hidden_states(model, mb)
-    return _head_logprobs(model, hidden_BTD, mb["targets"], chunk_size, temperature)
+    return _needed_logprobs(model, hidden_BTD, mb, chunk_size, temperature)
 
 
 def micro_batch_scores(
@@ -53,34 +53,37 @@ def micro_batch_scores(
 
     ``correct`` is teacher-forced exact match per token: a document whose loss tokens are all
     correct is what greedy decoding reproduces (each greedy step then sees a correct prefix).
-    The head runs ``chunk_size`` tokens at a time as in ``token_logprobs`` (each chunk through
-    ``token_logprobs`` itself), and the argmax reads the same chunk's logits, so XLA computes
-    each chunk's logits once.
+    The head runs on the chunks of needed positions of :func:`micro_batch_logprobs` (each chunk
+    through ``token_logprobs`` itself), and the argmax reads the same chunk's logits, so XLA
+    computes each chunk's logits once.
     """
     hidden_BTD = _hidden_states(model, mb)
-    t = hidden_BTD.shape[1]
-    chunk = _chunk(model, chunk_size, t)
-    hidden_NBCD, targets_NBC = split_chunks(hidden_BTD, mb["targets"], chunk)
+    shard = model.head_shard()
 
-    def body(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        hidden_BCD, targets_BC = xs
-        shard = model.head_shard()
+    def body(hidden_1CD: jax.Array, targets_1C: jax.Array) -> tuple[jax.Array, ...]:
         if shard is not None:  # ZeRO-3: vocabulary-parallel, never gathered
             kernel_DVl, axis = shard
             return vocab_parallel_scores(
-                hidden_BCD,
+                hidden_1CD,
                 kernel_DVl.astype(jnp.float32),
-                targets_BC,
+                targets_1C,
                 fp32=model.config.fp32_lm_head,
                 temperature=temperature,
                 axis=axis,
             )
-        logp_BC, entropy_BC = _head_logprobs(model, hidden_BCD, targets_BC, None, temperature)
-        correct_BC = jnp.argmax(model.logits(hidden_BCD), axis=-1) == targets_BC
-        return logp_BC, entropy_BC, correct_BC
+        logp_1C, entropy_1C = _head_logprobs(model, hidden_1CD, targets_1C, None, temperature)
+        correct_1C = jnp.argmax(model.logits(hidden_1CD), axis=-1) == targets_1C
+        return logp_1C, entropy_1C, correct_1C
 
-    outs = lax.map(body, (hidden_NBCD, targets_NBC))
-    return tuple(join_chunks(x, t) for x in outs)
+    return needed_chunks(
+        body,
+        hidden_BTD,
+        mb["targets"],
+        _needed(mb),
+        _chunk(model, chunk_size, hidden_BTD.shape[1]),
+        dtypes=(jnp.float32, jnp.float32, jnp.bool_),
+        sync_axis=None if shard is None else shard[1],
+    )
 
 
 def _hidden_states(model: Transformer, mb: dict[str, jax.Array]) -> jax.Array:
@@ -113,16 +116,29 @@ def routed_logprobs(
     """:func:`micro_batch_logprobs` of a MoE model with :func:`routed_hidden_states`'s
     routing and recorded routes."""
     hidden_BTD, trace, recorded = routed_hidden_states(model, mb)
-    logp_BT, entropy_BT = _head_logprobs(model, hidden_BTD, mb["targets"], chunk_size, temperature)
+    logp_BT, entropy_BT = _needed_logprobs(model, hidden_BTD, mb, chunk_size, temperature)
     return logp_BT, entropy_BT, trace, recorded
+
+
+def _needed_logprobs(
+    model: Transformer,
+    hidden_BTD: jax.Array,
+    mb: dict[str, jax.Array],
+    chunk_size: int | None,
+    temperature: float | jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`_head_logprobs` of ``mb["targets"]`` at the positions of :func:`_needed`."""
+    chunk = _chunk(model, chunk_size, hidden_BTD.shape[1])
+    return _head_logprobs(model, hidden_BTD, mb["targets"], chunk, temperature, _needed(mb))
 
 
 def _head_logprobs(
     model: Transformer,
     hidden_BTD: jax.Array,
     targets_BT: jax.Array,
-    chunk_size: int | None,
+    chunk: int | None,
     temperature: float | jax.Array,
+    needed_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     shard = model.head_shard()  # ZeRO-3: vocabulary-parallel, never gathered
     kernel_DV, axis = shard if shard else (model.head_kernel(model.head_dtype(hidden_BTD)), None)
@@ -132,15 +148,24 @@ def _head_logprobs(
         targets_BT,
         fp32=model.config.fp32_lm_head,
         temperature=temperature,
-        chunk_size=_chunk(model, chunk_size, hidden_BTD.shape[1]),
+        chunk_size=chunk,
         vocab_axis=axis,
+        needed_BT=needed_BT,
     )
 
 
+def _needed(mb: dict[str, jax.Array]) -> jax.Array:
+    """Where the head runs: ``loss_mask != 0`` (every position of a micro-batch without one)."""
+    if "loss_mask" in mb:
+        return mb["loss_mask"] != 0
+    return jnp.ones(mb["targets"].shape, bool)
+
+
 def _chunk(model: Transformer, chunk_size: int | None, tokens: int) -> int:
-    """The head's token chunk: ``chunk_size``, else ``auto_chunk``; a vocabulary-parallel head
-    (ZeRO-3) takes at most ``fsdp.rows_per_chunk`` (it runs every rank's tokens of a chunk)."""
-    chunk = chunk_size or auto_chunk(model.config.vocab_size)
+    """The head's chunk of needed positions: ``chunk_size``, else ``auto_chunk``, at most
+    ``NEEDED_CHUNK``; a vocabulary-parallel head (ZeRO-3) takes at most
+    ``fsdp.rows_per_chunk`` (it runs every rank's tokens of a chunk)."""
+    chunk = min(chunk_size or auto_chunk(model.config.vocab_size), NEEDED_CHUNK)
     shard = model.head_shard()
     if shard is not None:
         kernel_DVl, axis = shard

@@ -49,6 +49,7 @@ from jaxrl.train.accumulate import as_shards, fsdp_in_specs, marked
 from jaxrl.train.forward import micro_batch_scores
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
+MASK_FIELD = "loss_mask"  # optional: values only where it is non-zero (the rest 0 / False)
 FORWARD_FIELD_PREFIX = "moe_"  # float token fields the forward reads (router replay)
 
 _sequence_values = jax.jit(sequence_logps, static_argnums=(3, 4))
@@ -173,13 +174,17 @@ class Scorer:
         self, params: Any, rows: Mapping[str, np.ndarray], *, temperature: float | None = None
     ) -> RowScores:
         """Score host rows ``rows[f]`` of shape ``[..., T]`` for f in :data:`ROW_FIELDS`
-        (e.g. a packed batch's ``[R, M, T]``); results have the same shape. Fields named
+        (e.g. a packed batch's ``[R, M, T]``); results have the same shape. With a
+        ``loss_mask`` field the head runs only where it is non-zero, as in the train step
+        (``jaxrl.train.forward``): values elsewhere are 0 (``correct`` False). Fields named
         ``moe_*`` (a MoE rollout's recorded routes and replay flag, ``moe/trace.py``) reach
         the forward too, which then replays the routes as the train step's does."""
         temp = self.temperature if temperature is None else float(temperature)
         shape = np.shape(rows["tokens"])
         t = shape[-1]
         flat = {k: np.asarray(rows[k], np.int32).reshape(-1, t) for k in ROW_FIELDS}
+        if MASK_FIELD in rows:  # the head runs only where it is non-zero
+            flat[MASK_FIELD] = (np.asarray(rows[MASK_FIELD]) != 0).astype(np.int32).reshape(-1, t)
         for k in rows:  # float token fields the forward reads (router replay's routes)
             if k.startswith(FORWARD_FIELD_PREFIX):
                 flat[k] = np.asarray(rows[k], np.float32).reshape(-1, t)
@@ -226,7 +231,7 @@ class Scorer:
     ) -> DocumentScores:
         """Per-document values of a packed batch: ``sequence_logps`` of the scored log-probs
         (the training aggregation: sum, or mean with the count clamped at 1) and exact match."""
-        scores = self.score(params, _rows_of(packed), temperature=temperature)
+        scores = self.score(params, _rows_of(packed, masked=True), temperature=temperature)
         t, s = packed.shape[-1], packed.num_segments
         segment_ids_BT = packed.segment_ids.reshape(-1, t)
         loss_mask_BT = packed.loss_mask.reshape(-1, t)
@@ -308,5 +313,6 @@ def _param_specs(params: Any, mesh: Mesh | None) -> Any:
     return jax.tree.unflatten(jax.tree.structure(params), [s.spec for s in shardings])
 
 
-def _rows_of(packed: PackedBatch) -> dict[str, np.ndarray]:
-    return {name: getattr(packed, name) for name in ROW_FIELDS}
+def _rows_of(packed: PackedBatch, *, masked: bool = False) -> dict[str, np.ndarray]:
+    names = ROW_FIELDS + ((MASK_FIELD,) if masked else ())
+    return {name: getattr(packed, name) for name in names}
