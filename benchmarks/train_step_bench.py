@@ -9,7 +9,9 @@ The row is the shape of ``real_model.py grpo``'s steps: 8 documents of 173 token
 token ids. KEY=VALUE pairs go to ``jaxrl.models.hf.from_pretrained`` (defaults: fp32, fp32 head,
 scanned layers, ``remat=block``, ``attention_impl=flash``: what the shipped config resolves to
 on a CPU). Prints the best and the median of 3 timed calls of each jitted function after a
-warm-up. Results: docs/performance.md.
+warm-up, and their median CPU time (all threads; steadier on a loaded machine). The loss is
+on the completion tokens, so the head runs only there (``loss_mask``). Results:
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -56,12 +58,15 @@ def main() -> None:
 
     def bench(fn):
         jax.block_until_ready(fn(params))
-        times = []
+        times, cpu = [], []
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(params))
             times.append(time.perf_counter() - t0)
-        return f"{min(times):.2f} s (median {float(np.median(times)):.2f})"
+            cpu.append(time.process_time() - c0)
+        # CPU seconds (all threads) are steadier than wall time on a loaded machine
+        return (f"{min(times):.2f} s (median {float(np.median(times)):.2f}, "
+                f"CPU {float(np.median(cpu)):.2f} s)")  # fmt: skip
 
     fwd, grad = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
     print(f"{sys.argv[1:] or 'defaults'} T={t}: forward {bench(fwd)}, forward + backward "
