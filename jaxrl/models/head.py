@@ -157,7 +157,6 @@ def token_logprobs(
         raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be a positive int")
     kernel32_DV = kernel_DV.astype(jnp.float32)
 
-    @jax.checkpoint
     def scores(hidden_BCD: jax.Array, targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
         if vocab_axis is not None:
             return vocab_parallel_scores(
@@ -181,9 +180,12 @@ def token_logprobs(
             chunk,
             dtypes=(jnp.float32, jnp.float32),
             sync_axis=vocab_axis,
+            remat=True,
         )
     hidden_NcBCD, targets_NcBC = split_chunks(hidden_BTD, targets_BT, chunk)
-    logp_NcBC, entropy_NcBC = lax.map(lambda xs: scores(*xs), (hidden_NcBCD, targets_NcBC))
+    logp_NcBC, entropy_NcBC = lax.map(
+        jax.checkpoint(lambda xs: scores(*xs)), (hidden_NcBCD, targets_NcBC)
+    )
     return join_chunks(logp_NcBC, t), join_chunks(entropy_NcBC, t)
 
 
@@ -199,6 +201,7 @@ def needed_chunks(
     *,
     dtypes: tuple[jax.typing.DTypeLike, ...],
     sync_axis: str | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, ...]:
     """``body``'s per-token values ``[B, T]`` (one per dtype of ``dtypes``), computed only where
     ``needed_BT`` is non-zero; exactly 0 (False) elsewhere.
@@ -212,7 +215,10 @@ def needed_chunks(
     per-rank program whose ``body`` runs collectives over that mesh axis (the
     vocabulary-parallel head), every rank of the axis runs the largest chunk count among them
     (``pmax``), so their collectives stay matched; the extra chunks gather no row and their
-    values are dropped.
+    values are dropped. ``remat``: each chunk under ``jax.checkpoint`` (as ``token_logprobs``'s
+    chunks), taken around the ``lax.cond`` so that the backward saves only the chunk's indices
+    and a skipped chunk costs nothing (inside the cond, each skipped chunk would stack a
+    zero-filled copy of the kernel as a residual).
     """
     b, t, d = hidden_BTD.shape
     n = b * t
@@ -238,6 +244,9 @@ def needed_chunks(
     def step(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         i, at_C = xs
         return lax.cond(i < todo, run, skip, at_C)
+
+    if remat:  # outside the cond: a skipped chunk saves and recomputes nothing
+        step = jax.checkpoint(step)
 
     at_NcC = at_T.reshape(n_chunks, c)
     outs_NcC = lax.map(step, (jnp.arange(n_chunks, dtype=jnp.int32), at_NcC))
