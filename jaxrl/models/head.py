@@ -120,7 +120,7 @@ def vocab_parallel_scores(
 
 def token_logprobs(
     hidden_BTD: jax.Array,
-    kernel_DV: jax.Array,
+    kernel_DV: jax.Array | Callable[[], jax.Array],
     targets_BT: jax.Array,
     *,
     fp32: bool,
@@ -144,20 +144,33 @@ def token_logprobs(
     in the kernel's dtype. ``vocab_axis``: inside a per-rank program, the kernel is this rank's
     columns of a head split over that mesh axis (:func:`vocab_parallel_scores`).
     ``needed_BT``: compute only where it is non-zero (e.g. the loss mask), in chunks of
-    ``chunk_size`` needed positions (:func:`needed_chunks`); 0 elsewhere.
+    ``chunk_size`` needed positions (:func:`needed_chunks`); 0 elsewhere. ``kernel_DV`` may be
+    a function that returns it: with ``needed_BT`` it is called inside each chunk's ``lax.cond``
+    branch, so a transposed (tied) kernel enters the branch as stored and XLA folds the
+    transpose into the matmul instead of copying it (its gradient is then summed over chunks
+    in the dtype of what the function reads: pass one only for fp32 weights).
     """
     b, t, d = hidden_BTD.shape
-    if kernel_DV.shape[0] != d or targets_BT.shape != (b, t):
+    if callable(kernel_DV) and needed_BT is None:
+        kernel_DV = kernel_DV()
+    if callable(kernel_DV):  # read inside each chunk; its gradient is summed in its dtype
+        make_kernel = kernel_DV
+        kernel32 = lambda: make_kernel().astype(jnp.float32)  # noqa: E731
+    else:  # an fp32 copy, so that its gradient is summed over chunks in fp32
+        kernel32_DV = kernel_DV.astype(jnp.float32)
+        kernel32 = lambda: kernel32_DV  # noqa: E731
+    kernel_shape = jax.eval_shape(kernel32).shape
+    if kernel_shape[0] != d or targets_BT.shape != (b, t):
         raise ValueError(
-            f"token_logprobs: hidden {hidden_BTD.shape}, kernel {kernel_DV.shape} and targets "
+            f"token_logprobs: hidden {hidden_BTD.shape}, kernel {kernel_shape} and targets "
             f"{targets_BT.shape} must be [B, T, D], [D, V] and [B, T]"
         )
     chunk = t if chunk_size is None else int(chunk_size)
     if chunk <= 0:
         raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be a positive int")
-    kernel32_DV = kernel_DV.astype(jnp.float32)
 
     def scores(hidden_BCD: jax.Array, targets_BC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        kernel32_DV = kernel32()
         if vocab_axis is not None:
             return vocab_parallel_scores(
                 hidden_BCD,

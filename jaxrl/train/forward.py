@@ -141,7 +141,15 @@ def _head_logprobs(
     needed_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     shard = model.head_shard()  # ZeRO-3: vocabulary-parallel, never gathered
-    kernel_DV, axis = shard if shard else (model.head_kernel(model.head_dtype(hidden_BTD)), None)
+    if shard:
+        kernel_DV, axis = shard
+    else:
+        dtype, axis = model.head_dtype(hidden_BTD), None
+        kernel_DV = model.head_kernel(dtype)
+        if needed_BT is not None and kernel_DV.dtype == jnp.float32:
+            # the needed chunks read the (tied: transposed) fp32 kernel inside their branch,
+            # where XLA folds the transpose into the matmul
+            kernel_DV = lambda: model.head_kernel(dtype)  # noqa: E731
     return token_logprobs(
         hidden_BTD,
         kernel_DV,
