@@ -8,12 +8,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from test_grpo_e2e import CONFIG, TINY
 
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.ppo import check_ppo_settings
-
-from test_grpo_e2e import CONFIG, TINY
 
 SAME = (
     "loss", "grad_norm", "entropy", "reward", "sampler/logprob_mismatch", "clip_ratio/low_mean",
@@ -50,8 +49,8 @@ def _check(plain: GRPOTrainer, shared: GRPOTrainer, steps: int, *, rtol: float) 
         assert b["batch/tokens_unshared"] == a["num_tokens"]
         assert b["batch/trained_tokens"] == b["num_tokens"] < a["num_tokens"]  # shared prompts
         assert "batch/trained_tokens" not in a
-    pa, pb = jax.tree.leaves(plain.session.state.params), jax.tree.leaves(shared.session.state.params)
-    for x, y in zip(pa, pb, strict=True):
+    leaves = [jax.tree.leaves(t.session.state.params) for t in (plain, shared)]
+    for x, y in zip(*leaves, strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         assert np.abs(y - x).max() <= rtol * max(np.abs(x).max(), 1.0)
     return rows
