@@ -83,6 +83,10 @@ def _completion_parts(batch, plens):
 
 def test_layout_carries_each_completion_part_exactly_and_prompts_once():
     docs, plens = _docs()
+    # a field the forward reads on the prompt too (like a MoE route): value i+1 is token i's
+    docs["token_fields"]["moe_x"] = [
+        np.r_[0.0, s[:-1]].astype(np.float32) for s in docs["sequences"]
+    ]
     shared, plain = _plans(docs, plens)
     a = shared.arrays
     mine, theirs = _completion_parts(shared, plens), _completion_parts(plain, plens)
@@ -109,6 +113,8 @@ def test_layout_carries_each_completion_part_exactly_and_prompts_once():
         assert idx[s] == -1 and a["advantage"][0, 0, s] == 0
         assert a["loss_mask"][0, 0][on].sum() == 0 and (par[on] == 0).all()
         assert a["positions"][0, 0][on].tolist() == list(range(on.sum()))
+        # token t's value at position t, the prompt's last copied token included
+        np.testing.assert_array_equal(a["moe_x"][0, 0][on], a["tokens"][0, 0][on])
         children = sorted(set(seg[par == s].tolist()))
         assert len(children) == 4 and all(a["positions"][0, 0][seg == c][0] == on.sum()
                                           for c in children)  # fmt: skip
