@@ -38,6 +38,8 @@ from jaxrl.trainers.grpo_rollouts import (
     generation_params,
     load_reward_funcs,
     needs_old_logprobs,
+    plan_window,
+    shared_prompt_metrics,
     snapshot,
 )
 from jaxrl.trainers.preamble import Preamble
@@ -189,7 +191,7 @@ class GRPOTrainer:
         c = self.config
         docs = self.rollouts.window()
         entropy_prepass = c.top_entropy_quantile < 1.0  # reads every rank's rows
-        batch = self._plan(docs, all_ranks=entropy_prepass)
+        batch = plan_window(self.session, self.rollouts, docs, all_ranks=entropy_prepass)
         used, arrays, packed = batch.used, batch.arrays, batch.packed
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.scorer.step_entropy_threshold(
@@ -201,9 +203,7 @@ class GRPOTrainer:
         cause = empty_cause(self.config, docs.truncated[used_ids])
         row = self._train_on(batch, cause)
         row["time/train_s"] = time.perf_counter() - start
-        if self.config.shared_prompt_packing:  # the tokens the shared prompts saved
-            row["batch/trained_tokens"] = packed.trained_tokens
-            row["batch/tokens_unshared"] = packed.tokens_unshared
+        row.update(shared_prompt_metrics(packed))  # the tokens shared prompts saved, if on
         row["time/generation_s"], self.generation_s = self.generation_s, 0.0
         row.update(self.pipeline.metrics())
         row.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
@@ -219,28 +219,6 @@ class GRPOTrainer:
             self.session.say([zero_advantage_warning(self.session.step, self.config, row)])
         self.rollouts.done(docs, batch.returned)
         return row
-
-    def _plan(self, docs: Any, *, all_ranks: bool) -> Any:
-        """The step's batch of the window ``docs``: one document per row, or with
-        ``grpo.shared_prompt_packing`` one prompt copy per row for the completions of one
-        generation's prompt (``jaxrl.data.batching.shared_prompt``)."""
-        documents = dict(
-            sequences=docs.sequences,
-            loss_masks=docs.loss_masks,
-            token_fields=docs.token_fields,
-            doc_fields={"advantage": docs.advantages},
-            all_ranks=all_ranks,
-        )
-        if not self.config.shared_prompt_packing:
-            lengths = [len(x) for x in docs.sequences]
-            return self.session.plan(range(len(docs)), lengths=lengths, **documents)
-        batches = self.rollouts.batches
-        return self.session.plan_shared(
-            range(len(docs)),
-            prompt_lengths=[int(batches[g].prompt_lengths[i]) for g, i in docs.rows],
-            group_keys=[g for g, _ in docs.rows],  # shared within a generation batch
-            **documents,
-        )
 
     def _train_on(self, batch: Any, cause: str) -> dict[str, Any]:  # PPO: + the critic's step
         return self.session.train_on(batch, empty_cause=cause)
