@@ -129,9 +129,10 @@ def test_pallas_entry_points_with_parents_run_flash():
     seg, pos, par = _layouts()
     q, k, v, _ = _qkv(kv_heads=2)
     want = attention(q, k, v, seg, seg, pos, pos, q_parent_BT=par)
-    for impl in ("splash", "pallas_gpu"):
-        fn = attention_fn(impl, interpret=True, block_size=16)
-        got = fn(q, k, v, seg, seg, pos, pos, q_parent_BT=par)
+    impls = ("splash", "pallas_gpu")
+    fns = [attention_fn(impl, interpret=True, block_size=16) for impl in impls]
+    outs = jax.jit(lambda *a: [fn(*a, q_parent_BT=par) for fn in fns])(q, k, v, seg, seg, pos, pos)
+    for impl, got in zip(impls, outs, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=impl)
 
 
@@ -141,13 +142,14 @@ def _exact_blocks(vis, bq, bk):
 
 
 def test_block_visibility_with_parents_is_a_superset_and_exact_for_shared_rows():
+    visibility = jax.jit(block_visibility, static_argnames=("block_q", "block_kv"))
     rng = np.random.default_rng(2)
     for _ in range(6):  # arbitrary layouts: never drops a visible pair
         seg = rng.integers(0, 6, (2, 48)).astype(np.int32)
         kv_seg = rng.integers(-1, 6, (2, 64)).astype(np.int32)
         q_pos, kv_pos = rng.integers(0, 30, (2, 48)), rng.integers(0, 30, (2, 64))
         par = np.where(rng.random((2, 48)) < 0.5, rng.integers(0, 6, (2, 48)), 0)
-        vis = block_visibility(seg, kv_seg, q_pos, kv_pos, block_q=8, block_kv=16, q_parent_BT=par)
+        vis = visibility(seg, kv_seg, q_pos, kv_pos, block_q=8, block_kv=16, q_parent_BT=par)
         exact = _exact_blocks(_rule(seg, kv_seg, q_pos, kv_pos, par), 8, 16)
         assert (np.asarray(vis) | ~exact).all()
     # the shared layout (issue 34's shape, scaled: prompts 35, G=4 completions of 9): exact
@@ -155,7 +157,7 @@ def test_block_visibility_with_parents_is_a_superset_and_exact_for_shared_rows()
     seg, pos, par = (x[None] for x in _shared_row(groups, 160))
     for block in (8, 16, 32):
         vis = np.asarray(
-            block_visibility(seg, seg, pos, pos, block_q=block, block_kv=block, q_parent_BT=par)
+            visibility(seg, seg, pos, pos, block_q=block, block_kv=block, q_parent_BT=par)
         )
         np.testing.assert_array_equal(
             vis, _exact_blocks(_rule(seg, seg, pos, pos, par), block, block), err_msg=str(block)
@@ -274,3 +276,31 @@ def test_shared_row_gives_the_unshared_logprobs_and_gradients(shipped_model, imp
     )
     for gs, gu in zip(grads_s, grads_u, strict=True):
         np.testing.assert_allclose(gs, gu, rtol=1e-5, atol=1e-5 * np.abs(gu).max())
+
+
+def test_moe_routed_forward_takes_parents():
+    """The MoE stack (``routed_hidden_states``, scanned) passes parents down like the dense one."""
+    config = ModelConfig.tiny(
+        V,
+        model_type="qwen3_moe",
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        scan_layers=True,
+    )
+    model = Transformer(config, rngs=nnx.Rngs(1))
+    _, mb = _batches()
+    args = (mb["tokens"], mb["positions"], mb["segment_ids"])
+
+    @nnx.jit
+    def run(model, parents):
+        routed, _ = model.routed_hidden_states(*args, parent_ids=parents)
+        return routed, model.hidden_states(*args, parent_ids=parents)
+
+    routed, plain = run(model, mb["parent_ids"])
+    np.testing.assert_allclose(routed, plain, atol=1e-6)
+    without, _ = run(model, None)
+    assert np.abs(np.asarray(routed) - np.asarray(without)).max() > 1e-3
