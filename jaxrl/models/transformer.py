@@ -456,9 +456,11 @@ class Transformer(nnx.Module):
         input_ids_BT: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        parent_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits [B, T, V]: float32 with ``fp32_lm_head``, else the compute dtype."""
-        return self.logits(self.hidden_states(input_ids_BT, positions, segment_ids))
+        """Logits [B, T, V]: float32 with ``fp32_lm_head``, else the compute dtype
+        (``parent_ids``: see :meth:`hidden_states`)."""
+        return self.logits(self.hidden_states(input_ids_BT, positions, segment_ids, parent_ids))
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         """The LM head on final hidden states: fp32 with ``fp32_lm_head``, else compute dtype."""
