@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.batching.packing import PackedBatch, pack_sequences
+from jaxrl.data.batching.shared_prompt import PARENT_FIELD
 from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
 from jaxrl.runtime.mesh import to_host
@@ -175,7 +176,8 @@ class Scorer:
         """Score host rows ``rows[f]`` of shape ``[..., T]`` for f in :data:`ROW_FIELDS`
         (e.g. a packed batch's ``[R, M, T]``); results have the same shape. Fields named
         ``moe_*`` (a MoE rollout's recorded routes and replay flag, ``moe/trace.py``) reach
-        the forward too, which then replays the routes as the train step's does."""
+        the forward too, which then replays the routes as the train step's does; so does
+        ``parent_ids`` (shared-prompt rows, ``jaxrl.data.batching.shared_prompt``)."""
         temp = self.temperature if temperature is None else float(temperature)
         shape = np.shape(rows["tokens"])
         t = shape[-1]
@@ -183,6 +185,8 @@ class Scorer:
         for k in rows:  # float token fields the forward reads (router replay's routes)
             if k.startswith(FORWARD_FIELD_PREFIX):
                 flat[k] = np.asarray(rows[k], np.float32).reshape(-1, t)
+        if PARENT_FIELD in rows:  # shared-prompt packing: each token's parent segment
+            flat[PARENT_FIELD] = np.asarray(rows[PARENT_FIELD], np.int32).reshape(-1, t)
         live = np.flatnonzero((flat["segment_ids"] > 0).any(axis=1))
         n = flat["tokens"].shape[0]
         logp = np.zeros((n, t), np.float32)
