@@ -11,6 +11,7 @@ import pytest
 from test_grpo_e2e import CONFIG, TINY
 
 from jaxrl.config import ConfigError, load_run_config
+from jaxrl.data.batching.shared_prompt import PARENT_FIELD
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.ppo import check_ppo_settings
 
@@ -56,19 +57,36 @@ def _check(plain: GRPOTrainer, shared: GRPOTrainer, steps: int, *, rtol: float) 
     return rows
 
 
+def _scored_rows(trainer: GRPOTrainer) -> list:
+    """Record (shared layout?, tokens) of each call of the generator's scorer (old / reference
+    log-probs)."""
+    seen, score = [], trainer.generator.scorer.score
+
+    def spy(params, rows, **kw):
+        seen.append((PARENT_FIELD in rows, int((np.asarray(rows["segment_ids"]) > 0).sum())))
+        return score(params, rows, **kw)
+
+    trainer.generator.scorer.score = spy
+    return seen
+
+
 @pytest.mark.slow
 def test_shared_equals_unshared_on_one_rank_with_micro_batches_and_both_scorers(tmp_path):
     """dp=1: the shared rows cut into several micro-batches (budget 16: groups are split, each
     part with its own prompt copy); β > 0 (reference log-probs) and μ = 2 (old log-probs), GSPO's
-    sequence ratio."""
+    sequence ratio. The old and reference log-probs are scored on shared rows too."""
     options = (
         "mesh.data=1", "grpo.beta=0.1", "grpo.num_iterations=2", "grpo.loss_type=grpo",
         "grpo.importance_sampling_level=sequence", "grpo.learning_rate=3.0e-3",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *options, shared_tokens=16, plain_tokens=64)
     assert shared.computes_old_logprobs
+    scored = [_scored_rows(t) for t in (plain, shared)]
     rows = _check(plain, shared, 2, rtol=1e-5)
     assert rows[0][1]["num_micro_batches"] > 1
+    assert scored[0] and not any(on for on, _ in scored[0])  # old + ref, per generation
+    assert len(scored[1]) == len(scored[0]) and all(on for on, _ in scored[1])
+    assert sum(n for _, n in scored[1]) < sum(n for _, n in scored[0])
 
 
 @pytest.mark.slow
