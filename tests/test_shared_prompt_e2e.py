@@ -110,13 +110,18 @@ def test_ppo_refuses_shared_prompts():
 @pytest.mark.slow
 def test_shared_equals_unshared_for_moe_router_replay(tmp_path):
     """A MoE model replaying the sampler's routes: the prompt copy carries the prompt's
-    recorded routes (its last token's included), so the step is the unshared one."""
+    recorded routes (its last token's included), so the step is the unshared one; μ = 2: the
+    old log-probs' scoring forward replays them on shared rows too."""
     moe = (
         "model.init={model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 1, "
         "num_attention_heads: 2, num_key_value_heads: 1, intermediate_size: 64, "
         "num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 16}",
         "grpo.router_replay=rollout", "mesh.data=1", "grpo.learning_rate=3.0e-3",
+        "grpo.num_iterations=2",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *moe, shared_tokens=64, plain_tokens=64)
+    scored = [_scored_rows(t) for t in (plain, shared)]
     ((a, b),) = _check(plain, shared, 1, rtol=1e-5)
+    (plain_call,), (shared_call,) = scored  # μ = 2: old log-probs, replaying the routes
+    assert shared_call[0] and shared_call[1] < plain_call[1]
     assert a["moe/route_disagreement"] == b["moe/route_disagreement"] == 0.0
