@@ -243,7 +243,7 @@ class RolloutGenerator:
             add_route_fields(batch, routes, replay=c.router_replay == "rollout")
             if c.router_replay == "rollout":
                 replayed = {k: v for k, v in batch.token_fields.items() if k.startswith("moe_")}
-        shared = {}  # shared-prompt rows: each prompt scored once per row (grpo.md §12)
+        shared = {}  # shared prompts: one copy per row (docs/algorithms/grpo.md §12)
         if c.shared_prompt_packing:
             shared = dict(prompt_lengths=batch.prompt_lengths, loss_masks=batch.loss_masks)
         if self.old_logprobs:
