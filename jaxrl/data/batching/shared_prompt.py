@@ -32,6 +32,10 @@ their true cost; when they cannot fill every rank's aligned micro-batches (or th
 would drop one), the units are halved and scheduled again, down to one document per unit,
 which is exactly the unshared schedule. The ``docs_per_step`` cut counts documents, never
 prompt segments. Deterministic: no RNG, orders follow the offered ids.
+
+Scoring (GRPO's old / reference log-probs at generation, ``Scorer.token_logprobs``):
+``pack_shared_sequences`` lays a list of documents out the same way into rows of one length, and
+``split_shared_by_sample`` reads per-token values back per document, prompt included.
 """
 
 from __future__ import annotations
