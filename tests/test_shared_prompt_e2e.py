@@ -11,6 +11,7 @@ import pytest
 from test_grpo_e2e import CONFIG, TINY
 
 from jaxrl.config import ConfigError, load_run_config
+from jaxrl.data.batching.shared_prompt import PARENT_FIELD
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.ppo import check_ppo_settings
 
@@ -56,19 +57,36 @@ def _check(plain: GRPOTrainer, shared: GRPOTrainer, steps: int, *, rtol: float) 
     return rows
 
 
+def _scored_rows(trainer: GRPOTrainer) -> list:
+    """Record (shared layout?, tokens) of each call of the generator's scorer (old / reference
+    log-probs)."""
+    seen, score = [], trainer.generator.scorer.score
+
+    def spy(params, rows, **kw):
+        seen.append((PARENT_FIELD in rows, int((np.asarray(rows["segment_ids"]) > 0).sum())))
+        return score(params, rows, **kw)
+
+    trainer.generator.scorer.score = spy
+    return seen
+
+
 @pytest.mark.slow
 def test_shared_equals_unshared_on_one_rank_with_micro_batches_and_both_scorers(tmp_path):
     """dp=1: the shared rows cut into several micro-batches (budget 16: groups are split, each
     part with its own prompt copy); β > 0 (reference log-probs) and μ = 2 (old log-probs), GSPO's
-    sequence ratio."""
+    sequence ratio. The old and reference log-probs are scored on shared rows too."""
     options = (
         "mesh.data=1", "grpo.beta=0.1", "grpo.num_iterations=2", "grpo.loss_type=grpo",
         "grpo.importance_sampling_level=sequence", "grpo.learning_rate=3.0e-3",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *options, shared_tokens=16, plain_tokens=64)
     assert shared.computes_old_logprobs
+    scored = [_scored_rows(t) for t in (plain, shared)]
     rows = _check(plain, shared, 2, rtol=1e-5)
     assert rows[0][1]["num_micro_batches"] > 1
+    assert scored[0] and not any(on for on, _ in scored[0])  # old + ref, per generation
+    assert len(scored[1]) == len(scored[0]) and all(on for on, _ in scored[1])
+    assert sum(n for _, n in scored[1]) < sum(n for _, n in scored[0])
 
 
 @pytest.mark.slow
@@ -92,13 +110,18 @@ def test_ppo_refuses_shared_prompts():
 @pytest.mark.slow
 def test_shared_equals_unshared_for_moe_router_replay(tmp_path):
     """A MoE model replaying the sampler's routes: the prompt copy carries the prompt's
-    recorded routes (its last token's included), so the step is the unshared one."""
+    recorded routes (its last token's included), so the step is the unshared one; μ = 2: the
+    old log-probs' scoring forward replays them on shared rows too."""
     moe = (
         "model.init={model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 1, "
         "num_attention_heads: 2, num_key_value_heads: 1, intermediate_size: 64, "
         "num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 16}",
         "grpo.router_replay=rollout", "mesh.data=1", "grpo.learning_rate=3.0e-3",
+        "grpo.num_iterations=2",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *moe, shared_tokens=64, plain_tokens=64)
+    scored = [_scored_rows(t) for t in (plain, shared)]
     ((a, b),) = _check(plain, shared, 1, rtol=1e-5)
+    (plain_call,), (shared_call,) = scored  # μ = 2: old log-probs, replaying the routes
+    assert shared_call[0] and shared_call[1] < plain_call[1]
     assert a["moe/route_disagreement"] == b["moe/route_disagreement"] == 0.0

@@ -32,11 +32,16 @@ their true cost; when they cannot fill every rank's aligned micro-batches (or th
 would drop one), the units are halved and scheduled again, down to one document per unit,
 which is exactly the unshared schedule. The ``docs_per_step`` cut counts documents, never
 prompt segments. Deterministic: no RNG, orders follow the offered ids.
+
+Scoring (GRPO's old / reference log-probs at generation, ``Scorer.token_logprobs``):
+``pack_shared_sequences`` lays a list of documents out the same way into rows of one length, and
+``split_shared_by_sample`` reads per-token values back per document, prompt included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -56,9 +61,11 @@ from jaxrl.data.feed import cut_rounds
 __all__ = [
     "PARENT_FIELD",
     "SharedPackedBatch",
+    "pack_shared_sequences",
     "plan_shared_batch",
     "prompt_units",
     "schedule_units",
+    "split_shared_by_sample",
 ]
 
 PARENT_FIELD = "parent_ids"  # the micro-batch field the attention and the losses read
@@ -376,3 +383,72 @@ def pack_shared(
         tokens_unshared=int(unshared),
         trained_tokens=int(sum(row_tokens)),
     )
+
+
+def pack_shared_sequences(
+    sequences: Sequence[Any],
+    prompt_lengths: Sequence[int],
+    *,
+    row_len: int,
+    loss_masks: Sequence[Any] | None = None,
+    token_fields: Mapping[str, Sequence[Any]] | None = None,
+    group_keys: Sequence[Hashable] | None = None,
+    packing: str = "ffd",
+) -> SharedPackedBatch:
+    """``packing.pack_sequences`` in the shared-prompt layout, for scoring (one rank): the
+    documents' units (``prompt_units``, ``group_keys`` default: all one group) scheduled into
+    rows of ``row_len`` tokens (``schedule_units``) and laid out by ``pack_shared``. One change
+    for scoring: a prompt segment's last position targets the prompt's last token (the token
+    its copies start with; loss mask 0 still), so ``split_shared_by_sample`` of the scored
+    log-probs has every token's value of the unshared layout."""
+    ids = range(len(sequences))
+    keys = [0] * len(sequences) if group_keys is None else group_keys
+    units = prompt_units(
+        ids,
+        sequences=sequences,
+        prompt_lengths=prompt_lengths,
+        group_keys=keys,
+        max_tokens=row_len,
+        loss_masks=loss_masks,
+        token_fields=token_fields,
+    )
+    schedule = types.SimpleNamespace(max_tokens=row_len, packing=packing, balance="strided")
+    units, unit_mbs = schedule_units(
+        units, lambda u: unit_cost(u, sequences, prompt_lengths), ranks=1, schedule=schedule
+    )
+    packed = pack_shared(
+        [[[units[j] for j in mb] for mb in rank] for rank in unit_mbs],
+        sequences,
+        prompt_lengths,
+        loss_masks=loss_masks,
+        token_fields=token_fields,
+        row_len=row_len,
+    )
+    seg, parent = packed.segment_ids, packed.parent_ids
+    last = np.zeros_like(seg, bool)  # a segment's last token: the next token is another's
+    last[..., :-1] = seg[..., :-1] != seg[..., 1:]
+    is_parent = np.zeros_like(seg, bool)
+    for r, m in np.ndindex(seg.shape[:2]):
+        is_parent[r, m] = np.isin(seg[r, m], parent[r, m][parent[r, m] > 0])
+    at = last & is_parent  # never a row's final token: a prompt copy's children follow it
+    packed.targets[..., :-1][at[..., :-1]] = packed.tokens[..., 1:][at[..., :-1]]
+    return packed
+
+
+def split_shared_by_sample(
+    packed: SharedPackedBatch, values_RMT: np.ndarray
+) -> dict[int, np.ndarray]:
+    """``PackedBatch.split_by_sample`` of the shared layout: per document (by sample index),
+    the values at its tokens' positions, its prompt's from the prompt segment it sees, so each
+    array is as long as the document."""
+    out: dict[int, np.ndarray] = {}
+    values_RMT = np.asarray(values_RMT)
+    for r, m, slot in zip(*np.nonzero(packed.doc_sample_index >= 0), strict=True):
+        if slot == 0:
+            continue
+        seg_T, vals_T = packed.segment_ids[r, m], values_RMT[r, m]
+        own = seg_T == slot
+        parent = int(packed.parent_ids[r, m][own][0])
+        head = vals_T[seg_T == parent] if parent > 0 else vals_T[:0]
+        out[int(packed.doc_sample_index[r, m, slot])] = np.concatenate([head, vals_T[own]])
+    return out
