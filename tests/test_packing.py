@@ -230,8 +230,12 @@ def test_row_buckets_follow_the_budget():
     assert row_buckets(256) == (64, 128, 256)
     assert row_buckets(300) == (64, 128, 256, 300)
     assert row_buckets(40) == (40,)
-    assert row_buckets(4096) == (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    assert row_buckets(4096) == (
+        (64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+        + (2560, 3072, 3584, 4096)
+    )
     assert all(t % 128 == 0 for t in row_buckets(8192) if t >= 128)  # the kernels' block
     assert pick_bucket(661, row_buckets(4096), "T") == 768  # the longest row, not the budget
+    assert pick_bucket(556, row_buckets(2048), "T") == 640
     for needed in range(65, 4097):  # a row is always at least 2/3 full (past the smallest)
         assert needed / pick_bucket(needed, row_buckets(4096), "T") > 0.5

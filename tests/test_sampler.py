@@ -24,6 +24,7 @@ from jaxrl.generate.sampler import (
     filter_logits,
     sample_tokens,
 )
+from jaxrl.generate.sampling import first_argmax, gumbel_max
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.sharding import state_shardings
 from jaxrl.runtime.mesh import make_mesh
@@ -216,6 +217,26 @@ def test_filtered_sampling_frequencies_match_renormalised_probabilities(top_k, t
     np.testing.assert_allclose(freq, want, atol=0.012)  # ~5 sigma at 40k draws
     # the reported log-prob is the unfiltered full-vocabulary one
     np.testing.assert_allclose(np.asarray(logp_B), np.log(PROBS)[np.asarray(tokens_B)], atol=1e-6)
+
+
+def test_gumbel_max_draws_what_jax_random_categorical_draws():
+    """The engine's draw is ``jax.random.categorical`` token for token (the recorded runs'
+    random stream), with one key per row and with one key for the batch; ``first_argmax`` is
+    ``jnp.argmax``, ties (first index) and NaN (first NaN) included."""
+    rng = np.random.default_rng(0)
+    z_BV = jnp.asarray(3 * rng.standard_normal((96, 1000)), jnp.float32)
+    z_BV = z_BV.at[:8, 500:].set(-jnp.inf)  # filtered-out tokens, as top-k / top-p leave them
+    for seed in range(4):
+        keys_B = jax.random.split(jax.random.key(seed), z_BV.shape[0])
+        np.testing.assert_array_equal(
+            jax.jit(gumbel_max)(keys_B, z_BV), jax.vmap(jax.random.categorical)(keys_B, z_BV)
+        )
+        key = jax.random.key(seed)
+        np.testing.assert_array_equal(
+            jax.jit(gumbel_max)(key, z_BV), jax.random.categorical(key, z_BV, axis=-1)
+        )
+    x_BV = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [2.0, np.nan, 5.0, np.nan], [-np.inf] * 4])
+    np.testing.assert_array_equal(first_argmax(x_BV), jnp.argmax(x_BV, axis=-1))
 
 
 def test_temperature_reshapes_the_sampling_distribution():

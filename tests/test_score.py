@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.batching.packing import pack_sequences
+from jaxrl.data.batching.shared_prompt import pack_shared_sequences, prompt_units
+from jaxrl.data.documents import prompt_completion_document
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
@@ -136,3 +138,34 @@ def test_exact_match_counts_correct_among_scored_documents():
     assert scores.exact_match(np.array([1, 4])) == 0.0
     assert scores.exact_match([3]) == 0.0  # nothing scored: 0, not NaN
     assert scores.exact_match([2, 2, 1]) == pytest.approx(2 / 3)  # ids as given, repeats too
+
+
+def test_token_logprobs_on_shared_prompt_rows_equal_the_unshared(case):
+    """GRPO's old / reference log-probs (``token_logprobs``) scored in the shared-prompt layout
+    (grpo.shared_prompt_packing) equal the unshared documents' at every token, prompts included:
+    three prompt groups, one of them cut by the row budget into parts, and a lone document."""
+    graphdef, params, *_ = case
+    rng = np.random.default_rng(1)
+    docs, masks, plens = [], [], []
+    for prompt_len, n, longest in ((5, 4, 6), (7, 6, 8), (6, 3, 4), (4, 1, 5)):
+        prompt = rng.integers(0, 16, prompt_len)
+        for _ in range(n):
+            completion = rng.integers(0, 16, int(rng.integers(1, longest + 1)))
+            ids, mask = prompt_completion_document(prompt, completion)
+            docs.append(ids.astype(np.int32))
+            masks.append(mask)
+            plens.append(prompt_len)
+    units = prompt_units(
+        range(len(docs)), sequences=docs, prompt_lengths=plens, group_keys=[0] * len(docs),
+        max_tokens=32, loss_masks=masks,
+    )  # fmt: skip
+    assert len(units) > 4  # the 6-completion group is split by the budget
+    scorer = Scorer(graphdef, chunk_size=CHUNK, row_len=32, temperature=0.7)
+    plain = scorer.token_logprobs(params, docs)
+    shared = scorer.token_logprobs(params, docs, prompt_lengths=plens, loss_masks=masks)
+    assert scorer.compiles == 2  # the shared rows' program reads parent_ids
+    for i, (a, b) in enumerate(zip(plain, shared, strict=True)):
+        assert a.shape == b.shape == (len(docs[i]),)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5, err_msg=f"document {i}")
+    packed = pack_shared_sequences(docs, plens, row_len=32, loss_masks=masks)
+    assert packed.trained_tokens < packed.tokens_unshared == sum(map(len, docs))

@@ -204,6 +204,9 @@ class GRPOConfig:
     tool_isolation: str = "thread"  # thread: tools run in this process; subprocess: in a
     # worker process (killed at the timeout, memory-limited); environment methods run here
     tool_memory_limit_mb: int | None = 1024  # address-space limit of the subprocess worker
+    shared_prompt_packing: bool = False  # train each prompt once per row: its completions
+    # (same prompt, same generation) attend to one copy of it instead of G copies; the same
+    # update, fewer trained tokens (docs/algorithms/grpo.md §12); GRPO only, not PPO
     learning_rate: float | None = None  # the GRPO stage's peak LR (an SFT warm start keeps
     # optimizer.learning_rate); None → optimizer.learning_rate
     warmup_steps: int | None = None  # the GRPO stage's LR warmup steps; None → optimizer's

@@ -26,6 +26,8 @@ __all__ = [
     "SampleResult",
     "SamplingParams",
     "filter_logits",
+    "first_argmax",
+    "gumbel_max",
     "sample_tokens",
     "stop_token_ids",
     "token_key",
@@ -138,6 +140,35 @@ def filter_logits(logits_BV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
     return jnp.where(logits_BV >= cutoff_B1, logits_BV, -jnp.inf)
 
 
+def first_argmax(x_BV: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)``, the same index (the first maximum; the first NaN if any), as
+    two plain reductions: a max, then a min over the indices that hold it.
+
+    XLA's CPU backend fuses the elementwise work that produces ``x`` into ``argmax``'s
+    variadic (value, index) reduction, where it runs as scalar code; a plain max and min keep
+    that work in one vectorised loop. For the engine's draw (Gumbel noise over a 49k
+    vocabulary at 64 slots) this is 2.7x faster (benchmarks/draw_bench.py).
+    """
+    v = x_BV.shape[-1]
+    m_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+    idx_BV = lax.broadcasted_iota(jnp.int32, x_BV.shape, x_BV.ndim - 1)
+    hit_BV = (x_BV == m_B1) | jnp.isnan(x_BV)
+    return jnp.min(jnp.where(hit_BV, idx_BV, v), axis=-1)
+
+
+def gumbel_max(key: jax.Array, logits_BV: jax.Array) -> jax.Array:
+    """``jax.random.categorical(key, logits_BV, axis=-1)`` (vmapped over rows for per-row keys
+    of shape ``[B]``), the same token for the same key: ``argmax(logits + gumbel(key))``, the
+    argmax taken by :func:`first_argmax`."""
+    if key.ndim == 1 and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        noise_BV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BV.shape[1:], logits_BV.dtype))(
+            key
+        )
+    else:
+        noise_BV = jax.random.gumbel(key, logits_BV.shape, logits_BV.dtype)
+    return first_argmax(logits_BV + noise_BV)
+
+
 def sample_tokens(
     key: jax.Array,
     logits_BV: jax.Array,
@@ -159,10 +190,7 @@ def sample_tokens(
     filtered_BV = lax.cond(
         filtering & ~greedy, lambda z: filter_logits(z, top_k, top_p), lambda z: z, z_BV
     )
-    if key.ndim == 1 and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        drawn_B = jax.vmap(jax.random.categorical)(key, filtered_BV)
-    else:
-        drawn_B = jax.random.categorical(key, filtered_BV, axis=-1)
-    tokens_B = jnp.where(greedy, jnp.argmax(z_BV, axis=-1), drawn_B).astype(jnp.int32)
+    drawn_B = gumbel_max(key, filtered_BV)
+    tokens_B = jnp.where(greedy, first_argmax(z_BV), drawn_B).astype(jnp.int32)
     token_logit_B = jnp.take_along_axis(z_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, token_logit_B - jax.nn.logsumexp(z_BV, axis=-1)

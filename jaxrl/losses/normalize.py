@@ -71,9 +71,17 @@ def segment_sum(x_BT: jax.Array, segment_ids_BT: jax.Array, num_segments: int) -
     return sums.reshape(B, num_segments)
 
 
-def num_documents(segment_ids_BT: jax.Array) -> jax.Array:
-    """Documents per row: segment ids are 1..n in row order, so the count is the max id."""
-    return jnp.max(segment_ids_BT, axis=-1)
+def num_documents(segment_ids_BT: jax.Array, parent_ids_BT: jax.Array | None = None) -> jax.Array:
+    """Documents per row: segment ids are 1..n in row order, so the count is the max id; with
+    ``parent_ids`` (shared-prompt packing, ``jaxrl.data.batching.shared_prompt``) less the
+    prompt segments, the distinct non-zero parents of the row."""
+    count = jnp.max(segment_ids_BT, axis=-1)
+    if parent_ids_BT is None:
+        return count
+    p_BT = jnp.sort(parent_ids_BT.astype(jnp.int32), axis=-1)
+    new_BT = (p_BT[:, 1:] != p_BT[:, :-1]) & (p_BT[:, 1:] > 0)
+    parents = jnp.sum(new_BT, axis=-1) + (p_BT[:, 0] > 0)
+    return count - parents.astype(count.dtype)
 
 
 def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
@@ -81,14 +89,21 @@ def gather_segments(x_BS: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_BS, segment_ids_BT, axis=1)
 
 
-def documents_present(segment_ids_BT: jax.Array, num_segments: int) -> jax.Array:
+def documents_present(
+    segment_ids_BT: jax.Array, num_segments: int, parent_ids_BT: jax.Array | None = None
+) -> jax.Array:
     """``[B, S]`` bool: slot s ≥ 1 holds a document in this row (slot 0 is always False).
 
     A document is present when it has at least one token, loss tokens or not. With ids 1..n in
-    row order the count per row equals ``num_documents``.
+    row order the count per row equals ``num_documents``. ``parent_ids`` (shared-prompt
+    packing): a segment that is some token's parent is a shared prompt, not a document.
     """
     real_BT = (segment_ids_BT > 0).astype(jnp.float32)
     present_BS = segment_sum(real_BT, segment_ids_BT, num_segments) > 0
+    if parent_ids_BT is not None:
+        parent_BT = parent_ids_BT.astype(jnp.int32)
+        is_parent_BS = segment_sum((parent_BT > 0).astype(jnp.float32), parent_BT, num_segments)
+        present_BS = present_BS & ~(is_parent_BS > 0)
     return present_BS.at[:, 0].set(False)
 
 
@@ -100,10 +115,12 @@ def token_terms(
     mode: str,
     num_segments: int,
     max_len: int | None = None,
+    parent_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(numerator, denominator) of a per-token loss for one micro-batch under ``mode``.
 
-    ``mask_BT`` weighs each token (0 = no loss); padding (segment 0) never counts. Masked
+    ``mask_BT`` weighs each token (0 = no loss); padding (segment 0) never counts, nor does a
+    shared prompt segment in N_seq (``parent_ids``, ``documents_present``). Masked
     positions are selected out with ``jnp.where``, so their values (even inf/NaN) reach neither
     the result nor its gradient. Sums run per document first (segment sums), then over documents.
     """
@@ -121,7 +138,7 @@ def token_terms(
         jnp.where(on_BT, loss_BT.astype(jnp.float32) * w_BT, 0.0), seg_BT, num_segments
     )[:, 1:]
     ntok_BS = segment_sum(jnp.where(on_BT, w_BT, 0.0), seg_BT, num_segments)[:, 1:]
-    n_seq = jnp.sum(documents_present(seg_BT, num_segments).astype(jnp.float32))
+    n_seq = jnp.sum(documents_present(seg_BT, num_segments, parent_ids_BT).astype(jnp.float32))
     if mode == "token":
         return jnp.sum(loss_sum_BS), jnp.sum(ntok_BS)
     if mode == "sequence":

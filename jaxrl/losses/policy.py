@@ -179,6 +179,7 @@ def policy_loss_terms(
     is_weight_BT: jax.Array | None = None,
     token_adv_BT: jax.Array | None = None,
     kl_bias_correction: bool = False,
+    parent_ids_BT: jax.Array | None = None,
 ) -> PolicyLossTerms:
     """Numerator, denominator and metric sums of one packed micro-batch (module docstring).
 
@@ -195,6 +196,8 @@ def policy_loss_terms(
     (TRL's ``use_bias_correction_kl``) multiplies each token's k3 by the differentiable ratio
     ρ_t (token level) or ρ_d (sequence level): ``β ρ k3``; on-policy ρ = 1 in value but its
     gradient ∂lp adds ``β k3 ∂lp``. The ``kl`` metric is then the mean of ρ·k3, as TRL logs it.
+    ``parent_ids_BT`` (shared-prompt packing): a parent segment is a shared prompt, not a
+    document (``normalize.documents_present``); it has no loss token, so it adds nothing.
     """
     if loss_type not in GRPO_LOSS_MODES:
         raise ValueError(f"loss_type={loss_type!r} is invalid: use one of {GRPO_LOSS_TYPES}")
@@ -229,7 +232,7 @@ def policy_loss_terms(
         adv_BT = jnp.where(m_BT, gather_segments(adv_BS, seg_BT), 0.0)
     else:
         adv_BT = jnp.where(m_BT, jax.lax.stop_gradient(token_adv_BT.astype(jnp.float32)), 0.0)
-    present_BS = documents_present(seg_BT, num_segments)
+    present_BS = documents_present(seg_BT, num_segments, parent_ids_BT)
     ntok_BS = segsum(mf_BT)
 
     if importance_sampling_level == "token":
@@ -273,5 +276,6 @@ def policy_loss_terms(
         mode=GRPO_LOSS_MODES[loss_type],
         num_segments=num_segments,
         max_len=max_completion_length,
+        parent_ids_BT=parent_ids_BT,
     )
     return PolicyLossTerms(numerator, denominator, metrics)

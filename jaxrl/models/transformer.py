@@ -118,11 +118,14 @@ class Attention(nnx.Module):
         segment_ids_BT: jax.Array,
         positions_BT: jax.Array,
         cache: LayerKV | None = None,
+        parent_ids_BT: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, LayerKV]:
         """Attention output [B, T, D]; with a ``cache``, also the cache holding these keys.
 
         With a cache the T new keys/values are written at the cache's index and the queries
         attend to all L cached slots (this step's included) under the same visibility rule.
+        ``parent_ids_BT`` (self-attention only): each token's parent segment, which it also
+        sees (shared-prompt packing, ``attention/dense.py``); None: no parents.
         """
         cfg, dt = self.config, x_BTD.dtype
         q_BTHDh = _project(x_BTD, weight(self.q_kernel, dt))
@@ -145,6 +148,7 @@ class Attention(nnx.Module):
             cfg.attention_impl, self_attention=cache is None, block_size=cfg.attention_block_size
         )
         if cache is None:
+            parent = {} if parent_ids_BT is None else {"q_parent_BT": parent_ids_BT}
             out_BTHDh = attention(
                 q_BTHDh,
                 k_BTKDh,
@@ -153,8 +157,11 @@ class Attention(nnx.Module):
                 segment_ids_BT,
                 positions_BT,
                 positions_BT,
+                **parent,
             )
         else:  # the cache writes the new keys and attends (kv_cache.py, slot_kv_cache.py)
+            if parent_ids_BT is not None:
+                raise ValueError("Attention: parent_ids need self-attention, not a KV cache")
             out_BTHDh, cache = cache.attend(
                 q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention
             )
@@ -216,10 +223,13 @@ class Block(nnx.Module):
         segment_ids_BT: jax.Array,
         positions_BT: jax.Array,
         cache: LayerKV | None = None,
+        parent_ids_BT: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, LayerKV]:
         """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention)."""
         if cache is None:
-            x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
+            x_BTD = x_BTD + self.attn(
+                self.input_norm(x_BTD), segment_ids_BT, positions_BT, None, parent_ids_BT
+            )
             return x_BTD + self._mlp(self.post_attn_norm(x_BTD))[0]
         attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
         x_BTD = x_BTD + attn_BTD
@@ -232,11 +242,15 @@ class Block(nnx.Module):
         positions_BT: jax.Array,
         cache: LayerKV | None,
         replay_BTK: jax.Array | None,
+        parent_ids_BT: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerKV | None, Any]:
         """``(output, cache, routing)``: the block with the MoE's ``Routing`` (None when dense);
-        ``replay_BTK``: expert ids to use instead of the router's top-k (router replay)."""
+        ``replay_BTK``: expert ids to use instead of the router's top-k (router replay);
+        ``parent_ids_BT``: see :class:`Attention` (no cache)."""
         if cache is None:
-            x_BTD = x_BTD + self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT)
+            x_BTD = x_BTD + self.attn(
+                self.input_norm(x_BTD), segment_ids_BT, positions_BT, None, parent_ids_BT
+            )
         else:
             attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
             x_BTD = x_BTD + attn_BTD
@@ -280,20 +294,27 @@ class Transformer(nnx.Module):
         input_ids_BT: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        parent_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Final-normed hidden states [B, T, D] in the compute dtype (the LM head's input).
 
         ``segment_ids`` (1-based documents, 0 = padding) restrict attention to the same
         document; ``positions`` default to ``arange(T)`` without segments and otherwise restart
         at 0 for every document. Ids outside ``[0, V)`` are clamped, so padding may hold any id.
+        ``parent_ids`` (int [B, T], 0 = none; needs ``segment_ids``): the segment each token
+        also sees in full, under the position rule (shared-prompt packing: a completion's
+        tokens see their prompt, laid out once per row; docs/attention.md). None runs exactly
+        the program without it.
         """
         input_ids_BT, segment_ids_BT, positions_BT = _inputs(input_ids_BT, positions, segment_ids)
+        extra = () if parent_ids is None else (_parents(parent_ids, input_ids_BT),)
         x_BTD = run_blocks(
             self.layers,
-            lambda block, x_BTD, _, seg_BT, pos_BT: block(x_BTD, seg_BT, pos_BT),
+            lambda block, x_BTD, _, seg_BT, pos_BT, *par: block(x_BTD, seg_BT, pos_BT, None, *par),
             self._embed(input_ids_BT),
             segment_ids_BT,
             positions_BT,
+            *extra,
             scanned=self.config.scan_layers,
             remat=self.config.remat,
         )
@@ -305,12 +326,14 @@ class Transformer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         replay_routes: jax.Array | None = None,
+        parent_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, MoeTrace]:
         """:meth:`hidden_states` of a MoE model and its routing (``moe/trace.py``): the expert
         ids every MoE layer chose for every token (``routes [B, T, Lm, K]``) and the Σ over MoE
         layers of the router softmax. ``replay_routes [B, T, Lm, K]``: use these expert ids
         instead of the router's top-k, with the router's probabilities gathered at them
-        (router replay, docs/moe.md); the recorded routes are then these."""
+        (router replay, docs/moe.md); the recorded routes are then these. ``parent_ids``: as in
+        :meth:`hidden_states`."""
         if not self.config.moe_layers:
             raise ValueError("routed_hidden_states: the model has no MoE layer")
         input_ids_BT, segment_ids_BT, positions_BT = _inputs(input_ids_BT, positions, segment_ids)
@@ -322,6 +345,7 @@ class Transformer(nnx.Module):
             segment_ids_BT,
             positions_BT,
             replay_layers(replay_routes),
+            *(() if parent_ids is None else (_parents(parent_ids, input_ids_BT),)),
             scanned=self.config.scan_layers,
             remat=self.config.remat,
         )
@@ -432,14 +456,26 @@ class Transformer(nnx.Module):
         input_ids_BT: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        parent_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits [B, T, V]: float32 with ``fp32_lm_head``, else the compute dtype."""
-        return self.logits(self.hidden_states(input_ids_BT, positions, segment_ids))
+        """Logits [B, T, V]: float32 with ``fp32_lm_head``, else the compute dtype
+        (``parent_ids``: see :meth:`hidden_states`)."""
+        return self.logits(self.hidden_states(input_ids_BT, positions, segment_ids, parent_ids))
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         """The LM head on final hidden states: fp32 with ``fp32_lm_head``, else compute dtype."""
         kernel_DV = self.head_kernel(self.head_dtype(hidden_BTD))
         return lm_head(hidden_BTD, kernel_DV, fp32=self.config.fp32_lm_head)
+
+
+def _parents(parent_ids_BT: jax.Array, input_ids_BT: jax.Array) -> jax.Array:
+    """``parent_ids`` as int32 [B, T], checked against the ids' shape."""
+    parent_ids_BT = jnp.asarray(parent_ids_BT)
+    if parent_ids_BT.shape != input_ids_BT.shape:
+        raise ValueError(
+            f"parent_ids {parent_ids_BT.shape} must be [B, T] like input_ids {input_ids_BT.shape}"
+        )
+    return parent_ids_BT.astype(jnp.int32)
 
 
 def _inputs(

@@ -243,13 +243,18 @@ class RolloutGenerator:
             add_route_fields(batch, routes, replay=c.router_replay == "rollout")
             if c.router_replay == "rollout":
                 replayed = {k: v for k, v in batch.token_fields.items() if k.startswith("moe_")}
+        shared = {}  # shared prompts: one copy per row (docs/algorithms/grpo.md §12)
+        if c.shared_prompt_packing:
+            shared = dict(prompt_lengths=batch.prompt_lengths, loss_masks=batch.loss_masks)
         if self.old_logprobs:
             with self._phase("scoring"):
-                old = self.scorer.token_logprobs(params, batch.sequences, token_fields=replayed)
+                old = self.scorer.token_logprobs(
+                    params, batch.sequences, token_fields=replayed, **shared
+                )
             batch.set_completion_field("old_logp", _completion_parts(old, batch.prompt_lengths))
         if self.ref_params is not None:
             with self._phase("scoring"):
-                ref = self.scorer.token_logprobs(self.ref_params, batch.sequences)
+                ref = self.scorer.token_logprobs(self.ref_params, batch.sequences, **shared)
             batch.set_completion_field("ref_logp", _completion_parts(ref, batch.prompt_lengths))
         if c.kl_in_reward:  # REINFORCE++: per-token returns with −β·KL, whitened
             masks = _completion_parts(batch.loss_masks, batch.prompt_lengths)

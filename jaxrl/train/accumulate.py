@@ -160,7 +160,7 @@ def _rank_sums(
         loss_fn = functools.partial(_with_frozen, loss_fn, frozen=frozen)
     if comm.scatter:
         loss_fn = functools.partial(_on_marked, loss_fn, comm=comm)
-    docs_M = num_documents(batch_MT["segment_ids"]).astype(jnp.int32)
+    docs_M = num_documents(batch_MT["segment_ids"], batch_MT.get("parent_ids")).astype(jnp.int32)
     global_docs_M = comm.psum(docs_M)
     real_MT = batch_MT["segment_ids"] > 0
     tokens_M = jnp.sum(real_MT, axis=-1).astype(jnp.int32)

@@ -89,7 +89,9 @@ def micro_batch_scores(
 def _hidden_states(model: Transformer, mb: dict[str, jax.Array]) -> jax.Array:
     if model.config.moe_layers and ROUTE_REPLAY in mb:  # router replay (docs/moe.md)
         return routed_hidden_states(model, mb)[0]
-    return model.hidden_states(mb["tokens"], mb.get("positions"), mb["segment_ids"])
+    return model.hidden_states(
+        mb["tokens"], mb.get("positions"), mb["segment_ids"], mb.get("parent_ids")
+    )
 
 
 def routed_hidden_states(
@@ -101,7 +103,11 @@ def routed_hidden_states(
     recorded = batch_routes(mb, model.config)
     replay = recorded if ROUTE_REPLAY in mb else None
     hidden_BTD, trace = model.routed_hidden_states(
-        mb["tokens"], mb.get("positions"), mb["segment_ids"], replay_routes=replay
+        mb["tokens"],
+        mb.get("positions"),
+        mb["segment_ids"],
+        replay_routes=replay,
+        parent_ids=mb.get("parent_ids"),
     )
     return hidden_BTD, trace, recorded
 

@@ -187,6 +187,7 @@ def grpo_objective(config: GRPOConfig, *, chunk_size: int = 0) -> Objective:
             is_weight_BT=weight_BT,
             token_adv_BT=mb.get("token_advantage"),
             kl_bias_correction=config.use_bias_correction_kl,
+            parent_ids_BT=mb.get("parent_ids"),  # shared-prompt packing: prompts are no documents
         )
         terms.metrics.update(weight_metrics)
         m_BT = (mb["loss_mask"] > 0) & (mb["segment_ids"] > 0)

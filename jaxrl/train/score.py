@@ -41,6 +41,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.batching.packing import PackedBatch, pack_sequences
+from jaxrl.data.batching.shared_prompt import (
+    PARENT_FIELD,
+    pack_shared_sequences,
+    split_shared_by_sample,
+)
 from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
 from jaxrl.runtime.mesh import to_host
@@ -178,7 +183,8 @@ class Scorer:
         ``loss_mask`` field the head runs only where it is non-zero, as in the train step
         (``jaxrl.train.forward``): values elsewhere are 0 (``correct`` False). Fields named
         ``moe_*`` (a MoE rollout's recorded routes and replay flag, ``moe/trace.py``) reach
-        the forward too, which then replays the routes as the train step's does."""
+        the forward too, which then replays the routes as the train step's does; so does
+        ``parent_ids`` (shared-prompt rows, ``jaxrl.data.batching.shared_prompt``)."""
         temp = self.temperature if temperature is None else float(temperature)
         shape = np.shape(rows["tokens"])
         t = shape[-1]
@@ -188,6 +194,8 @@ class Scorer:
         for k in rows:  # float token fields the forward reads (router replay's routes)
             if k.startswith(FORWARD_FIELD_PREFIX):
                 flat[k] = np.asarray(rows[k], np.float32).reshape(-1, t)
+        if PARENT_FIELD in rows:  # shared-prompt packing: each token's parent segment
+            flat[PARENT_FIELD] = np.asarray(rows[PARENT_FIELD], np.int32).reshape(-1, t)
         live = np.flatnonzero((flat["segment_ids"] > 0).any(axis=1))
         n = flat["tokens"].shape[0]
         logp = np.zeros((n, t), np.float32)
@@ -264,23 +272,41 @@ class Scorer:
         *,
         temperature: float | None = None,
         token_fields: Mapping[str, Sequence[np.ndarray]] | None = None,
+        prompt_lengths: Sequence[int] | None = None,
+        loss_masks: Sequence[np.ndarray] | None = None,
     ) -> list[np.ndarray]:
         """Token-aligned log-probs per document: value i is log p(token i | tokens < i); 0 at 0.
 
         The documents are packed into rows of ``row_len`` tokens (the constructor's).
         ``token_fields``: per-document float fields packed with them as the train step's
         batches are; the ``moe_*`` ones reach the forward (a MoE rollout's recorded routes and
-        replay flag: the scoring forward replays them, docs/moe.md)."""
+        replay flag: the scoring forward replays them, docs/moe.md). ``prompt_lengths`` (with
+        the documents' ``loss_masks``): score in the shared-prompt layout, one copy of a prompt
+        per row for the documents that share it (``shared_prompt.pack_shared_sequences``,
+        docs/algorithms/grpo.md §12); the values are the same."""
         if self.row_len is None:
             raise ValueError("Scorer.token_logprobs needs the Scorer's row_len")
         fields = dict(token_fields or {})
-        packed = pack_sequences(list(sequences), row_len=self.row_len, token_fields=fields)
+        if prompt_lengths is None:
+            packed = pack_sequences(list(sequences), row_len=self.row_len, token_fields=fields)
+            split = packed.split_by_sample
+        else:
+            packed = pack_shared_sequences(
+                list(sequences),
+                prompt_lengths,
+                row_len=self.row_len,
+                loss_masks=loss_masks,
+                token_fields=fields,
+            )
+            split = functools.partial(split_shared_by_sample, packed)
         rows = _rows_of(packed)
         rows.update(
             {k: v for k, v in packed.token_fields.items() if k.startswith(FORWARD_FIELD_PREFIX)}
         )
+        if prompt_lengths is not None:
+            rows[PARENT_FIELD] = packed.parent_ids
         logp = self.score(params, rows, temperature=temperature).logp
-        by_doc = packed.split_by_sample(logp)  # value j predicts token j + 1
+        by_doc = split(logp)  # value j predicts token j + 1
         return [
             np.concatenate([[0.0], by_doc[i][:-1]]).astype(np.float32)
             for i in range(len(sequences))

@@ -34,9 +34,12 @@ from jaxrl.trainers.grpo_rollouts import (
     Producer,
     build_rollout_parts,
     check_rollout_settings,
+    check_shared_prompt,
     generation_params,
     load_reward_funcs,
     needs_old_logprobs,
+    plan_window,
+    shared_prompt_metrics,
     snapshot,
 )
 from jaxrl.trainers.preamble import Preamble
@@ -82,6 +85,7 @@ class GRPOTrainer:
         self.train_examples = data.examples("train") if builtin else None
         self.eval_examples = data.examples("eval") if builtin else None
         self.session = pre.session(self._objective())
+        check_shared_prompt(self.config, self.session.model_config)
         parts = build_rollout_parts(
             self.cfg, self.session, self.tokenizer, data, funcs, toolbox, generation,
             old_logprobs=self.computes_old_logprobs,
@@ -187,15 +191,7 @@ class GRPOTrainer:
         c = self.config
         docs = self.rollouts.window()
         entropy_prepass = c.top_entropy_quantile < 1.0  # reads every rank's rows
-        batch = self.session.plan(
-            range(len(docs)),
-            lengths=[len(x) for x in docs.sequences],
-            sequences=docs.sequences,
-            loss_masks=docs.loss_masks,
-            token_fields=docs.token_fields,
-            doc_fields={"advantage": docs.advantages},
-            all_ranks=entropy_prepass,
-        )
+        batch = plan_window(self.session, self.rollouts, docs, all_ranks=entropy_prepass)
         used, arrays, packed = batch.used, batch.arrays, batch.packed
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.scorer.step_entropy_threshold(
@@ -207,6 +203,7 @@ class GRPOTrainer:
         cause = empty_cause(self.config, docs.truncated[used_ids])
         row = self._train_on(batch, cause)
         row["time/train_s"] = time.perf_counter() - start
+        row.update(shared_prompt_metrics(packed))  # the tokens shared prompts saved, if on
         row["time/generation_s"], self.generation_s = self.generation_s, 0.0
         row.update(self.pipeline.metrics())
         row.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig, RunConfig
+from jaxrl.data.batching.shared_prompt import SharedPackedBatch
 from jaxrl.data.datasets import Dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tasks import Example
@@ -29,7 +30,7 @@ from jaxrl.rollout.heldout import HeldoutEvaluator
 from jaxrl.rollout.rewards.builtin import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.rewards.compute import RewardFunc, TrainingProgress
 from jaxrl.rollout.rewards.specs import resolve_reward_funcs
-from jaxrl.rollout.rollout_queue import RolloutBatch
+from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue, RowDocuments
 from jaxrl.rollout.tool_eval import EpisodeEvaluator
 from jaxrl.rollout.tools.toolbox import Toolbox
 from jaxrl.runtime.mesh import make_mesh
@@ -43,9 +44,12 @@ __all__ = [
     "RolloutParts",
     "build_rollout_parts",
     "check_rollout_settings",
+    "check_shared_prompt",
     "generation_params",
     "load_reward_funcs",
     "needs_old_logprobs",
+    "plan_window",
+    "shared_prompt_metrics",
     "snapshot",
 ]
 
@@ -77,6 +81,54 @@ def check_rollout_settings(cfg: RunConfig) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} does not run tool episodes "
             "yet (grpo.tools / grpo.environment): use rollout.max_staleness=0"
         )
+
+
+def check_shared_prompt(config: GRPOConfig, model_config: Any) -> None:
+    """Shared-prompt packing trains each prompt token once; a MoE load-balance loss counts
+    every token it sees, so it would weigh prompts differently: refused."""
+    balance = bool(model_config.moe_layers) and model_config.router_aux_loss_coef > 0
+    if config.shared_prompt_packing and balance:
+        raise ConfigError(
+            "grpo.shared_prompt_packing=true is invalid with a MoE load-balance loss "
+            f"(router_aux_loss_coef={model_config.router_aux_loss_coef}): it counts every "
+            "trained token, and shared prompts are trained once instead of once per "
+            "completion; set grpo.shared_prompt_packing=false (or the coefficient to 0)"
+        )
+
+
+def plan_window(
+    session: Any, rollouts: RolloutQueue, docs: RowDocuments, *, all_ranks: bool
+) -> Any:
+    """The step's batch of the window ``docs`` (``session.plan``): one document per row, or
+    with ``grpo.shared_prompt_packing`` one prompt copy per row for the completions of one
+    generation batch's prompt (``session.plan_shared``, ``jaxrl.data.batching.shared_prompt``)."""
+    documents = dict(
+        sequences=docs.sequences,
+        loss_masks=docs.loss_masks,
+        token_fields=docs.token_fields,
+        doc_fields={"advantage": docs.advantages},
+        all_ranks=all_ranks,
+    )
+    if not session.cfg.grpo.shared_prompt_packing:
+        lengths = [len(x) for x in docs.sequences]
+        return session.plan(range(len(docs)), lengths=lengths, **documents)
+    return session.plan_shared(
+        range(len(docs)),
+        prompt_lengths=[int(rollouts.batches[g].prompt_lengths[i]) for g, i in docs.rows],
+        group_keys=[g for g, _ in docs.rows],  # shared within a generation batch
+        **documents,
+    )
+
+
+def shared_prompt_metrics(packed: Any) -> dict[str, int]:
+    """``batch/trained_tokens`` and ``batch/tokens_unshared`` of a shared-prompt batch (the
+    tokens the step trained and those the same documents take unshared); {} otherwise."""
+    if not isinstance(packed, SharedPackedBatch):
+        return {}
+    return {
+        "batch/trained_tokens": packed.trained_tokens,
+        "batch/tokens_unshared": packed.tokens_unshared,
+    }
 
 
 def needs_old_logprobs(cfg: RunConfig) -> bool:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxrl.config import ConfigError, RunConfig, to_dict
+from jaxrl.data.batching.shared_prompt import plan_shared_batch
 from jaxrl.data.batching.step_plan import StepBatch, plan_device_batch
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.models import lora
@@ -303,6 +304,15 @@ class Session:
         packing this process's ranks (every rank with ``all_ranks``)."""
         local = None if all_ranks else self.local_ranks
         return plan_device_batch(
+            ids, ranks=self.ranks, schedule=self.cfg.schedule, local_ranks=local, **documents
+        )
+
+    def plan_shared(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
+        """:meth:`plan` in the shared-prompt layout (``grpo.shared_prompt_packing``:
+        ``jaxrl.data.batching.shared_prompt.plan_shared_batch``; ``documents`` add
+        ``prompt_lengths`` and ``group_keys``)."""
+        local = None if all_ranks else self.local_ranks
+        return plan_shared_batch(
             ids, ranks=self.ranks, schedule=self.cfg.schedule, local_ranks=local, **documents
         )
 

@@ -117,23 +117,28 @@ def pick_bucket(needed: int, spec: BucketSpec, name: str) -> int:
 
 def row_buckets(max_tokens: int, smallest: int = 64) -> tuple[int, ...]:
     """Row lengths T a step may use under a ``max_tokens`` budget: ``smallest``, then powers of
-    two and their 1.5 multiples (64, 128, 256, 384, 512, 768, 1024, 1536, ...) below the
-    budget, then the budget itself.
+    two, 384, and from 512 up quarter steps (64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280,
+    1536, 1792, 2048, ...) below the budget, then the budget itself.
 
     Trainers pack with ``row_len=row_buckets(max_tokens)``, so T is the smallest bucket that
     holds the step's longest row, not the budget: raising the budget to pack better does not
-    pad every row to it. From 256 up the 1.5 steps keep a row over 2/3 full (661 tokens → 768, not
-    1024), and every bucket from 128 up is a multiple of 128, the block of the TPU and GPU
-    attention kernels. Each bucket is one compiled program (the step counts them).
+    pad every row to it. From 256 up a row is over 2/3 full, from 512 up over 4/5 (556 tokens →
+    640, not 768: the dense layers and the head run on padding too), and every bucket from 128
+    up is a multiple of 128, the block of the TPU and GPU attention kernels. Each bucket is one
+    compiled program (the step counts them; the persistent compile cache keeps them).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be positive")
     sizes = []
     size = smallest
     while size < max_tokens:
-        sizes.append(size)
-        if size >= 256 and size * 3 // 2 < max_tokens:
-            sizes.append(size * 3 // 2)
+        if size >= 512:
+            steps = (size, size * 5 // 4, size * 3 // 2, size * 7 // 4)
+        elif size >= 256:
+            steps = (size, size * 3 // 2)
+        else:
+            steps = (size,)
+        sizes.extend(s for s in steps if s < max_tokens)
         size *= 2
     return (*sizes, max_tokens)
 

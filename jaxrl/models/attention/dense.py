@@ -10,6 +10,17 @@ Visibility rule (one rule for training, packing and the KV-cache decode path)::
     visible[b, t, l] = (q_segment[b, t] == kv_segment[b, l]) and (q_segment[b, t] != 0)
                        and (kv_pos[b, l] <= q_pos[b, t])
 
+With an optional per-query parent segment ``q_parent[b, t]`` (0 = none), a query also sees
+its parent document (shared-prompt packing: a completion sees its prompt, laid out once per
+row; docs/attention.md)::
+
+    visible[b, t, l] = (q_segment[b, t] != 0) and (kv_pos[b, l] <= q_pos[b, t])
+                       and (q_segment[b, t] == kv_segment[b, l]
+                            or (q_parent[b, t] != 0 and q_parent[b, t] == kv_segment[b, l]))
+
+Without parents (``q_parent=None``) every implementation runs exactly the program of the first
+rule.
+
 Segment ids are 1-based documents, 0 is padding: real tokens never see padding and padding
 sees nothing, so padding costs no attention work in the blockwise implementations. A query that
 sees nothing (padding, or an empty cache row) gets a zero output and zero gradients, never NaN.
@@ -108,11 +119,14 @@ def attention(
     kv_segment_BL: jax.Array,
     q_pos_BT: jax.Array,
     kv_pos_BL: jax.Array,
+    *,
+    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention under the module's visibility rule; returns [B, T, H, Dh].
 
     ``softmax(q k^T / sqrt(Dh))`` with scores, mask and softmax in float32; the matmuls take
     the operands' dtype and the probabilities are cast back to it for the value product.
+    ``q_parent_BT`` (int [B, T], 0 = none): each query's parent segment, which it also sees.
     """
     b, t, h, dh = q_BTHDh.shape
     kv_heads = k_BLKDh.shape[2]
@@ -122,10 +136,12 @@ def attention(
     scores_BKHgTL = jnp.einsum(
         "btkgd,blkd->bkgtl", q_BTKHgDh, k_BLKDh, preferred_element_type=jnp.float32
     ) * np.float32(dh**-0.5)
+    same_BTL = q_segment_BT[:, :, None] == kv_segment_BL[:, None, :]
+    if q_parent_BT is not None:  # shared-prompt packing: the parent document too
+        parent_BT1 = q_parent_BT[:, :, None]
+        same_BTL = same_BTL | ((parent_BT1 != 0) & (parent_BT1 == kv_segment_BL[:, None, :]))
     visible_BTL = (
-        (q_segment_BT[:, :, None] == kv_segment_BL[:, None, :])
-        & (q_segment_BT[:, :, None] != 0)
-        & (kv_pos_BL[:, None, :] <= q_pos_BT[:, :, None])
+        same_BTL & (q_segment_BT[:, :, None] != 0) & (kv_pos_BL[:, None, :] <= q_pos_BT[:, :, None])
     )
     visible_B11TL = visible_BTL[:, None, None, :, :]
     # A finite fill keeps fully masked rows NaN-free; `where` zeroes their probabilities.

@@ -98,12 +98,15 @@ def block_visibility(
     *,
     block_q: int,
     block_kv: int,
+    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Which (query block, key block) pairs flash attention visits: bool [B, T/bq, L/bk].
 
     ``T`` and ``L`` must be multiples of the block sizes (``flash_attention`` pads). True for
     every pair that holds a visible (query, key) entry; for contiguous documents with
-    increasing ids and positions, true for exactly those (see the module docstring).
+    increasing ids and positions, true for exactly those (see the module docstring). With
+    ``q_parent_BT`` the pairs where a query sees its parent segment are added
+    (:func:`_parent_visibility`).
     """
     b, t = q_segment_BT.shape
     length = kv_segment_BL.shape[1]
@@ -135,7 +138,43 @@ def block_visibility(
     via_last = last_in & (k_other_min <= q_last_max)
     others = (hi - lo + 1) - first_in.astype(jnp.int32) - last_in.astype(jnp.int32)
     via_other = (others > 0) & (k_other_min <= q_other_max)
-    return (lo <= hi) & (via_first | via_last | via_other)
+    visible = (lo <= hi) & (via_first | via_last | via_other)
+    if q_parent_BT is None:
+        return visible
+    q_par = q_parent_BT.astype(jnp.int32).reshape(q_seg.shape)
+    k_min = jnp.minimum(k_first_min, k_other_min)
+    return visible | _parent_visibility(q_seg, q_par, q_pos, k_lo, k_hi, k_min)
+
+
+def _parent_visibility(q_seg, q_par, q_pos, k_lo, k_hi, k_min_pos):
+    """The (query block, key block) pairs where some query may see its parent segment.
+
+    Query block summaries: the parents of its first and last real query that has one, the range
+    of its other parents and the largest position of a query with a parent; key block: the
+    range ``[k_lo, k_hi]`` of its documents and its smallest position. A pair is kept when one
+    of the parents lies in the key range (the range of the others meets it) and
+    ``k_min_pos <= q_max_pos``: conservative for any layout, and exact for shared-prompt rows
+    (``[A | B1 | B2 ...]``, every ``Bi`` after its parent ``A``, ids increasing) whose query
+    blocks span at most three groups: a parent's positions all precede its children's.
+    """
+    has = (q_seg > 0) & (q_par > 0)
+    idx = jnp.arange(q_seg.shape[-1], dtype=jnp.int32)
+    first_at = jnp.min(jnp.where(has, idx, q_seg.shape[-1] - 1), axis=-1, keepdims=True)
+    last_at = jnp.max(jnp.where(has, idx, 0), axis=-1, keepdims=True)
+    p_first = jnp.take_along_axis(q_par, first_at, axis=-1)  # [B, Nq, 1]
+    p_last = jnp.take_along_axis(q_par, last_at, axis=-1)
+    other = has & (q_par != p_first) & (q_par != p_last)
+    o_lo = jnp.min(jnp.where(other, q_par, _BIG), axis=-1)[:, :, None]
+    o_hi = jnp.max(jnp.where(other, q_par, -1), axis=-1)[:, :, None]
+    q_max_pos = jnp.max(jnp.where(has, q_pos, -_BIG), axis=-1)[:, :, None]
+    any_par = jnp.any(has, axis=-1)[:, :, None]
+
+    def inside(p: jax.Array) -> jax.Array:  # [B, Nq, 1] against [B, 1, Nk]
+        return (k_lo <= p) & (p <= k_hi)
+
+    meets = inside(p_first) | inside(p_last)
+    meets = meets | (jnp.maximum(o_lo, k_lo) <= jnp.minimum(o_hi, k_hi))
+    return any_par & meets & (k_min_pos <= q_max_pos)
 
 
 def _pair_lists(visible_BNbNb: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -171,7 +210,7 @@ def _set_block(x: jax.Array, start_B: jax.Array, update: jax.Array) -> jax.Array
 def _block_inputs(n, pairs, operands, block_q, block_kv):
     """Step ``n``'s blocks for every row: q, k, v, visibility [B, bq, bk] and block starts."""
     q_blocks_BNp, kv_blocks_BNp, count_B = pairs
-    q_BTKHgDh, k_BLKDh, v_BLKDh, q_seg_BT, kv_seg_BL, q_pos_BT, kv_pos_BL = operands
+    q_BTKHgDh, k_BLKDh, v_BLKDh, q_seg_BT, kv_seg_BL, q_pos_BT, kv_pos_BL = operands[:7]
     active_B = n < count_B
     qs_B = q_blocks_BNp[:, n] * block_q
     ks_B = kv_blocks_BNp[:, n] * block_kv
@@ -179,8 +218,12 @@ def _block_inputs(n, pairs, operands, block_q, block_kv):
     kv_seg = _gather_block(kv_seg_BL, ks_B, block_kv)
     q_pos = _gather_block(q_pos_BT, qs_B, block_q)
     kv_pos = _gather_block(kv_pos_BL, ks_B, block_kv)
+    same_BTL = q_seg[:, :, None] == kv_seg[:, None, :]
+    if len(operands) > 7:  # parent segments (shared-prompt packing)
+        q_par = _gather_block(operands[7], qs_B, block_q)[:, :, None]
+        same_BTL = same_BTL | ((q_par > 0) & (q_par == kv_seg[:, None, :]))
     vis_BTL = (
-        (q_seg[:, :, None] == kv_seg[:, None, :])
+        same_BTL
         & (q_seg[:, :, None] > 0)
         & (kv_pos[:, None, :] <= q_pos[:, :, None])
         & active_B[:, None, None]
@@ -306,18 +349,20 @@ def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _flash(q, k, v, meta, block_q, block_kv):
-    out, _ = _forward((q, k, v, *meta[:4]), meta[4:], block_q, block_kv)
+    """``meta = (tokens, pairs)``: ``tokens`` = q/kv segments, q/kv positions (and q parents),
+    ``pairs`` = :func:`_pair_lists`."""
+    out, _ = _forward((q, k, v, *meta[0]), meta[1], block_q, block_kv)
     return out
 
 
 def _flash_fwd(q, k, v, meta, block_q, block_kv):
-    out, lse = _forward((q, k, v, *meta[:4]), meta[4:], block_q, block_kv)
+    out, lse = _forward((q, k, v, *meta[0]), meta[1], block_q, block_kv)
     return out, (q, k, v, meta, out, lse)
 
 
 def _flash_bwd(block_q, block_kv, residuals, d_out):
     q, k, v, meta, out, lse = residuals
-    dq, dk, dv = _backward((q, k, v, *meta[:4]), meta[4:], out, lse, d_out, block_q, block_kv)
+    dq, dk, dv = _backward((q, k, v, *meta[0]), meta[1], out, lse, d_out, block_q, block_kv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -334,11 +379,14 @@ def flash_attention(
     kv_pos_BL: jax.Array,
     *,
     block_size: int = DEFAULT_BLOCK,
+    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`jaxrl.models.attention.dense.attention`, blockwise, visiting only visible blocks.
 
     ``block_size`` is clamped to T (query blocks) and L (key blocks); lengths that are not a
     multiple are padded internally with padding tokens (segment 0), which cost nothing.
+    ``q_parent_BT``: each query's parent segment (0 = none), which it also sees
+    (:func:`jaxrl.models.attention.dense.attention`).
     """
     b, t, h, dh = q_BTHDh.shape
     length, kv_heads = k_BLKDh.shape[1], k_BLKDh.shape[2]
@@ -351,8 +399,13 @@ def flash_attention(
     q_seg, q_pos = _pad_to(q_segment_BT, tp), _pad_to(q_pos_BT, tp)
     kv_seg, kv_pos = _pad_to(kv_segment_BL, lp), _pad_to(kv_pos_BL, lp)
     meta_seg = tuple(x.astype(jnp.int32) for x in (q_seg, kv_seg, q_pos, kv_pos))
-    visible = block_visibility(*meta_seg, block_q=block_q, block_kv=block_kv)
-    meta = meta_seg + _pair_lists(visible)
+    if q_parent_BT is None:
+        visible = block_visibility(*meta_seg, block_q=block_q, block_kv=block_kv)
+    else:
+        q_par = _pad_to(q_parent_BT, tp).astype(jnp.int32)
+        visible = block_visibility(*meta_seg, block_q=block_q, block_kv=block_kv, q_parent_BT=q_par)
+        meta_seg = (*meta_seg, q_par)
+    meta = (meta_seg, _pair_lists(visible))
     q = _pad_to(q_BTHDh, tp).reshape(b, tp, kv_heads, h // kv_heads, dh)
     out = _flash(q, _pad_to(k_BLKDh, lp), _pad_to(v_BLKDh, lp), meta, block_q, block_kv)
     return out.reshape(b, tp, h, dh)[:, :t]

@@ -13,6 +13,11 @@ document). :func:`index_causal_matches` checks it on device, and when a batch br
 call runs the dense reference instead (``lax.cond``: one branch executes), so results never
 depend on the layout. Padding queries (segment 0), which the kernels let see padding, are
 zeroed afterwards, as the rule wants (their gradient is zero too).
+
+Known limit: parent segments (``q_parent_BT``, shared-prompt packing) are not a mask JAX's
+kernels can express (they only compare segment ids for equality), so a call with parents runs
+the blockwise ``flash`` implementation (``flash.py``) instead, on any backend; a Pallas fast
+path for parents is future work (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxrl.models.attention.dense import attention
+from jaxrl.models.attention.flash import flash_attention
 
 _LANES = 128  # splash blocks are multiples of the TPU lane width
 _WARP_BLOCK = 32  # pallas_gpu blocks are multiples of its backward block (jax's default, 32)
@@ -76,6 +82,14 @@ def _with_fallback(kernel, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     return jnp.where((q_seg != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
+def _parents_fallback(q, k, v, q_seg, kv_seg, q_pos, kv_pos, q_parent, block_size):
+    """Parent segments (shared-prompt packing): JAX's kernels only know segment equality, so
+    these calls run the blockwise ``flash`` implementation instead (module docstring)."""
+    return flash_attention(
+        q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_size=block_size, q_parent_BT=q_parent
+    )
+
+
 def _pad_tokens(x: jax.Array, length: int, value: int = 0) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, length - x.shape[1])
@@ -93,6 +107,7 @@ def splash(
     *,
     block_size: int = 128,
     interpret: bool = False,
+    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """TPU splash attention (causal mask + ``SegmentIds``, GQA) under the visibility rule.
 
@@ -100,6 +115,18 @@ def splash(
     to a multiple of the block with tokens of segment -1 (each sees only itself, so no row of
     the kernel's mask is empty). Queries are scaled by ``1/sqrt(Dh)`` before the kernel.
     """
+    if q_parent_BT is not None:
+        return _parents_fallback(
+            q_BTHDh,
+            k_BLKDh,
+            v_BLKDh,
+            q_segment_BT,
+            kv_segment_BL,
+            q_pos_BT,
+            kv_pos_BL,
+            q_parent_BT,
+            block_size,
+        )
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -147,6 +174,7 @@ def pallas_gpu(
     *,
     block_size: int = 128,
     interpret: bool = False,
+    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """GPU (Triton) flash attention ``pallas.ops.gpu.attention.mha``, causal + segment ids.
 
@@ -155,6 +183,18 @@ def pallas_gpu(
     of 32 (at most T rounded up to 32), backward blocks 32; T is padded to a multiple of the
     block with tokens of segment -1 (each sees only itself).
     """
+    if q_parent_BT is not None:
+        return _parents_fallback(
+            q_BTHDh,
+            k_BLKDh,
+            v_BLKDh,
+            q_segment_BT,
+            kv_segment_BL,
+            q_pos_BT,
+            kv_pos_BL,
+            q_parent_BT,
+            block_size,
+        )
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     b, t, h, dh = q_BTHDh.shape

@@ -41,12 +41,13 @@ def replay_layers(routes_BTLK: jax.Array | None) -> jax.Array | None:
 
 
 def trace_step(config: ModelConfig) -> Callable[..., Any]:
-    """``step(block, carry, i, seg_BT, pos_BT, replay_LBTK)`` for ``run_blocks`` with carry
-    ``(x_BTD, cache | None, routes_LBTK, probs_BTE)``: runs ``block.routed``, writes the MoE
-    layer's ids and adds its probabilities."""
+    """``step(block, carry, i, seg_BT, pos_BT, replay_LBTK[, parent_BT])`` for ``run_blocks``
+    with carry ``(x_BTD, cache | None, routes_LBTK, probs_BTE)``: runs ``block.routed``, writes
+    the MoE layer's ids and adds its probabilities (``parent_BT``: shared-prompt parents,
+    ``Transformer.hidden_states``)."""
     moe_index = {layer: j for j, layer in enumerate(config.moe_layers)}
 
-    def step(block, carry, i, seg_BT, pos_BT, replay_LBTK):
+    def step(block, carry, i, seg_BT, pos_BT, replay_LBTK, parent_BT=None):
         x_BTD, cache, routes_LBTK, probs_BTE = carry
         # scanned stacks are all MoE (ModelConfig checks it): slot i; unrolled: i is static
         j = i if config.scan_layers else moe_index.get(i)
@@ -54,7 +55,9 @@ def trace_step(config: ModelConfig) -> Callable[..., Any]:
         if replay_LBTK is not None and j is not None:
             replay_BTK = jax.lax.dynamic_index_in_dim(replay_LBTK, j, 0, keepdims=False)
         layer_kv = None if cache is None else cache.layer(i)
-        x_BTD, layer_kv, routing = block.routed(x_BTD, seg_BT, pos_BT, layer_kv, replay_BTK)
+        x_BTD, layer_kv, routing = block.routed(
+            x_BTD, seg_BT, pos_BT, layer_kv, replay_BTK, parent_BT
+        )
         if cache is not None:
             cache = cache.store(layer_kv)
         if routing is not None:

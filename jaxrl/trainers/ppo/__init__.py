@@ -40,6 +40,12 @@ def check_ppo_settings(cfg: RunConfig) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} is invalid with algorithm: ppo: "
             "the critic's values are taken when a generation is trained on; use 0"
         )
+    if cfg.grpo.shared_prompt_packing:
+        raise ConfigError(
+            "grpo.shared_prompt_packing=true is invalid with algorithm: ppo: the critic's "
+            "forward and value loss read one document per completion; set "
+            "grpo.shared_prompt_packing=false"
+        )
     if cfg.grpo.kl_in_reward or cfg.grpo.advantage_estimator != "grpo":
         raise ConfigError(
             f"grpo.advantage_estimator={cfg.grpo.advantage_estimator!r} / grpo.kl_in_reward="
