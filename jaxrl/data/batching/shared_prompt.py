@@ -51,6 +51,8 @@ from jaxrl.data.batching.binpack import ScheduleError
 from jaxrl.data.batching.packing import (
     PackedBatch,
     PackingError,
+    _largest,
+    _per_sample,
     pick_bucket,
     row_buckets,
 )
@@ -272,16 +274,6 @@ def _segments(
     return out + [(i, p - 1, len(sequences[i]), p - 1) for i in unit]
 
 
-def _values(name: str, values: Any, i: int, length: int) -> np.ndarray:
-    arr = np.asarray(values[i], np.float32)
-    if arr.shape != (length,):
-        raise PackingError(
-            f"{name} of sample {i} has shape {arr.shape}, but the sample has {length} tokens "
-            "(per-token inputs are token-aligned: one value per token)"
-        )
-    return arr
-
-
 def pack_shared(
     layout: list[list[list[list[int]]]],
     sequences: Sequence[Any],
@@ -305,7 +297,7 @@ def pack_shared(
     num_real = counts.pop()
     segs = [[[s for u in mb for s in _segments(u, sequences, prompt_lengths)] for mb in rank]
             for rank in layout]  # fmt: skip
-    limit = row_len if isinstance(row_len, int) else max(row_len) if row_len else None
+    limit = _largest(row_len)
     for rank in segs:
         for mb in rank:
             for doc, lo, hi, _ in mb:
@@ -346,18 +338,18 @@ def pack_shared(
                 if doc < 0:  # the prompt segment: its values, also at its last position
                     parent = s
                     for name, values in (token_fields or {}).items():
-                        vals = _values(name, values, src, len(seq))
+                        vals = _per_sample(name, values, src, len(seq))
                         tfields[name][r, m, row] = vals[lo + 1 : hi + 1]
                 else:
                     is_b = lo > 0
                     out["parent_ids"][r, m, row] = parent if is_b else 0
                     if loss_masks is not None:
-                        mask = _values("loss_mask", loss_masks, doc, len(seq))
+                        mask = _per_sample("loss_mask", loss_masks, doc, len(seq))
                         loss_mask[r, m, at : at + n - 1] = mask[lo + 1 : hi]
                     else:
                         loss_mask[r, m, at : at + n - 1] = 1.0
                     for name, values in (token_fields or {}).items():
-                        vals = _values(name, values, doc, len(seq))
+                        vals = _per_sample(name, values, doc, len(seq))
                         tfields[name][r, m, at : at + n - 1] = vals[lo + 1 : hi]
                     doc_index[r, m, s] = doc
                     for name, values in (doc_fields or {}).items():
