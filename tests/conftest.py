@@ -5,8 +5,14 @@ import tempfile
 
 import pytest
 
+# The 8 host devices' collectives meet in one process. On a 2-core machine running two pytest
+# workers a device's thread can reach a collective long after the others (seen: minutes, in the
+# ZeRO-3 MoE step); XLA's default then aborts the whole worker ("Fatal Python error: Aborted",
+# no message) instead of waiting, so the tests wait up to 20 minutes.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
