@@ -41,8 +41,10 @@ __all__ = ["SamplerWeights", "sampler_model"]
 def sampler_model(config: ModelConfig) -> tuple[ModelConfig, Any, Any]:
     """``(config, graphdef, abstract_params)`` of the model a sampler runs: its parameters in
     the compute dtype (one cast per weight sync, never an fp32 master copy: docs/precision.md),
-    built abstractly (no weight is allocated)."""
-    config = dataclasses.replace(config, param_dtype=config.dtype)
+    built abstractly (no weight is allocated); every matmul in the compute dtype."""
+    # the sampler decodes a few rows at a time, memory-bound: its matmuls run in the compute
+    # dtype (a narrower matmul_dtype is for the trainer's long rows: models/matmul.py)
+    config = dataclasses.replace(config, param_dtype=config.dtype, matmul_dtype=None)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     return config, graphdef, abstract_params

@@ -130,6 +130,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096  # longest position the model was trained for
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str | None = None  # compute dtype; None means param_dtype
+    matmul_dtype: str | None = None  # operands of the projection matmuls (matmul.py); None:
+    # the compute dtype. "bfloat16" under fp32 compute: bf16 operands, fp32 accumulation
     fp32_lm_head: bool = False  # fp32 x fp32 HIGHEST logits (docs/algorithms/accumulation.md §5)
     # Mixture of experts (qwen3_moe only; models/moe/, docs/moe.md), transformers' names:
     num_experts: int = 0  # E routed experts per MoE layer (0: dense model)
@@ -200,6 +202,10 @@ class ModelConfig:
             object.__setattr__(self, "dtype", self.param_dtype)
         if self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"choose one of {DTYPES} or None (= param_dtype)")
+        if self.matmul_dtype not in (None, *DTYPES):
+            _fail("matmul_dtype", self.matmul_dtype, f"choose one of {DTYPES} or None (= dtype)")
+        if self.matmul_dtype == self.dtype:
+            object.__setattr__(self, "matmul_dtype", None)  # one program for the same math
         if self.attention_impl not in ATTENTION_IMPLS:
             _fail("attention_impl", self.attention_impl, f"choose one of {ATTENTION_IMPLS}")
         if not isinstance(self.attention_block_size, int) or self.attention_block_size < 1:

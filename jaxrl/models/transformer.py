@@ -38,6 +38,7 @@ from jaxrl.models.fsdp import is_marked, weight
 from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
+from jaxrl.models.matmul import matmul
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.moe.layer import MoE
 from jaxrl.models.moe.trace import MoeTrace, empty_trace, finish, replay_layers, trace_step
@@ -75,10 +76,12 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * scale).astype(x.dtype)
 
 
-def _project(x_BTD: jax.Array, kernel_DHDh: jax.Array) -> jax.Array:
-    """``x @ kernel`` for a [D, H, Dh] kernel, as one 2-D matmul (simpler HLO than einsum)."""
+def _project(x_BTD: jax.Array, kernel_DHDh: jax.Array, operands: str | None) -> jax.Array:
+    """``x @ kernel`` for a [D, H, Dh] kernel, as one 2-D matmul (simpler HLO than einsum);
+    ``operands``: ``ModelConfig.matmul_dtype`` (``matmul.py``)."""
     d, h, dh = kernel_DHDh.shape
-    return (x_BTD @ kernel_DHDh.reshape(d, h * dh)).reshape(*x_BTD.shape[:-1], h, dh)
+    out = matmul(x_BTD, kernel_DHDh.reshape(d, h * dh), operands)
+    return out.reshape(*x_BTD.shape[:-1], h, dh)
 
 
 class Attention(nnx.Module):
@@ -128,9 +131,10 @@ class Attention(nnx.Module):
         sees (shared-prompt packing, ``attention/dense.py``); None: no parents.
         """
         cfg, dt = self.config, x_BTD.dtype
-        q_BTHDh = _project(x_BTD, weight(self.q_kernel, dt))
-        k_BTKDh = _project(x_BTD, weight(self.k_kernel, dt))
-        v_BTKDh = _project(x_BTD, weight(self.v_kernel, dt))
+        mm = cfg.matmul_dtype
+        q_BTHDh = _project(x_BTD, weight(self.q_kernel, dt), mm)
+        k_BTKDh = _project(x_BTD, weight(self.k_kernel, dt), mm)
+        v_BTKDh = _project(x_BTD, weight(self.v_kernel, dt), mm)
         q_BTHDh = adapt(q_BTHDh, self.q_lora, x_BTD, self.scaling)
         k_BTKDh = adapt(k_BTKDh, self.k_lora, x_BTD, self.scaling)
         v_BTKDh = adapt(v_BTKDh, self.v_lora, x_BTD, self.scaling)
@@ -169,7 +173,10 @@ class Attention(nnx.Module):
         o_kernel_HDhD = weight(self.o_kernel, dt)
         out_BTHDh = out_BTHDh.reshape(b, t, h * dh)
         out_BTD = adapt(
-            out_BTHDh @ o_kernel_HDhD.reshape(h * dh, -1), self.o_lora, out_BTHDh, self.scaling
+            matmul(out_BTHDh, o_kernel_HDhD.reshape(h * dh, -1), mm),
+            self.o_lora,
+            out_BTHDh,
+            self.scaling,
         )
         return out_BTD if cache is None else (out_BTD, cache)
 
@@ -187,13 +194,17 @@ class MLP(nnx.Module):
         self.up_lora = adapter(lora, "up_proj", (d, f), ("embed", "mlp"), cd, lora_rngs)
         self.down_lora = adapter(lora, "down_proj", (f, d), ("mlp", "embed"), cd, lora_rngs)
         self.scaling = lora.scaling if lora is not None and lora.rank else 0.0
+        self.operands = config.matmul_dtype  # matmul.py
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        dt = x_BTD.dtype
-        gate_BTF = adapt(x_BTD @ weight(self.gate_kernel, dt), self.gate_lora, x_BTD, self.scaling)
-        up_BTF = adapt(x_BTD @ weight(self.up_kernel, dt), self.up_lora, x_BTD, self.scaling)
+        dt, mm = x_BTD.dtype, self.operands
+        gate_BTF = matmul(x_BTD, weight(self.gate_kernel, dt), mm)
+        up_BTF = matmul(x_BTD, weight(self.up_kernel, dt), mm)
+        gate_BTF = adapt(gate_BTF, self.gate_lora, x_BTD, self.scaling)
+        up_BTF = adapt(up_BTF, self.up_lora, x_BTD, self.scaling)
         h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-        return adapt(h_BTF @ weight(self.down_kernel, dt), self.down_lora, h_BTF, self.scaling)
+        down_BTD = matmul(h_BTF, weight(self.down_kernel, dt), mm)
+        return adapt(down_BTD, self.down_lora, h_BTF, self.scaling)
 
 
 class Block(nnx.Module):

@@ -33,7 +33,7 @@ from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config
 from jaxrl.train.objectives import Objective, load_balance_constants, on_params
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl.train.precision import auto_compute_dtype
+from jaxrl.train.precision import auto_compute_dtype, auto_matmul_dtype
 from jaxrl.train.state import TrainState, abstract_state, create_state
 from jaxrl.train.step import TrainStep
 
@@ -80,6 +80,7 @@ def model_config(
     """
     settings = {name: getattr(section, name) for name in MODEL_SECTION_KEYS}
     settings["dtype"] = auto_compute_dtype(section.dtype, platform)
+    settings["matmul_dtype"] = auto_matmul_dtype(section.matmul_dtype, section.dtype, platform)
     settings["lora"] = lora_spec(section)
     if section.path is not None:
         config = read_config(section.path, **settings)

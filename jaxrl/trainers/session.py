@@ -156,7 +156,7 @@ class Session:
         self.console = Console(stderr=True)
         if cfg.model.dtype == AUTO and not _ANNOUNCED:  # once per process (a warm start too)
             _ANNOUNCED.append(self.model_config.dtype)
-            self.say([auto_dtype_note()])
+            self.say([auto_dtype_note(matmul_dtype=self.model_config.matmul_dtype)])
         if cfg.optimizer.master_rounding == "nearest":
             self.say([lost_updates_warning(self.state.params, cfg.optimizer.learning_rate)])
         self.counters = HostCounters()  # in every metrics row and every checkpoint
