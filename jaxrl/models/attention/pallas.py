@@ -82,12 +82,26 @@ def _with_fallback(kernel, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
     return jnp.where((q_seg != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def _parents_fallback(q, k, v, q_seg, kv_seg, q_pos, kv_pos, q_parent, block_size):
-    """Parent segments (shared-prompt packing): JAX's kernels only know segment equality, so
-    these calls run the blockwise ``flash`` implementation instead (module docstring)."""
-    return flash_attention(
-        q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_size=block_size, q_parent_BT=q_parent
+def _flash_for_parents(kernel_fn):
+    """``kernel_fn`` (a Pallas attention with its ``block_size`` / ``interpret`` keywords), or
+    for calls with parent segments (shared-prompt packing) the blockwise ``flash``
+    implementation: JAX's kernels only know segment equality (module docstring)."""
+
+    def run(
+        q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL,
+        *, block_size: int = 128, interpret: bool = False, q_parent_BT: jax.Array | None = None,
+    ) -> jax.Array:  # fmt: skip
+        args = (q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL)
+        if q_parent_BT is not None:
+            return flash_attention(*args, block_size=block_size, q_parent_BT=q_parent_BT)
+        return kernel_fn(*args, block_size=block_size, interpret=interpret)
+
+    run.__name__, run.__qualname__, run.__doc__ = (
+        kernel_fn.__name__,
+        kernel_fn.__qualname__,
+        kernel_fn.__doc__,
     )
+    return run
 
 
 def _pad_tokens(x: jax.Array, length: int, value: int = 0) -> jax.Array:
@@ -96,6 +110,7 @@ def _pad_tokens(x: jax.Array, length: int, value: int = 0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
+@_flash_for_parents
 def splash(
     q_BTHDh: jax.Array,
     k_BLKDh: jax.Array,
@@ -107,7 +122,6 @@ def splash(
     *,
     block_size: int = 128,
     interpret: bool = False,
-    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """TPU splash attention (causal mask + ``SegmentIds``, GQA) under the visibility rule.
 
@@ -115,18 +129,6 @@ def splash(
     to a multiple of the block with tokens of segment -1 (each sees only itself, so no row of
     the kernel's mask is empty). Queries are scaled by ``1/sqrt(Dh)`` before the kernel.
     """
-    if q_parent_BT is not None:
-        return _parents_fallback(
-            q_BTHDh,
-            k_BLKDh,
-            v_BLKDh,
-            q_segment_BT,
-            kv_segment_BL,
-            q_pos_BT,
-            kv_pos_BL,
-            q_parent_BT,
-            block_size,
-        )
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -163,6 +165,7 @@ def splash(
     )
 
 
+@_flash_for_parents
 def pallas_gpu(
     q_BTHDh: jax.Array,
     k_BLKDh: jax.Array,
@@ -174,7 +177,6 @@ def pallas_gpu(
     *,
     block_size: int = 128,
     interpret: bool = False,
-    q_parent_BT: jax.Array | None = None,
 ) -> jax.Array:
     """GPU (Triton) flash attention ``pallas.ops.gpu.attention.mha``, causal + segment ids.
 
@@ -183,18 +185,6 @@ def pallas_gpu(
     of 32 (at most T rounded up to 32), backward blocks 32; T is padded to a multiple of the
     block with tokens of segment -1 (each sees only itself).
     """
-    if q_parent_BT is not None:
-        return _parents_fallback(
-            q_BTHDh,
-            k_BLKDh,
-            v_BLKDh,
-            q_segment_BT,
-            kv_segment_BL,
-            q_pos_BT,
-            kv_pos_BL,
-            q_parent_BT,
-            block_size,
-        )
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     b, t, h, dh = q_BTHDh.shape
