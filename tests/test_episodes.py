@@ -12,14 +12,12 @@ import jax
 import numpy as np
 import pytest
 from episode_fixtures import AlwaysCall
-from flax import nnx
+from tiny_models import one_layer
 
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
 from jaxrl.data.tool_task import CalculatorTask, calc
 from jaxrl.generate.sampler import Sampler, SampleResult, SamplingParams
-from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.rollout_queue import RolloutBatch
 from jaxrl.rollout.tools.toolbox import Toolbox
@@ -178,15 +176,7 @@ def test_token_budget_and_turn_limit_end_episodes():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    config = ModelConfig.tiny(
-        TOK.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    config, graphdef, params = one_layer(TOK.vocab_size)
     return config, graphdef, params
 
 

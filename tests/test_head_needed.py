@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import one_layer
 
 from jaxrl.models.head import token_logprobs
-from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.transformer import Transformer
 from jaxrl.train.forward import micro_batch_logprobs, micro_batch_scores
 
 CHUNK, T = 8, 64  # 8 chunks of 8 positions; the sparse mask needs 2 of them
@@ -20,15 +19,7 @@ TEMP = 0.7
 
 @pytest.fixture(scope="module")
 def case():
-    config = ModelConfig.tiny(
-        48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    _, graphdef, params = one_layer(48)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 48, (1, T)).astype(np.int32)
     segment_ids = np.repeat(np.array([1, 2, 3, 0]), T // 4)[None].astype(np.int32)

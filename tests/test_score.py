@@ -9,13 +9,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tiny_models import one_layer
 
 from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.data.batching.shared_prompt import pack_shared_sequences, prompt_units
 from jaxrl.data.documents import prompt_completion_document
-from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import state_shardings
-from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.forward import micro_batch_logprobs
 from jaxrl.train.score import ROW_FIELDS, DocumentScores, Scorer
@@ -27,15 +26,7 @@ CHUNK = 8  # head chunk: rows of 32 tokens take 4 chunks
 def case():
     """A tiny model, 40 documents packed into rows of 32 (K padded to 16 slots), and the
     trainer's forward on each row alone ([1, T], as a train micro-batch), at temperature 0.7."""
-    config = ModelConfig.tiny(
-        16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    _, graphdef, params = one_layer(16)
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 16, rng.integers(3, 20)).astype(np.int32) for _ in range(40)]
     masks = [(rng.random(len(d)) < 0.7).astype(np.float32) for d in docs]
