@@ -44,16 +44,16 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _narrow_fwd(x: jax.Array, w: jax.Array, dtype: str) -> tuple[jax.Array, tuple]:
     x_n, w_n = x.astype(dtype), w.astype(dtype)
-    # the residuals are the narrow operands (half the bytes); a zero-size array carries each
-    # input's dtype, which a custom_vjp residual cannot hold as a dtype object
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-    return _dot(x_n, w_n).astype(x.dtype), (x_n, w_n, dtypes)
+    # the residuals are the narrow operands (half the bytes), and a zero-size array that carries
+    # w's dtype (a custom_vjp residual cannot be a dtype object); x's is the output's, g's
+    w_tag = jnp.zeros((0,), w.dtype)
+    return _dot(x_n, w_n).astype(x.dtype), (x_n, w_n, w_tag)
 
 
 def _narrow_bwd(dtype: str, residuals: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x_n, w_n, (x_tag, w_tag) = residuals
+    x_n, w_n, w_tag = residuals
     g_n = g.astype(dtype)
-    dx = _dot(g_n, w_n.T).astype(x_tag.dtype)
+    dx = _dot(g_n, w_n.T).astype(g.dtype)
     rows_x, rows_g = x_n.reshape(-1, x_n.shape[-1]), g_n.reshape(-1, g_n.shape[-1])
     dw = _dot(rows_x.T, rows_g).astype(w_tag.dtype)
     return dx, dw
