@@ -57,7 +57,7 @@ from jax.sharding import Mesh
 from jaxrl.data.batching.packing import BucketSpec, pick_bucket
 from jaxrl.generate.cache_geometry import batch_bucket
 from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
-from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
+from jaxrl.generate.sampler_weights import SamplerWeights, decode_model
 from jaxrl.generate.sampling import SampleResult, SamplingParams, sample_tokens, stop_token_ids
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.runtime.mesh import to_host
@@ -98,7 +98,7 @@ class StaticSampler:
             raise ValueError(
                 f"StaticSampler: max_new_tokens={max_new_tokens} must be a positive int"
             )
-        config, self._graphdef, abstract_params = sampler_model(config)
+        config, self._graphdef, abstract_params = decode_model(config)
         self.config = config
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids

@@ -1,8 +1,9 @@
 """``model.matmul_dtype`` (jaxrl/models/matmul.py, docs/precision.md "Matmul operands"): bf16
 operands with fp32 accumulation in the projection matmuls, forward and backward, checked against
 float64 numpy on the bf16-rounded operands; the compute-dtype path is the plain matmul; the
-sampler keeps fp32 matmuls; ``auto`` resolves by backend and CPU; the trainer's micro-batched
-step equals its full-batch step with bf16 operands too."""
+engine's decode model keeps the bf16 operands, from a narrow copy of the kernels (the vLLM
+export does not); ``auto`` resolves by backend and CPU; the trainer's micro-batched step equals
+its full-batch step with bf16 operands too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.generate.sampler_weights import sampler_model
+from jaxrl.generate.sampler_weights import PROJECTIONS, decode_model, sampler_model
 from jaxrl.models.matmul import matmul
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.train import precision
@@ -76,9 +77,23 @@ def test_model_forward_is_row_independent_with_bf16_operands():
     assert 1e-6 < err < 0.05 * np.abs(ref).max(), err
 
 
-def test_sampler_runs_the_compute_dtype():
-    cfg = ModelConfig.tiny(64, dtype="float32", matmul_dtype="bfloat16")
-    assert sampler_model(cfg)[0].matmul_dtype is None
+def test_vllm_export_model_runs_the_compute_dtype():
+    cfg = ModelConfig.tiny(64, dtype="float32", matmul_dtype="bfloat16", scan_layers=True)
+    config, _, abstract = sampler_model(cfg)
+    assert config.matmul_dtype is None and config.scan_layers  # the trainer's tree, exported
+    assert {x.dtype for x in jax.tree.leaves(abstract)} == {jnp.dtype("float32")}
+
+
+def test_decode_model_unrolled_with_narrow_projection_kernels():
+    cfg = ModelConfig.tiny(64, dtype="float32", matmul_dtype="bfloat16", scan_layers=True)
+    config, _, abstract = decode_model(cfg)
+    assert config.matmul_dtype == "bfloat16" and not config.scan_layers
+    dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in jax.tree.leaves_with_path(abstract)}
+    narrow = {k for k, d in dtypes.items() if d == jnp.bfloat16}
+    assert narrow and all(any(name in k for name in PROJECTIONS) for k in narrow)
+    assert len(narrow) == 7 * cfg.num_hidden_layers
+    assert dtypes["['embedding'].value"] == jnp.float32  # norms, embedding, head: compute dtype
+    assert decode_model(ModelConfig.tiny(64))[0].matmul_dtype is None
 
 
 def test_auto_resolves_by_backend_and_cpu(monkeypatch):

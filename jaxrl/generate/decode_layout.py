@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl.generate.sampler_weights import sampler_model
+from jaxrl.generate.sampler_weights import decode_model
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.runtime.errors import ConfigError
 from jaxrl.runtime.mesh import AXES, EXPERT_AXES, EXPERT_AXIS, make_mesh
@@ -53,7 +53,7 @@ def _bytes(config: ModelConfig) -> tuple[int, int]:
     """``(whole, experts)``: bytes of the sampler's parameters in the compute dtype, and of its
     expert kernels among them (``[E, ...]``, split over the ``expert`` axis)."""
     whole = experts = 0
-    for path, x in jax.tree.leaves_with_path(sampler_model(config)[2]):
+    for path, x in jax.tree.leaves_with_path(decode_model(config)[2]):
         n = x.size * np.dtype(x.dtype).itemsize
         whole += n
         if any(name in jax.tree_util.keystr(path) for name in _EXPERT_KERNELS):
@@ -63,7 +63,7 @@ def _bytes(config: ModelConfig) -> tuple[int, int]:
 
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of the model's parameters in the compute dtype (the sampler's copy, whole), from
-    the abstract parameters of the model the sampler runs (``sampler_weights.sampler_model``)."""
+    the abstract parameters of the model the sampler runs (``sampler_weights.decode_model``)."""
     return _bytes(config)[0]
 
 

@@ -60,7 +60,7 @@ from jaxrl.generate.cache_geometry import (
     prompt_rows,
 )
 from jaxrl.generate.engine import EngineShape, continue_slots, decode_requests
-from jaxrl.generate.sampler_weights import SamplerWeights, sampler_model
+from jaxrl.generate.sampler_weights import SamplerWeights, decode_model
 from jaxrl.generate.sampling import (
     SampleResult,
     SamplingParams,
@@ -136,7 +136,7 @@ class Sampler:
                 f"Sampler: stop strings built over {stop.transitions.shape[1]} tokens, the "
                 f"model has {config.vocab_size}: build them from the model's tokenizer"
             )
-        config, self._graphdef, abstract_params = sampler_model(config)
+        config, self._graphdef, abstract_params = decode_model(config)
         self.config = config
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids

@@ -76,6 +76,15 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * scale).astype(x.dtype)
 
 
+def _kernel(variable: Any, dtype: Any, operands: str | None) -> jax.Array:
+    """A projection's kernel for :func:`matmul`: as stored when it is stored in the
+    ``operands`` dtype (the sampler's narrow copy, ``generate/sampler_weights.decode_model``:
+    never widened and narrowed again), else in ``dtype``."""
+    stored = variable.get_value().dtype if isinstance(variable, nnx.Variable) else None
+    narrow = operands is not None and stored == jnp.dtype(operands)
+    return weight(variable, stored if narrow else dtype)
+
+
 def _project(x_BTD: jax.Array, kernel_DHDh: jax.Array, operands: str | None) -> jax.Array:
     """``x @ kernel`` for a [D, H, Dh] kernel, as one 2-D matmul (simpler HLO than einsum);
     ``operands``: ``ModelConfig.matmul_dtype`` (``matmul.py``)."""
@@ -132,9 +141,9 @@ class Attention(nnx.Module):
         """
         cfg, dt = self.config, x_BTD.dtype
         mm = cfg.matmul_dtype
-        q_BTHDh = _project(x_BTD, weight(self.q_kernel, dt), mm)
-        k_BTKDh = _project(x_BTD, weight(self.k_kernel, dt), mm)
-        v_BTKDh = _project(x_BTD, weight(self.v_kernel, dt), mm)
+        q_BTHDh = _project(x_BTD, _kernel(self.q_kernel, dt, mm), mm)
+        k_BTKDh = _project(x_BTD, _kernel(self.k_kernel, dt, mm), mm)
+        v_BTKDh = _project(x_BTD, _kernel(self.v_kernel, dt, mm), mm)
         q_BTHDh = adapt(q_BTHDh, self.q_lora, x_BTD, self.scaling)
         k_BTKDh = adapt(k_BTKDh, self.k_lora, x_BTD, self.scaling)
         v_BTKDh = adapt(v_BTKDh, self.v_lora, x_BTD, self.scaling)
@@ -170,7 +179,7 @@ class Attention(nnx.Module):
                 q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention
             )
         b, t, h, dh = out_BTHDh.shape
-        o_kernel_HDhD = weight(self.o_kernel, dt)
+        o_kernel_HDhD = _kernel(self.o_kernel, dt, mm)
         out_BTHDh = out_BTHDh.reshape(b, t, h * dh)
         out_BTD = adapt(
             matmul(out_BTHDh, o_kernel_HDhD.reshape(h * dh, -1), mm),
@@ -198,12 +207,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt, mm = x_BTD.dtype, self.operands
-        gate_BTF = matmul(x_BTD, weight(self.gate_kernel, dt), mm)
-        up_BTF = matmul(x_BTD, weight(self.up_kernel, dt), mm)
+        gate_BTF = matmul(x_BTD, _kernel(self.gate_kernel, dt, mm), mm)
+        up_BTF = matmul(x_BTD, _kernel(self.up_kernel, dt, mm), mm)
         gate_BTF = adapt(gate_BTF, self.gate_lora, x_BTD, self.scaling)
         up_BTF = adapt(up_BTF, self.up_lora, x_BTD, self.scaling)
         h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-        down_BTD = matmul(h_BTF, weight(self.down_kernel, dt), mm)
+        down_BTD = matmul(h_BTF, _kernel(self.down_kernel, dt, mm), mm)
         return adapt(down_BTD, self.down_lora, h_BTF, self.scaling)
 
 

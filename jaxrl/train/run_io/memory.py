@@ -33,7 +33,9 @@ Numbers are bytes on the largest device:
   sampler copy and, with β > 0, its frozen reference (0 for SFT and DPO: the step casts each
   weight where it is used, inside its temporaries; DPO's reference is a cache of log-probs).
   A synchronous GRPO run (``rollout.max_staleness=0``) whose master weights are already in the
-  compute dtype holds no sampler copy: the sampler reads the trainer's arrays in place.
+  compute dtype, with unrolled layers and no narrow matmul operands, holds no sampler copy: the
+  sampler reads the trainer's arrays in place (the engine decodes unrolled, its projection
+  kernels in ``model.matmul_dtype``: ``generate/sampler_weights.decode_model``).
 - ``kv_cache_bytes``: GRPO's sampler KV caches (docs/rollout.md): the decode slots' cache
   ``[Nl, Sl, L, K, Dh]`` (keys and values; Sl = ``rollout.max_slots`` or one per completion of a
   generation batch, split over the batch ranks; L = the prompt bucket of
@@ -178,11 +180,13 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     decode, decode_mesh = _decode_plan(cfg, config, mesh)
     copies = sampler_copy = reference_copy = 0
     if decode is not None:
-        in_place = (
+        in_place = (  # the sampler reads the trainer's arrays (generate/sampler_weights.py)
             run.frozen is None
             and cfg.rollout.max_staleness == 0
             and config.dtype == config.param_dtype
             and decode_mesh is mesh
+            and not config.scan_layers  # the engine decodes unrolled: stacked layers are copied
+            and config.matmul_dtype is None  # narrow projection kernels are a copy
         )
         if not in_place:
             sampler_copy = decode["device_weight_bytes"]
