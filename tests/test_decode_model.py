@@ -21,10 +21,10 @@ from jaxrl.models.transformer import Transformer
 PROMPTS = [[5, 9, 3, 17, 2], [7, 7, 11], [5, 9, 3, 17, 2], [30, 1, 4, 4, 8, 12, 6]]
 
 
-def _generate(model: Transformer, copy: bool):
+def _generate(model: Transformer, copy: bool, scan_layers: bool = False):
     sampler = Sampler(
         model.config, max_new_tokens=6, eos_id=0, pad_id=0,
-        sampling=SamplingParams(temperature=1.0),
+        sampling=SamplingParams(temperature=1.0), scan_layers=scan_layers,
     )  # fmt: skip
     sampler.load_params(model, copy=copy)
     return sampler.generate(PROMPTS, jax.random.key(3)), sampler
@@ -42,6 +42,12 @@ def test_stacked_trainer_decodes_as_unrolled_bit_for_bit():
         np.testing.assert_array_equal(got.logprobs, want.logprobs)
     _, sampler = _generate(unrolled, copy=False)
     assert not sampler.weights.copied  # the trainer's arrays, read in place
+    # rollout.scan_layers: the stacked trainer decodes in its scan, its arrays read in place
+    got, sampler = _generate(scanned, copy=False, scan_layers=True)
+    assert not sampler.weights.copied and sampler.config.scan_layers
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    _, sampler = _generate(unrolled, copy=False, scan_layers=True)
+    assert not sampler.config.scan_layers  # nothing to scan: an unrolled trainer's layers
 
 
 def test_bf16_operand_sampler_matches_the_trainers_forward():

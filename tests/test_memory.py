@@ -182,6 +182,8 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     # the engine decodes unrolled: stacked trainer layers are copied at each weight sync
     scanned = plan_memory(load_run_config(TINY, [*sets, "model.scan_layers=true"]))
     assert ahead["compute_copies"] == zero3["compute_copies"] == scanned["compute_copies"] == 1
+    kept = ["model.scan_layers=true", "rollout.scan_layers=true"]  # decodes in the layer scan
+    assert plan_memory(load_run_config(TINY, [*sets, *kept]))["compute_copies"] == 0
 
 
 def test_a_mesh_that_does_not_match_the_devices_exits_2_naming_both_counts(capsys):

@@ -458,6 +458,9 @@ class RolloutConfig:
     # many devices decode tensor-parallel, the groups data-parallel; 1 = a whole compute-dtype
     # copy per device; 0 = auto: the fewest devices whose share fits weight_budget_gb
     weight_budget_gb: float = 20.0  # auto tensor_parallel: the sampler's weights per device
+    scan_layers: bool = False  # with model.scan_layers: the engine decodes in the layer scan
+    # (shorter compiles, slower steps); false = unrolled, each layer its own weights
+    # (docs/rollout.md)
     backend: Literal["engine", "vllm"] = "engine"  # who generates: jaxrl's engine, or vLLM
     # servers (rollout.vllm; docs/rollout.md)
     sync_every: int = 1  # vllm: send the weights to the servers every k optimizer steps (the
@@ -494,6 +497,12 @@ class RolloutConfig:
             "rollout.tensor_parallel",
             self.tensor_parallel,
             "use 0 (auto), 1 (a whole copy per device) or a divisor of the generation devices",
+        )
+        require(
+            isinstance(self.scan_layers, bool),
+            "rollout.scan_layers",
+            self.scan_layers,
+            "use false (unrolled: faster decode) or true (one scanned layer: shorter compiles)",
         )
         require(
             isinstance(self.weight_budget_gb, int | float) and self.weight_budget_gb > 0,

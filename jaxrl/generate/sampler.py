@@ -100,7 +100,9 @@ class Sampler:
     cache length is a multiple of it). ``copy_params``: see the module doc. ``mesh``: split the
     slots over its batch axes (None: run where the parameters are). ``pack_prompts``:
     prefill several distinct prompts per row (``cache_geometry.prompt_rows``; False: one
-    right-padded prompt per row).
+    right-padded prompt per row). ``scan_layers``: decode a model with stacked layers
+    (``ModelConfig.scan_layers``) in its layer scan: shorter compiles, slower steps (default:
+    unrolled, ``sampler_weights.decode_model``).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class Sampler:
         attention_block: int = DECODE_BLOCK,
         copy_params: bool = True,
         pack_prompts: bool = True,
+        scan_layers: bool = False,
     ):
         eos_ids = stop_token_ids("Sampler", config.vocab_size, eos_id, pad_id)
         for name, value, low in (
@@ -136,7 +139,9 @@ class Sampler:
                 f"Sampler: stop strings built over {stop.transitions.shape[1]} tokens, the "
                 f"model has {config.vocab_size}: build them from the model's tokenizer"
             )
-        config, self._graphdef, abstract_params = decode_model(config)
+        config, self._graphdef, abstract_params = decode_model(
+            config, scan_layers=scan_layers and config.scan_layers
+        )
         self.config = config
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids

@@ -168,6 +168,7 @@ class RolloutGenerator:
                 mesh=decoding,
                 max_slots=rollout.max_slots,
                 copy_params=copy_params,
+                scan_layers=rollout.scan_layers,
             )
         self.scorer = Scorer(
             graphdef,

@@ -185,7 +185,8 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
             and cfg.rollout.max_staleness == 0
             and config.dtype == config.param_dtype
             and decode_mesh is mesh
-            and not config.scan_layers  # the engine decodes unrolled: stacked layers are copied
+            # the engine decodes unrolled (rollout.scan_layers false): stacked layers are copied
+            and (not config.scan_layers or cfg.rollout.scan_layers)
             and config.matmul_dtype is None  # narrow projection kernels are a copy
         )
         if not in_place:
@@ -334,7 +335,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     dmesh = sampler_mesh(mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(  # abstract: nothing is allocated or compiled
         dense, max_new_tokens=g.max_completion_length, eos_id=0, pad_id=0, mesh=dmesh,
-        max_slots=r.max_slots,
+        max_slots=r.max_slots, scan_layers=r.scan_layers,
     )  # fmt: skip
     requests = g.generation.size
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
