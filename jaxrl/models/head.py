@@ -203,6 +203,17 @@ def token_logprobs(
 
 
 NEEDED_CHUNK = 256  # positions per chunk of the trainer's head (train/forward.py), at most
+NEEDED_CHUNK_CPU = 128  # the same on a CPU (:func:`needed_chunk`)
+
+
+def needed_chunk(platform: str | None = None) -> int:
+    """The most needed positions per chunk of the trainer's head on ``platform`` (default: the
+    backend jax runs on). The last chunk is mostly padding (280 loss positions run as 2 x 256
+    or 3 x 128). On a CPU a chunk's matmul is compute-bound at 128 rows, so smaller chunks
+    waste less (SmolLM2-135M's GRPO row: forward + backward 4.13-4.15 s against 4.51-4.61 s,
+    docs/performance.md); on an accelerator each chunk re-reads the ``[D, V]`` kernel, which
+    256 rows keep compute-bound."""
+    return NEEDED_CHUNK_CPU if (platform or jax.default_backend()) == "cpu" else NEEDED_CHUNK
 
 
 def needed_chunks(

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from jaxrl.models.fsdp import rows_per_chunk
 from jaxrl.models.head import (
-    NEEDED_CHUNK,
     auto_chunk,
+    needed_chunk,
     needed_chunks,
     token_logprobs,
     vocab_parallel_scores,
@@ -177,9 +177,9 @@ def _needed(mb: dict[str, jax.Array]) -> jax.Array:
 
 def _chunk(model: Transformer, chunk_size: int | None, tokens: int) -> int:
     """The head's chunk of needed positions: ``chunk_size``, else ``auto_chunk``, at most
-    ``NEEDED_CHUNK``; a vocabulary-parallel head (ZeRO-3) takes at most
-    ``fsdp.rows_per_chunk`` (it runs every rank's tokens of a chunk)."""
-    chunk = min(chunk_size or auto_chunk(model.config.vocab_size), NEEDED_CHUNK)
+    ``needed_chunk()`` (128 on a CPU, 256 elsewhere); a vocabulary-parallel head (ZeRO-3)
+    takes at most ``fsdp.rows_per_chunk`` (it runs every rank's tokens of a chunk)."""
+    chunk = min(chunk_size or auto_chunk(model.config.vocab_size), needed_chunk())
     shard = model.head_shard()
     if shard is not None:
         kernel_DVl, axis = shard
