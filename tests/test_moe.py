@@ -390,8 +390,8 @@ def test_expert_parallel_sampler_equals_expert_1(ckpt, monkeypatch):
         assert seen and set(seen) == {0 if e == 1 else 2}  # traced expert-parallel (or not)
         leaves = jax.tree.leaves_with_path(sampler.weights.get())
         kernel = next(x for p, x in leaves if "expert_up_kernel" in jax.tree_util.keystr(p))
-        assert kernel.shape[1] == 8
-        assert {s.data.shape[1] for s in kernel.addressable_shards} == {8 // e}
+        assert kernel.shape[0] == 8  # the engine's layers are unrolled: [E, D, F] per layer
+        assert {s.data.shape[0] for s in kernel.addressable_shards} == {8 // e}
         out[e] = ([c.tolist() for c in result.completions()], result.routes, sampler.weight_bytes())
     assert out[2][0] == out[1][0]
     for a, b in zip(out[2][1], out[1][1], strict=True):
@@ -401,9 +401,10 @@ def test_expert_parallel_sampler_equals_expert_1(ckpt, monkeypatch):
     itemsize = np.dtype(c.dtype).itemsize
     assert out[1][2] - out[2][2] == experts * itemsize // 2
     # the trainer's (data 4, expert 2) arrays already lie in the decode layout: read in place
+    # (decoded in the trainer's layer scan: rollout.scan_layers)
     params = nnx.split(model, nnx.Param)[1]
     params = jax.device_put(params, state_shardings(params, trainer))
     in_place = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, mesh=trainer,
-                       copy_params=False)  # fmt: skip
+                       copy_params=False, scan_layers=True)  # fmt: skip
     in_place.load_params(params)
     assert not in_place.weights.copied
