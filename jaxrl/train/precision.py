@@ -20,7 +20,8 @@ where the hardware has bf16 arithmetic (GPU, TPU), float32 on the CPU, where XLA
 :func:`auto_matmul_dtype`) gives the trainer's projection matmuls bf16 operands with fp32
 accumulation where the compute dtype is fp32 and the CPU has AMX-BF16 (``models/matmul.py``):
 there a bf16 matmul runs at ~3x the fp32 rate, while bf16 elementwise arithmetic is still
-emulated. The sampler keeps fp32 matmuls (few rows per step: memory-bound).
+emulated. The engine decodes with the same operands, from a bf16 copy of those kernels
+(``generate/sampler_weights.decode_model``).
 """
 
 from __future__ import annotations
