@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generate.sampler import Sampler, SamplingParams
+from jaxrl.generate.sampler_weights import reads_trainer_arrays
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 
@@ -48,12 +49,20 @@ def test_stacked_trainer_decodes_as_unrolled_bit_for_bit():
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
     _, sampler = _generate(unrolled, copy=False, scan_layers=True)
     assert not sampler.config.scan_layers  # nothing to scan: an unrolled trainer's layers
+    # the memory planner's rule (jaxrl memory) predicts each of these copies
+    for model, scan, copied in (
+        (scanned, False, True),
+        (scanned, True, False),
+        (unrolled, False, False),
+    ):
+        assert reads_trainer_arrays(model.config, scan_layers=scan) is not copied
 
 
 def test_bf16_operand_sampler_matches_the_trainers_forward():
     cfg = ModelConfig.tiny(64, dtype="float32", matmul_dtype="bfloat16", scan_layers=True)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     out, sampler = _generate(model, copy=False)
+    assert sampler.weights.copied and not reads_trainer_arrays(cfg, scan_layers=True)
     kernel = sampler.weights.params["layers"][0]["mlp"]["gate_kernel"].get_value()
     assert kernel.dtype == jnp.bfloat16
     fp32 = Transformer(ModelConfig.tiny(64, dtype="float32", scan_layers=True), rngs=nnx.Rngs(0))

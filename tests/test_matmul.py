@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.generate.sampler_weights import PROJECTIONS, decode_model, sampler_model
-from jaxrl.models.matmul import matmul
+from jaxrl.generate.sampler_weights import decode_model, sampler_model
+from jaxrl.models.matmul import PROJECTIONS, matmul
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.train import precision
 

@@ -35,18 +35,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.models.matmul import PROJECTIONS
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import put_global, to_host
 from jaxrl.runtime.spmd import on_mesh_devices
 
-__all__ = ["PROJECTIONS", "SamplerWeights", "decode_model", "sampler_model"]
-
-# the dense projections whose matmul takes ModelConfig.matmul_dtype operands (transformer.py)
-PROJECTIONS = frozenset(
-    ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel", "down_kernel")
-)
+__all__ = ["SamplerWeights", "decode_model", "reads_trainer_arrays", "sampler_model"]
 
 
 def sampler_model(config: ModelConfig) -> tuple[ModelConfig, Any, Any]:
@@ -80,6 +76,19 @@ def decode_model(config: ModelConfig, *, scan_layers: bool = False) -> tuple[Mod
             abstract,
         )
     return config, graphdef, abstract
+
+
+def reads_trainer_arrays(config: ModelConfig, *, scan_layers: bool = False) -> bool:
+    """Whether :func:`decode_model` (with ``scan_layers``) keeps the trainer's parameters as
+    they are: same tree and dtypes, so a synchronous weight sync (``load(copy=False)``) reads
+    the trainer's arrays in place when they lie in the decode layout. It does when the compute
+    dtype is the parameter dtype, no narrower ``matmul_dtype`` is set, and the trainer's layers
+    are unrolled or decoded in their scan."""
+    return (
+        config.dtype == config.param_dtype
+        and config.matmul_dtype is None
+        and (not config.scan_layers or scan_layers)
+    )
 
 
 def _abstract(config: ModelConfig) -> tuple[ModelConfig, Any, Any]:

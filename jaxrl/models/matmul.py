@@ -22,7 +22,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["matmul"]
+__all__ = ["PROJECTIONS", "matmul"]
+
+# the kernels whose matmul takes ModelConfig.matmul_dtype operands (transformer.py's Attention
+# and MLP); the engine stores its copy of them in that dtype (generate/sampler_weights.py)
+PROJECTIONS = frozenset(
+    ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel", "down_kernel")
+)
 
 
 def matmul(x: jax.Array, w: jax.Array, operand_dtype: str | None = None) -> jax.Array:

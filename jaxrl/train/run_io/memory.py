@@ -81,6 +81,7 @@ from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
 from jaxrl.generate.decode_layout import sampler_mesh, weight_bytes
 from jaxrl.generate.sampler import Sampler
+from jaxrl.generate.sampler_weights import reads_trainer_arrays
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device, state_shardings
@@ -183,11 +184,8 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         in_place = (  # the sampler reads the trainer's arrays (generate/sampler_weights.py)
             run.frozen is None
             and cfg.rollout.max_staleness == 0
-            and config.dtype == config.param_dtype
             and decode_mesh is mesh
-            # the engine decodes unrolled (rollout.scan_layers false): stacked layers are copied
-            and (not config.scan_layers or cfg.rollout.scan_layers)
-            and config.matmul_dtype is None  # narrow projection kernels are a copy
+            and reads_trainer_arrays(config, scan_layers=cfg.rollout.scan_layers)
         )
         if not in_place:
             sampler_copy = decode["device_weight_bytes"]
