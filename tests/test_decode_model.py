@@ -76,3 +76,42 @@ def test_bf16_operand_sampler_matches_the_trainers_forward():
             errs.append(np.abs(got - np.asarray(logp)[np.arange(n), row[0, len(prompt) :]]).max())
         assert errs[0] < 2e-5, errs  # the same bf16 operands as the trainer's matmuls
         assert errs[1] > 10 * errs[0], errs  # fp32 matmuls differ by bf16 rounding
+
+
+def _prefill_hlo_and_logits(config: ModelConfig, model: Transformer):
+    from jaxrl.generate.engine import prefill_prompts
+
+    tokens = jnp.asarray([[5, 9, 3, 17, 2, 0, 0, 0], [30, 1, 4, 4, 8, 12, 6, 2]], jnp.int32)
+    lengths = jnp.asarray([5, 8], jnp.int32)
+    graphdef, params = nnx.split(model)
+    run = jax.jit(lambda p: prefill_prompts(nnx.merge(graphdef, p), tokens, lengths, 0)[0])
+    return run.lower(params).as_text(), np.asarray(run(params))
+
+
+def test_prefill_runs_unrolled_layers_in_one_loop():
+    """The engine's prefill (engine._prefill) holds the block once in fp32 compute
+    (layer_stack.run_blocks(looped=True): a short compile) and gives the unrolled forward's
+    next-token logits; in bf16 compute it stays unrolled (where XLA rounds depends on the
+    program's structure); blocks of different structures (dense layers between MoE ones) run
+    unrolled."""
+    layers = 4
+    cfg = ModelConfig.tiny(64, dtype="float32", num_hidden_layers=layers)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    hlo, logits = _prefill_hlo_and_logits(cfg, model)
+    one = dataclasses.replace(cfg, num_hidden_layers=1)
+    block = _prefill_hlo_and_logits(one, Transformer(one, rngs=nnx.Rngs(0)))[0].count("dot_general")
+    assert hlo.count("dot_general") == block  # the block once (and the head), as with 1 layer
+    # the unrolled forward's last-token logits, from the training path
+    tokens = [[5, 9, 3, 17, 2], [30, 1, 4, 4, 8, 12, 6, 2]]
+    for q, row in enumerate(tokens):
+        want = model(jnp.asarray([row], jnp.int32))[0, -1]
+        np.testing.assert_allclose(logits[q], np.asarray(want), rtol=1e-5, atol=1e-5)
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
+    hlo, _ = _prefill_hlo_and_logits(bf16, Transformer(bf16, rngs=nnx.Rngs(0)))
+    assert hlo.count("dot_general") >= layers * (block - 1)
+    mixed = ModelConfig.tiny(
+        64, dtype="float32", num_hidden_layers=layers, model_type="qwen3_moe", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[1],
+    )  # fmt: skip
+    hlo, _ = _prefill_hlo_and_logits(mixed, Transformer(mixed, rngs=nnx.Rngs(0)))
+    assert hlo.count("dot_general") >= layers * (block - 1)

@@ -122,6 +122,7 @@ def run_blocks(
     *args: Any,
     scanned: bool,
     remat: str = REMAT_OFF,
+    looped: bool = False,
 ) -> C:
     """``carry = step(block, carry, i, *args)`` for every block in order; the final carry.
 
@@ -129,8 +130,18 @@ def run_blocks(
     (``scanned``: one ``lax.scan``, ``i`` traced). ``args`` are loop-invariant arrays
     (segment ids, positions). ``remat`` (``"none"``, ``"block"`` or a policy name) wraps each
     step in ``jax.checkpoint``.
+
+    ``looped`` (unrolled blocks of one structure): one ``lax.scan`` over the layer index whose
+    step takes block i's weights with ``lax.switch``, a copy of one block's weights per layer
+    and no stacked copy of the model. The program holds the block once (a compile as short as
+    the scanned layout's) at the cost of that copy: for a one-off pass over many tokens (the
+    engine's prefill), not for a loop of decode steps. Blocks of different structures (a MoE
+    model with dense layers between), rematerialised or ZeRO-3 blocks (a training forward) run
+    unrolled.
     """
     zero3 = any_marked(nnx.state(layers))  # ZeRO-3 shards: never save a gathered weight
+    if looped and not scanned and remat == REMAT_OFF and not zero3 and _one_structure(layers):
+        return _looped(layers, step, carry, *args)
     if remat == REMAT_OFF and not zero3:
         checkpoint = lambda f: f  # noqa: E731
     else:
@@ -164,4 +175,26 @@ def run_blocks(
         return checkpoint(body)(carry, xs, *args), None
 
     carry, _ = jax.lax.scan(scan_body, carry, (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
+    return carry
+
+
+def _one_structure(layers: Any) -> bool:
+    """Whether the unrolled blocks share one graph and one parameter tree (shapes, dtypes)."""
+    splits = [nnx.split(block) for block in layers]
+    if len(splits) < 2:
+        return False
+    graphdef, state = splits[0]
+    shape = lambda st: jax.tree.map(lambda x: (x.shape, x.dtype), st)  # noqa: E731
+    return all(g == graphdef and shape(st) == shape(state) for g, st in splits[1:])
+
+
+def _looped(layers: Any, step: Callable[..., C], carry: C, *args: Any) -> C:
+    graphdef, _ = nnx.split(layers[0])
+    states = [nnx.split(block)[1] for block in layers]
+
+    def body(carry, i):
+        state = jax.lax.switch(i, [lambda s=s: s for s in states])
+        return step(nnx.merge(graphdef, state), carry, i, *args), None
+
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(len(states), dtype=jnp.int32))
     return carry

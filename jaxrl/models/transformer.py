@@ -385,6 +385,8 @@ class Transformer(nnx.Module):
         positions_BT: jax.Array,
         segment_ids_BT: jax.Array,
         cache: KVCache | SlotKVCache,
+        *,
+        loop_layers: bool = False,
     ) -> tuple[jax.Array, KVCache | SlotKVCache]:
         """Run T new tokens against a KV cache: ``(hidden_BTD, cache)`` (``kv_cache.py``).
 
@@ -393,9 +395,13 @@ class Transformer(nnx.Module):
         prefill (T = prompt length, empty cache) followed by T = 1 steps gives the hidden states
         of :meth:`hidden_states` on the whole sequence, up to float reduction order. The caller
         supplies positions and segment ids (nothing is inferred) and keeps the index within L.
-        Apply :meth:`logits` to the positions it needs.
+        Apply :meth:`logits` to the positions it needs. ``loop_layers``: unrolled layers run in
+        a loop that holds the block once (``layer_stack.run_blocks(looped=True)``: a short
+        compile for a one-off pass such as a prefill).
         """
-        hidden_BTD, cache, _ = self._decode(input_ids_BT, positions_BT, segment_ids_BT, cache)
+        hidden_BTD, cache, _ = self._decode(
+            input_ids_BT, positions_BT, segment_ids_BT, cache, loop_layers=loop_layers
+        )
         return hidden_BTD, cache
 
     def routed_decode(
@@ -404,14 +410,20 @@ class Transformer(nnx.Module):
         positions_BT: jax.Array,
         segment_ids_BT: jax.Array,
         cache: KVCache | SlotKVCache,
+        *,
+        loop_layers: bool = False,
     ) -> tuple[jax.Array, KVCache | SlotKVCache, jax.Array]:
         """:meth:`decode` of a MoE model and the expert ids its MoE layers chose for the new
         tokens, ``routes [B, T, Lm, K]`` int32 (what the rollout records for router replay)."""
         if not self.config.moe_layers:
             raise ValueError("routed_decode: the model has no MoE layer")
-        return self._decode(input_ids_BT, positions_BT, segment_ids_BT, cache, routed=True)
+        return self._decode(
+            input_ids_BT, positions_BT, segment_ids_BT, cache, routed=True, loop_layers=loop_layers
+        )
 
-    def _decode(self, input_ids_BT, positions_BT, segment_ids_BT, cache, routed=False):
+    def _decode(
+        self, input_ids_BT, positions_BT, segment_ids_BT, cache, routed=False, loop_layers=False
+    ):
         input_ids_BT = jnp.asarray(input_ids_BT)
         if input_ids_BT.shape[1] > cache.length:
             raise ValueError(
@@ -430,6 +442,7 @@ class Transformer(nnx.Module):
                 positions_BT,
                 None,
                 scanned=self.config.scan_layers,
+                looped=loop_layers,
             )
             routes = finish(routes_LBTK, probs_BTE).routes_BTLK
             return self.final_norm(x_BTD), cache.advance(advance), routes
@@ -446,6 +459,7 @@ class Transformer(nnx.Module):
             segment_ids_BT,
             positions_BT,
             scanned=self.config.scan_layers,
+            looped=loop_layers,
         )
         return self.final_norm(x_BTD), cache.advance(advance), None
 

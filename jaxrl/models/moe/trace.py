@@ -49,8 +49,10 @@ def trace_step(config: ModelConfig) -> Callable[..., Any]:
 
     def step(block, carry, i, seg_BT, pos_BT, replay_LBTK, parent_BT=None):
         x_BTD, cache, routes_LBTK, probs_BTE = carry
-        # scanned stacks are all MoE (ModelConfig checks it): slot i; unrolled: i is static
-        j = i if config.scan_layers else moe_index.get(i)
+        # scanned stacks are all MoE (ModelConfig checks it): slot i; unrolled: i is static,
+        # unless the blocks run in a loop (layer_stack.run_blocks(looped=True): one structure,
+        # so all MoE when this step routes): slot i too
+        j = moe_index.get(i) if isinstance(i, int) else i
         replay_BTK = None
         if replay_LBTK is not None and j is not None:
             replay_BTK = jax.lax.dynamic_index_in_dim(replay_LBTK, j, 0, keepdims=False)
