@@ -78,7 +78,7 @@ def test_bf16_operand_sampler_matches_the_trainers_forward():
         assert errs[1] > 10 * errs[0], errs  # fp32 matmuls differ by bf16 rounding
 
 
-def _prefill_hlo_and_logits(config: ModelConfig, model: Transformer):
+def _prefill_hlo_and_logits(model: Transformer):
     from jaxrl.generate.engine import prefill_prompts
 
     tokens = jnp.asarray([[5, 9, 3, 17, 2, 0, 0, 0], [30, 1, 4, 4, 8, 12, 6, 2]], jnp.int32)
@@ -97,9 +97,9 @@ def test_prefill_runs_unrolled_layers_in_one_loop():
     layers = 4
     cfg = ModelConfig.tiny(64, dtype="float32", num_hidden_layers=layers)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    hlo, logits = _prefill_hlo_and_logits(cfg, model)
+    hlo, logits = _prefill_hlo_and_logits(model)
     one = dataclasses.replace(cfg, num_hidden_layers=1)
-    block = _prefill_hlo_and_logits(one, Transformer(one, rngs=nnx.Rngs(0)))[0].count("dot_general")
+    block = _prefill_hlo_and_logits(Transformer(one, rngs=nnx.Rngs(0)))[0].count("dot_general")
     assert hlo.count("dot_general") == block  # the block once (and the head), as with 1 layer
     # the unrolled forward's last-token logits, from the training path
     tokens = [[5, 9, 3, 17, 2], [30, 1, 4, 4, 8, 12, 6, 2]]
@@ -107,11 +107,11 @@ def test_prefill_runs_unrolled_layers_in_one_loop():
         want = model(jnp.asarray([row], jnp.int32))[0, -1]
         np.testing.assert_allclose(logits[q], np.asarray(want), rtol=1e-5, atol=1e-5)
     bf16 = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
-    hlo, _ = _prefill_hlo_and_logits(bf16, Transformer(bf16, rngs=nnx.Rngs(0)))
+    hlo, _ = _prefill_hlo_and_logits(Transformer(bf16, rngs=nnx.Rngs(0)))
     assert hlo.count("dot_general") >= layers * (block - 1)
     mixed = ModelConfig.tiny(
         64, dtype="float32", num_hidden_layers=layers, model_type="qwen3_moe", num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[1],
     )  # fmt: skip
-    hlo, _ = _prefill_hlo_and_logits(mixed, Transformer(mixed, rngs=nnx.Rngs(0)))
+    hlo, _ = _prefill_hlo_and_logits(Transformer(mixed, rngs=nnx.Rngs(0)))
     assert hlo.count("dot_general") >= layers * (block - 1)

@@ -140,8 +140,10 @@ def run_blocks(
     unrolled.
     """
     zero3 = any_marked(nnx.state(layers))  # ZeRO-3 shards: never save a gathered weight
-    if looped and not scanned and remat == REMAT_OFF and not zero3 and _one_structure(layers):
-        return _looped(layers, step, carry, *args)
+    if looped and not scanned and remat == REMAT_OFF and not zero3:
+        blocks = [nnx.split(block) for block in layers]
+        if _one_structure(blocks):
+            return _looped(blocks, step, carry, *args)
     if remat == REMAT_OFF and not zero3:
         checkpoint = lambda f: f  # noqa: E731
     else:
@@ -178,19 +180,20 @@ def run_blocks(
     return carry
 
 
-def _one_structure(layers: Any) -> bool:
-    """Whether the unrolled blocks share one graph and one parameter tree (shapes, dtypes)."""
-    splits = [nnx.split(block) for block in layers]
-    if len(splits) < 2:
+def _one_structure(blocks: list[tuple[Any, Any]]) -> bool:
+    """Whether the unrolled blocks (``nnx.split`` of each) share one graph and one parameter
+    tree (shapes, dtypes)."""
+    if len(blocks) < 2:
         return False
-    graphdef, state = splits[0]
+    graphdef, state = blocks[0]
     shape = lambda st: jax.tree.map(lambda x: (x.shape, x.dtype), st)  # noqa: E731
-    return all(g == graphdef and shape(st) == shape(state) for g, st in splits[1:])
+    first = shape(state)
+    return all(g == graphdef and shape(st) == first for g, st in blocks[1:])
 
 
-def _looped(layers: Any, step: Callable[..., C], carry: C, *args: Any) -> C:
-    graphdef, _ = nnx.split(layers[0])
-    states = [nnx.split(block)[1] for block in layers]
+def _looped(blocks: list[tuple[Any, Any]], step: Callable[..., C], carry: C, *args: Any) -> C:
+    graphdef = blocks[0][0]
+    states = [state for _, state in blocks]
 
     def body(carry, i):
         state = jax.lax.switch(i, [lambda s=s: s for s in states])
