@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl.generate.sampler import Sampler, SamplingParams
@@ -115,3 +116,38 @@ def test_prefill_runs_unrolled_layers_in_one_loop():
     )  # fmt: skip
     hlo, _ = _prefill_hlo_and_logits(Transformer(mixed, rngs=nnx.Rngs(0)))
     assert hlo.count("dot_general") >= layers * (block - 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trace_once_traces_the_block_once_and_runs_the_unrolled_program(dtype):
+    """run_blocks(trace_once=True), the decode model's unrolled layers: the block is traced
+    once (its step sees a traced layer index), its equations inlined once per layer, so the
+    program computes exactly what Nl separately traced blocks do, bit for bit, in bf16 too."""
+    from jaxrl.models.layer_stack import run_blocks
+
+    layers = 4
+    cfg = ModelConfig.tiny(64, dtype=dtype, param_dtype=dtype, num_hidden_layers=layers)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    x_BTD = jax.random.normal(jax.random.key(1), (2, 8, cfg.hidden_size), cfg.dtype)
+    seg_BT = jnp.asarray([[1] * 8, [1] * 5 + [2] * 3], jnp.int32)
+    pos_BT = jnp.asarray([list(range(8)), list(range(5)) + list(range(3))], jnp.int32)
+    seen = []
+
+    def step(block, x_BTD, i, seg_BT, pos_BT):
+        seen.append(i)
+        return block(x_BTD, seg_BT, pos_BT, None)
+
+    def run(once):
+        seen.clear()
+        forward = jax.jit(
+            lambda x: run_blocks(
+                model.layers, step, x, seg_BT, pos_BT, scanned=False, trace_once=once
+            )  # fmt: skip
+        )
+        return np.asarray(forward(x_BTD).astype(jnp.float32)), list(seen)
+
+    once, once_seen = run(True)
+    each, each_seen = run(False)
+    assert len(once_seen) == 1 and not isinstance(once_seen[0], int)
+    assert each_seen == list(range(layers))
+    np.testing.assert_array_equal(once, each)

@@ -10,6 +10,10 @@ Two layouts of the same blocks (``ModelConfig.scan_layers``):
   ``sharding.py``); the forward is one ``lax.scan`` over it (split / merge of the block's state
   in the body), so the program holds the block once.
 
+Unrolled blocks of one structure can also be traced once (``run_blocks(trace_once=True)``, the
+engine's decode model): every block calls one jitted step whose equations are inlined, so Python
+traces the block once and the program is still the unrolled one.
+
 :func:`stack_blocks` builds the scanned layout from blocks created one by one, so a seed gives
 the same parameters in both layouts; :func:`unstack_blocks` is its inverse. Both layouts run
 through :func:`run_blocks`, which is the only place that knows the difference.
@@ -123,6 +127,7 @@ def run_blocks(
     scanned: bool,
     remat: str = REMAT_OFF,
     looped: bool = False,
+    trace_once: bool = False,
 ) -> C:
     """``carry = step(block, carry, i, *args)`` for every block in order; the final carry.
 
@@ -138,6 +143,15 @@ def run_blocks(
     engine's prefill), not for a loop of decode steps. Blocks of different structures (a MoE
     model with dense layers between), rematerialised or ZeRO-3 blocks (a training forward) run
     unrolled.
+
+    ``trace_once`` (unrolled blocks of one structure, no remat, no ZeRO-3; ``looped`` wins):
+    the step is one jitted function with ``inline=True`` that every block calls with its own
+    weights and ``i`` traced. Python traces the block once (JAX caches the jaxpr) and each call
+    copies its equations into the program, so the program is the unrolled one, equation for
+    equation: the same speed and the same numbers. (A call that is not inlined changes them in
+    bf16 compute: XLA keeps excess precision differently across a call boundary, log-probs
+    1.4e-2 apart.) For the engine's decode model: SmolLM2-135M's 30 layers traced in 0.3-0.4 s
+    instead of 1.5-2.0 s.
     """
     zero3 = any_marked(nnx.state(layers))  # ZeRO-3 shards: never save a gathered weight
     if looped and not scanned and remat == REMAT_OFF and not zero3:
@@ -157,6 +171,10 @@ def run_blocks(
                 policy = exclude_gathered(policy)
         # inside a scan the loop already keeps XLA from merging the recomputation away
         checkpoint = lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not scanned)  # noqa: E731
+    if not scanned and trace_once and remat == REMAT_OFF and not zero3:
+        blocks = [nnx.split(block) for block in layers]
+        if _one_structure(blocks):
+            return _traced_once(blocks, step, carry, *args)
     if not scanned:
         for i, block in enumerate(layers):
             graphdef, state = nnx.split(block)
@@ -200,4 +218,18 @@ def _looped(blocks: list[tuple[Any, Any]], step: Callable[..., C], carry: C, *ar
         return step(nnx.merge(graphdef, state), carry, i, *args), None
 
     carry, _ = jax.lax.scan(body, carry, jnp.arange(len(states), dtype=jnp.int32))
+    return carry
+
+
+def _traced_once(blocks: list[tuple[Any, Any]], step: Callable[..., C], carry: C, *args: Any) -> C:
+    """:func:`run_blocks` with ``trace_once``: the Nl blocks call one inlined jitted step (one
+    trace), block i with its own weights and ``i`` as a traced int32."""
+    graphdef = blocks[0][0]
+
+    @jax.jit(inline=True)
+    def one(state: Any, carry: C, i: jax.Array, *args: Any) -> C:
+        return step(nnx.merge(graphdef, state), carry, i, *args)
+
+    for i, (_, state) in enumerate(blocks):
+        carry = one(state, carry, jnp.int32(i), *args)
     return carry

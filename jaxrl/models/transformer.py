@@ -443,6 +443,7 @@ class Transformer(nnx.Module):
                 None,
                 scanned=self.config.scan_layers,
                 looped=loop_layers,
+                trace_once=True,  # the block traced once (layer_stack.run_blocks)
             )
             routes = finish(routes_LBTK, probs_BTE).routes_BTLK
             return self.final_norm(x_BTD), cache.advance(advance), routes
@@ -460,6 +461,7 @@ class Transformer(nnx.Module):
             positions_BT,
             scanned=self.config.scan_layers,
             looped=loop_layers,
+            trace_once=True,  # the block traced once (layer_stack.run_blocks)
         )
         return self.final_norm(x_BTD), cache.advance(advance), None
 
