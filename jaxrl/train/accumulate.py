@@ -203,6 +203,9 @@ def _rank_sums(
             loss_fn, params, micro_batch, rounds, global_docs_M, step_constants, comm
         )
 
+    # traced once for the zeros below and the gradient: jit caches the trace, inline=True
+    # copies its equations into the program as if the loss were called directly
+    loss_fn = jax.jit(loss_fn, inline=True)
     grad_fn = jax.value_and_grad(lambda p, mb: _numerator(loss_fn, p, mb), has_aux=True)
     zero_terms = _zeros_like_terms(loss_fn, params, micro_batch(0))
     shard_shapes = jax.eval_shape(comm.grads_over_fsdp, params)
