@@ -154,10 +154,10 @@ def run_blocks(
     instead of 1.5-2.0 s.
     """
     zero3 = any_marked(nnx.state(layers))  # ZeRO-3 shards: never save a gathered weight
-    if looped and not scanned and remat == REMAT_OFF and not zero3:
+    if (looped or trace_once) and not scanned and remat == REMAT_OFF and not zero3:
         blocks = [nnx.split(block) for block in layers]
         if _one_structure(blocks):
-            return _looped(blocks, step, carry, *args)
+            return (_looped if looped else _traced_once)(blocks, step, carry, *args)
     if remat == REMAT_OFF and not zero3:
         checkpoint = lambda f: f  # noqa: E731
     else:
@@ -171,10 +171,6 @@ def run_blocks(
                 policy = exclude_gathered(policy)
         # inside a scan the loop already keeps XLA from merging the recomputation away
         checkpoint = lambda f: jax.checkpoint(f, policy=policy, prevent_cse=not scanned)  # noqa: E731
-    if not scanned and trace_once and remat == REMAT_OFF and not zero3:
-        blocks = [nnx.split(block) for block in layers]
-        if _one_structure(blocks):
-            return _traced_once(blocks, step, carry, *args)
     if not scanned:
         for i, block in enumerate(layers):
             graphdef, state = nnx.split(block)

@@ -160,6 +160,9 @@ def _rank_sums(
         loss_fn = functools.partial(_with_frozen, loss_fn, frozen=frozen)
     if comm.scatter:
         loss_fn = functools.partial(_on_marked, loss_fn, comm=comm)
+    # each use below traces the loss once for the zeros of its terms and the loop that sums
+    # them (jit caches the trace); inline=True copies its equations in as a direct call would
+    loss_fn = jax.jit(loss_fn, inline=True)
     docs_M = num_documents(batch_MT["segment_ids"], batch_MT.get("parent_ids")).astype(jnp.int32)
     global_docs_M = comm.psum(docs_M)
     real_MT = batch_MT["segment_ids"] > 0
@@ -203,9 +206,6 @@ def _rank_sums(
             loss_fn, params, micro_batch, rounds, global_docs_M, step_constants, comm
         )
 
-    # traced once for the zeros below and the gradient: jit caches the trace, inline=True
-    # copies its equations into the program as if the loss were called directly
-    loss_fn = jax.jit(loss_fn, inline=True)
     grad_fn = jax.value_and_grad(lambda p, mb: _numerator(loss_fn, p, mb), has_aux=True)
     zero_terms = _zeros_like_terms(loss_fn, params, micro_batch(0))
     shard_shapes = jax.eval_shape(comm.grads_over_fsdp, params)
