@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.data.batching.packing import pack_sequences
 from jaxrl.data.documents import completion_field, prompt_completion_document
+from jaxrl.generate import sampling
 from jaxrl.generate.decode_layout import decode_mesh, decode_tensor
 from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
 from jaxrl.generate.sampler import (
@@ -237,6 +238,34 @@ def test_gumbel_max_draws_what_jax_random_categorical_draws():
         )
     x_BV = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [2.0, np.nan, 5.0, np.nan], [-np.inf] * 4])
     np.testing.assert_array_equal(first_argmax(x_BV), jnp.argmax(x_BV, axis=-1))
+
+
+def test_threefry_noise_is_jax_random_gumbel_bit_for_bit():
+    """The written-out threefry Gumbel noise is ``jax.random.gumbel``'s, bit for bit: per-row
+    keys (the engine's, vmapped), one key over a 2-D and an odd-sized shape, and eager calls;
+    keys or dtypes it does not reproduce take ``jax.random.gumbel`` itself."""
+    keys_B = jax.random.split(jax.random.key(7), 5)
+    for shape in ((5, 1001), (5, 3, 7)):
+        want = jax.vmap(lambda k, s=shape[1:]: jax.random.gumbel(k, s, jnp.float32))(keys_B)
+        np.testing.assert_array_equal(sampling._threefry_gumbel_f32(keys_B, shape), want)
+    key = jax.random.key(3)
+    for shape in ((7, 13), (5,), (2, 3, 4)):
+        want = jax.random.gumbel(key, shape, jnp.float32)
+        np.testing.assert_array_equal(sampling._threefry_gumbel_f32(key, shape), want)
+        np.testing.assert_array_equal(
+            jax.jit(sampling._threefry_gumbel_f32, static_argnums=1)(key, shape), want
+        )
+    z_BV = jnp.zeros((4, 9), jnp.float32)
+    assert sampling._fast_gumbel_applies(jax.random.split(key, 4), z_BV)
+    assert not sampling._fast_gumbel_applies(
+        jax.random.split(jax.random.key(0, impl="rbg"), 4), z_BV
+    )
+    assert not sampling._fast_gumbel_applies(key, z_BV.astype(jnp.bfloat16))
+    rbg_B = jax.random.split(jax.random.key(1, impl="rbg"), 4)
+    z_BV = jnp.asarray(np.random.default_rng(0).standard_normal((4, 9)), jnp.float32)
+    np.testing.assert_array_equal(
+        jax.jit(gumbel_max)(rbg_B, z_BV), jax.vmap(jax.random.categorical)(rbg_B, z_BV)
+    )
 
 
 def test_temperature_reshapes_the_sampling_distribution():

@@ -74,6 +74,7 @@ from jaxrl.generate.stop import StopStrings
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device
 from jaxrl.models.slot_kv_cache import DECODE_BLOCK
+from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
 
@@ -160,9 +161,15 @@ class Sampler:
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.weights = SamplerWeights(abstract_params, mesh)
         self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
-        self._jitted = jax.jit(self._program, static_argnames=("shape", "key_impl"))
+        options = program_options()
+        self._jitted = jax.jit(
+            self._program, static_argnames=("shape", "key_impl"), compiler_options=options
+        )
         self._jitted_session = jax.jit(
-            self._session_program, static_argnames=("shape", "key_impl"), donate_argnums=(1,)
+            self._session_program,
+            static_argnames=("shape", "key_impl"),
+            donate_argnums=(1,),
+            compiler_options=options,
         )
 
     # -- weights ------------------------------------------------------------------------------

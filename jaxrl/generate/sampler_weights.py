@@ -39,6 +39,7 @@ from jaxrl.models.matmul import PROJECTIONS
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
+from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import put_global, to_host
 from jaxrl.runtime.spmd import on_mesh_devices
 
@@ -125,7 +126,12 @@ class SamplerWeights:
         # weight sync, never a gather onto one device
         target = None if mesh is None else state_shardings(abstract_params, mesh)
         self.shardings = target
-        self._copy = jax.jit(self._cast_copy, static_argnums=(1,), out_shardings=target)
+        self._copy = jax.jit(
+            self._cast_copy,
+            static_argnums=(1,),
+            out_shardings=target,
+            compiler_options=program_options(),
+        )
 
     def load(self, params: Any, *, copy: bool = True) -> None:
         """Take a :class:`Transformer` or its ``nnx.State`` of parameters (see module doc)."""

@@ -8,12 +8,15 @@ drawn; they do not renormalise the reported log-prob.
 Random bits. The continuous-batching engine (``engine.py``) draws token t of request r with
 :func:`token_key` ``(key, r, t)``, a fold-in chain of the call's key, so the bits do not depend on
 which decode slot the request occupies, when it was admitted, how many slots there are, how the
-batch was padded, or how the slots are split over devices.
+batch was padded, or how the slots are split over devices. The Gumbel noise of a threefry key is
+computed here, written out, bit for bit what ``jax.random.gumbel`` gives (:func:`gumbel_max`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,11 +159,72 @@ def first_argmax(x_BV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit_BV, idx_BV, v), axis=-1)
 
 
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array):
+    """Threefry-2x32 (20 rounds, Salmon et al. 2011), written out round by round: the same
+    words as JAX's ``threefry2x32`` primitive. JAX lowers that primitive on CPU as a rolled
+    5-iteration loop, one pass over memory per iteration; written out, XLA fuses the whole hash
+    into one elementwise loop: 2.1 ms against 37.4 ms for the engine's 64 x 49,152 words on a
+    2-core CPU (benchmarks/README.md, "Issue 34, the Gumbel noise written out")."""
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x1 = x1 + x2
+            x2 = x1 ^ ((x2 << np.uint32(r)) | (x2 >> np.uint32(32 - r)))
+        x1 = x1 + ks[(i + 1) % 3]
+        x2 = x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x1, x2
+
+
+@functools.partial(jax.jit, static_argnums=1, inline=True)
+def _threefry_gumbel_f32(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.gumbel(key, shape, float32)`` for a threefry key, vmapped over the key's
+    leading axes (``key.shape`` must prefix ``shape``), bit for bit: the partitionable
+    threefry bits (counts = the flat index of each element within one key's draw), the
+    mantissa trick of ``jax.random.uniform`` on ``[tiny, 1)``, then ``-log(-log(u))``."""
+    data = jax.random.key_data(key).astype(jnp.uint32)
+    lead = key.ndim
+    k1, k2 = (jnp.expand_dims(data[..., i], tuple(range(lead, len(shape)))) for i in (0, 1))
+    per_key = shape[lead:]
+    strides = np.cumprod((1,) + per_key[:0:-1])[::-1]
+    counts = sum(
+        lax.broadcasted_iota(jnp.uint32, shape, lead + d) * np.uint32(s)
+        for d, s in enumerate(strides)
+    )
+    b1, b2 = _threefry2x32(k1, k2, jnp.zeros(shape, jnp.uint32), counts)
+    mantissa = ((b1 ^ b2) >> np.uint32(32 - 23)) | np.float32(1.0).view(np.uint32)
+    floats = lax.bitcast_convert_type(mantissa, jnp.float32) - np.float32(1.0)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    u = lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
+def _fast_gumbel_applies(key: jax.Array, logits_BV: jax.Array) -> bool:
+    """The written-out threefry draw reproduces ``jax.random.gumbel`` for: a typed threefry
+    key, JAX's default (partitionable) threefry bits, the default ("low") Gumbel mode, float32
+    noise, and fewer than 2**32 draws per key."""
+    return (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and str(jax.random.key_impl(key)) == "threefry2x32"
+        and key.ndim <= 1
+        and bool(jax.config.jax_threefry_partitionable)
+        and not bool(jax.config.jax_high_dynamic_range_gumbel)
+        and logits_BV.dtype == jnp.float32
+        and math.prod(logits_BV.shape[key.ndim :]) < 2**32
+    )
+
+
 def gumbel_max(key: jax.Array, logits_BV: jax.Array) -> jax.Array:
     """``jax.random.categorical(key, logits_BV, axis=-1)`` (vmapped over rows for per-row keys
     of shape ``[B]``), the same token for the same key: ``argmax(logits + gumbel(key))``, the
-    argmax taken by :func:`first_argmax`."""
-    if key.ndim == 1 and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    argmax taken by :func:`first_argmax`. For threefry keys and float32 logits the noise is
+    :func:`_threefry_gumbel_f32` (the same bits, faster on CPU)."""
+    if _fast_gumbel_applies(key, logits_BV):
+        noise_BV = _threefry_gumbel_f32(key, logits_BV.shape)
+    elif key.ndim == 1 and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         noise_BV = jax.vmap(lambda k: jax.random.gumbel(k, logits_BV.shape[1:], logits_BV.dtype))(
             key
         )

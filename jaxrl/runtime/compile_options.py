@@ -1,0 +1,33 @@
+"""XLA compile options of jaxrl's large programs (the train step, the scorer, the engine).
+
+On the CPU backend these programs are compiled at LLVM optimisation level 1
+(``xla_backend_optimization_level``) instead of XLA's default 2: their time is in matmul and
+attention library calls (oneDNN / YNNPACK), not in the loops LLVM generates, so level 1 runs
+them as fast and compiles them 10-20% sooner (benchmarks/README.md, "Issue 34, the Gumbel
+noise written out"). Other backends keep XLA's defaults. ``JAXRL_CPU_OPT_LEVEL`` overrides the
+level (e.g. ``2`` for XLA's default).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import jax
+
+__all__ = ["program_options"]
+
+ENV = "JAXRL_CPU_OPT_LEVEL"
+CPU_LEVEL = 1
+
+
+@functools.cache
+def program_options() -> dict[str, Any]:
+    """``compiler_options`` for ``jax.jit`` of a large jaxrl program (module doc)."""
+    if jax.default_backend() != "cpu":
+        return {}
+    level = os.environ.get(ENV, str(CPU_LEVEL)).strip()
+    if level not in ("0", "1", "2", "3"):
+        raise ValueError(f"{ENV}={level!r}: must be an LLVM optimisation level 0-3 (default 1)")
+    return {"xla_backend_optimization_level": int(level)}
