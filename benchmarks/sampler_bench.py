@@ -2,10 +2,13 @@
 
     python benchmarks/sampler_bench.py [--shape tiny|100m] [--batch 64] [--repeat 3]
         [--median 16] [--sigma 1.0] [--max-new 128] [--slots 8 16 32] [--equal-new 64]
+        [--dtype float32|auto]
 
 One random jaxrl model is written with ``save_pretrained`` and loaded by transformers
 (``LlamaForCausalLM``, sdpa, fp32), so all three decode the same weights, greedily, from the same
-B prompts (random ids, ``--prompt-len`` 16-48 tokens). Cases:
+B prompts (random ids, ``--prompt-len`` 16-48 tokens); jaxrl's two run in fp32, or with
+``--dtype auto`` in the shipped configs' precision (bf16 matmul operands on an AMX CPU, so
+their greedy tokens may part from HF's fp32 ones after a near-tie). Cases:
 
 - ``long-tail``: request b may generate ``limit[b]`` tokens, log-normal (median ``--median``,
   sigma ``--sigma``) with the largest forced to ``--max-new`` (>= 8x the median); eos is
@@ -26,6 +29,7 @@ included). The greedy tokens of every method are compared within each request's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -51,6 +55,7 @@ from jaxrl.generate.sampler import Sampler, SamplingParams  # noqa: E402
 from jaxrl.models.hf import save_pretrained  # noqa: E402
 from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
+from jaxrl.train.precision import auto_compute_dtype, auto_matmul_dtype  # noqa: E402
 
 SHAPES = {
     "tiny": dict(
@@ -150,6 +155,13 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
     ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "auto"),
+        default="float32",
+        help="jaxrl's compute: auto = as the shipped configs run (model.dtype: auto; on an AMX "
+        "CPU, bf16 matmul operands with fp32 accumulation); HF stays fp32",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -157,6 +169,10 @@ def main() -> None:
 
     config = ModelConfig.tiny(**SHAPES[args.shape])
     model = Transformer(config, rngs=nnx.Rngs(0))
+    if args.dtype == "auto":  # the same fp32 weights, run in the shipped precision
+        config = dataclasses.replace(
+            config, dtype=auto_compute_dtype("auto"), matmul_dtype=auto_matmul_dtype(None, "auto")
+        )
     model.embedding[...] = model.embedding[...].at[EOS].set(0.0)  # eos logit 0: never argmax
     hf_dir = Path(tempfile.mkdtemp(prefix="sampler_bench_")) / "hf"
     save_pretrained(model, hf_dir)
@@ -170,7 +186,9 @@ def main() -> None:
     key = jax.random.key(0)
     print(json.dumps(machine(("jax", "jaxlib", "torch", "transformers"))))
     print(f"model {args.shape}: D={config.hidden_size} layers={config.num_hidden_layers} "
-          f"V={config.vocab_size}, fp32, greedy; prompts {args.prompt_len} tokens")  # fmt: skip
+          f"V={config.vocab_size}, jaxrl compute {config.dtype} (matmul operands "
+          f"{config.matmul_dtype or config.dtype}), HF fp32, greedy; "
+          f"prompts {args.prompt_len} tokens")  # fmt: skip
 
     def engine(prompts, limits, slots, pack=True):
         sampler = Sampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD,
