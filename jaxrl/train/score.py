@@ -48,7 +48,6 @@ from jaxrl.data.batching.shared_prompt import (
 )
 from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
-from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import manual_batch_axes, on_mesh, put_replicated, put_rows, row_ranks
 from jaxrl.train.accumulate import as_shards, fsdp_in_specs, marked
@@ -133,9 +132,7 @@ class Scorer:
         specs = _param_specs(params, self.mesh)
         key = tuple(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
         if key not in self._programs:
-            self._programs[key] = jax.jit(
-                functools.partial(self._program, specs=specs), compiler_options=program_options()
-            )
+            self._programs[key] = jax.jit(functools.partial(self._program, specs=specs))
         return self._programs[key](params, rows_BT, temperature)
 
     def _program(self, params, rows_BT, temperature, *, specs):

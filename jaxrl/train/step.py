@@ -24,7 +24,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.losses.normalize import finalize
-from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import make_mesh, put_batch, replicated
 from jaxrl.runtime.spmd import manual_batch_axes
 from jaxrl.train.accumulate import LossFn, StepConstants, as_shards, make_accumulate
@@ -81,12 +80,7 @@ class TrainStep:
         self._max_grad_norm = float(max_grad_norm)
         self._rounding = master_rounding
         out = None if state_shardings is None else (state_shardings, replicated(mesh))
-        self._jitted = jax.jit(
-            self._step,
-            donate_argnums=(0,) if donate else (),
-            out_shardings=out,
-            compiler_options=program_options(),
-        )
+        self._jitted = jax.jit(self._step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Put a host batch ``[R, M, ...]`` on the mesh, split over the batch axes (each process
