@@ -242,7 +242,7 @@ def test_gumbel_max_draws_what_jax_random_categorical_draws():
 
 def test_threefry_noise_is_jax_random_gumbel_bit_for_bit():
     """The written-out threefry Gumbel noise is ``jax.random.gumbel``'s, bit for bit: per-row
-    keys (the engine's, vmapped), one key over a 2-D and an odd-sized shape, and eager calls;
+    keys (the engine's, vmapped), one key over 1-3-D shapes, called directly and inside a jit;
     keys or dtypes it does not reproduce take ``jax.random.gumbel`` itself."""
     keys_B = jax.random.split(jax.random.key(7), 5)
     for shape in ((5, 1001), (5, 3, 7)):

@@ -185,15 +185,11 @@ def _threefry_gumbel_f32(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     leading axes (``key.shape`` must prefix ``shape``), bit for bit: the partitionable
     threefry bits (counts = the flat index of each element within one key's draw), the
     mantissa trick of ``jax.random.uniform`` on ``[tiny, 1)``, then ``-log(-log(u))``."""
-    data = jax.random.key_data(key).astype(jnp.uint32)
+    data = jax.random.key_data(key)  # uint32 [*key.shape, 2]
     lead = key.ndim
     k1, k2 = (jnp.expand_dims(data[..., i], tuple(range(lead, len(shape)))) for i in (0, 1))
     per_key = shape[lead:]
-    strides = np.cumprod((1,) + per_key[:0:-1])[::-1]
-    counts = sum(
-        lax.broadcasted_iota(jnp.uint32, shape, lead + d) * np.uint32(s)
-        for d, s in enumerate(strides)
-    )
+    counts = jnp.broadcast_to(lax.iota(jnp.uint32, math.prod(per_key)).reshape(per_key), shape)
     b1, b2 = _threefry2x32(k1, k2, jnp.zeros(shape, jnp.uint32), counts)
     mantissa = ((b1 ^ b2) >> np.uint32(32 - 23)) | np.float32(1.0).view(np.uint32)
     floats = lax.bitcast_convert_type(mantissa, jnp.float32) - np.float32(1.0)
