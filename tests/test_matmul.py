@@ -98,14 +98,14 @@ def test_decode_model_unrolled_with_narrow_projection_kernels():
 
 def test_auto_resolves_by_backend_and_cpu(monkeypatch):
     resolve = precision.auto_matmul_dtype
-    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_bf16_matmul", lambda: "avx512_bf16")
     assert resolve(None, "auto", "cpu") == "bfloat16"
     assert resolve("auto", None, "cpu") == "bfloat16"
     assert resolve(None, "float32", "cpu") is None  # a pinned dtype keeps its matmuls
     assert resolve("float32", "auto", "cpu") == "float32"  # pinned
     assert resolve(None, "auto", "gpu") is None  # bf16 compute there already
     assert "bfloat16 operands" in precision.auto_dtype_note("cpu", "bfloat16")
-    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_bf16_matmul", lambda: None)
     assert resolve(None, "auto", "cpu") is None
     assert "operands" not in precision.auto_dtype_note("cpu", None)
 

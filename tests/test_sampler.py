@@ -503,3 +503,31 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_devices_is_a_config_e
         load_run_config("configs/grpo_tiny.yaml", ["mesh.data=8", "rollout.tensor_parallel=3"])
     ok = load_run_config("configs/grpo_tiny.yaml", ["mesh.data=8", "rollout.tensor_parallel=4"])
     assert ok.rollout.tensor_parallel == 4
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_precompile_compiles_the_program_generate_then_runs(tiny, mesh_shape):
+    """``precompile`` before the weights are loaded (the trainer's start) compiles, on the
+    background thread, the very program the call runs: the call traces and compiles nothing,
+    and its completions are the ones a sampler without it gives."""
+    model, plain = tiny
+    mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
+    params = nnx.state(model, nnx.Param)
+    if mesh is not None:
+        params = _on_shards(params, mesh)
+    sampler = Sampler(
+        model.config, max_new_tokens=16, eos_id=(3, 7), pad_id=1, prompt_buckets=(8, 16),
+        mesh=mesh,
+    )  # fmt: skip
+    prompts = [[2, 4, 5]] * 3 + [[6, 2]] * 3
+    sampler.precompile(prompts, key=jax.random.key(0))
+    sampler.load_params(params)
+    sampler.generate(prompts, jax.random.key(1))  # waits for the background compile
+    assert sampler.compiles == 1 and sampler._precompiled.compiled == 1
+    sampler.precompile(prompts)  # that program exists: nothing is queued
+    sampler.precompile([[2, 3]] * 3 + [[4]] * 3)  # same buckets, other prompts: same program
+    res = sampler.generate(prompts, jax.random.key(2))
+    assert sampler.compiles == 1 and sampler._precompiled.compiled == 1
+    ref = plain.generate(prompts, jax.random.key(2))
+    np.testing.assert_array_equal(res.tokens, ref.tokens)
+    np.testing.assert_array_equal(res.logprobs, ref.logprobs)

@@ -324,7 +324,8 @@ class ModelSection:
     # on GPU/TPU, float32 where bf16 arithmetic is emulated (CPU) (docs/precision.md)
     matmul_dtype: Literal["float32", "bfloat16", "auto"] | None = None  # operands of the
     # projection matmuls (fp32 accumulation); None = the compute dtype, or auto when dtype is
-    # auto; auto = bfloat16 under fp32 compute on a CPU with AMX-BF16 (docs/precision.md)
+    # auto; auto = bfloat16 under fp32 compute on a CPU with AMX-BF16 or AVX512-BF16
+    # (docs/precision.md)
     fp32_lm_head: bool = False  # logits in fp32 from (possibly bf16) hidden and weights
     logprob_chunk: int = 0  # token chunk for log-probs (0 = auto: whole rows unless a chunk's
     # logits would exceed 128M values, as with a 150k vocabulary on rows over 512 tokens)

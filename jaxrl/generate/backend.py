@@ -1,7 +1,10 @@
 """The rollout interface: what trainers, held-out evaluators, episodes and ``jaxrl memory`` ask
 of a generator. :class:`jaxrl.generate.sampler.Sampler` (the continuous-batching engine)
 implements it; another backend (a remote server, a static-batch sampler) plugs in by providing
-the same four members.
+the same four members. A backend that compiles per call shape may add ``precompile(prompts,
+*, max_tokens=None, key=None)`` (the engine's: the program a later ``generate`` of these
+prompts runs, compiled ahead on a background thread); :func:`precompile` calls it where it
+exists.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy as np
 
 from jaxrl.generate.sampling import SampleResult, SamplingParams
 
-__all__ = ["RolloutBackend"]
+__all__ = ["RolloutBackend", "precompile"]
 
 
 @runtime_checkable
@@ -46,3 +49,17 @@ class RolloutBackend(Protocol):
         """Bytes on the largest device of the KV caches of a call of ``num_requests`` requests
         over ``num_groups`` distinct prompts of at most ``longest_prompt`` tokens."""
         ...
+
+
+def precompile(
+    backend: RolloutBackend,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: Sequence[int] | np.ndarray | None = None,
+    key: jax.Array | None = None,
+) -> None:
+    """Have ``backend`` compile ahead what ``generate(prompts, key, max_tokens=...)`` will run,
+    when it compiles per call shape (the engine); nothing for one that does not (a server)."""
+    ahead = getattr(backend, "precompile", None)
+    if ahead is not None:
+        ahead(prompts, max_tokens=max_tokens, key=key)

@@ -43,8 +43,8 @@ its dense-cache building blocks are ``dense_decode.py``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,7 @@ from jaxrl.generate.stop import StopStrings
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device
 from jaxrl.models.slot_kv_cache import DECODE_BLOCK
+from jaxrl.runtime.background_compile import BackgroundCompiles
 from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
@@ -88,6 +89,16 @@ __all__ = [
     "sample_tokens",
     "token_key",
 ]
+
+
+class _EngineCall(NamedTuple):
+    """A :meth:`Sampler.generate` call's program arguments after the parameters."""
+
+    args: tuple[Any, ...]
+    shape: EngineShape
+    key_impl: str | None
+    group_Rq: list[int]  # each request's distinct prompt
+    program: Hashable  # what picks the compiled program: the static part and every shape
 
 
 class Sampler:
@@ -160,6 +171,7 @@ class Sampler:
         self.compiles = 0
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.weights = SamplerWeights(abstract_params, mesh)
+        self._precompiled = BackgroundCompiles()  # programs compiled ahead (``precompile``)
         self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
         options = program_options()
         self._jitted = jax.jit(
@@ -259,6 +271,58 @@ class Sampler:
         ``max_new_tokens``); a row that reaches it without eos or a stop string is truncated.
         """
         params = self.weights.get()
+        call = self._call(prompts, key, sampling, max_tokens)
+        self._precompiled.wait(call.program)  # compiling on the background thread: wait for it
+        with on_mesh(self.mesh):
+            out = self._jitted(params, *call.args, shape=call.shape, key_impl=call.key_impl)
+        tokens, logprobs, lengths, truncated, steps, *routed = to_host(out)
+        routes = None
+        if routed:  # MoE: each row's prompt routes (its group's), then its completion's
+            prompt_QPLK, completion_RqNLK = routed
+            routes = [
+                np.concatenate([prompt_QPLK[g, : len(p)], completion_RqNLK[i, : lengths[i]]])
+                for i, (g, p) in enumerate(zip(call.group_Rq, prompts, strict=True))
+            ]
+        return SampleResult.of(
+            prompts, tokens, logprobs, lengths, truncated,
+            num_steps=int(steps), weight_version=self.weight_version, routes=routes,
+        )  # fmt: skip
+
+    def precompile(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: Sequence[int] | np.ndarray | None = None,
+        key: jax.Array | None = None,
+    ) -> None:
+        """Compile the program ``generate(prompts, key, max_tokens=max_tokens)`` runs, on a
+        background thread, without running it: the call finds it compiled (and waits for it
+        when it comes first). Its shapes depend only on the request count, the distinct prompts
+        and their lengths (the module doc), so a trainer that knows its next generation's
+        prompts compiles that program while it does other work (the held-out evaluation, the
+        first weight copy). ``key``: one of the kind the call will pass (default
+        ``jax.random.key(0)``). Compiles nothing for a program this sampler already has."""
+        call = self._call(prompts, jax.random.key(0) if key is None else key, None, max_tokens)
+        params = self.weights.params
+        if params is None:  # not loaded yet: the layout a load gives them (sampler_weights.py)
+            params = self.weights.abstract_loaded()
+
+        def compile_program() -> None:
+            with on_mesh(self.mesh):
+                self._jitted.lower(
+                    params, *call.args, shape=call.shape, key_impl=call.key_impl
+                ).compile()
+
+        self._precompiled.start(call.program, compile_program)
+
+    def _call(
+        self,
+        prompts: Sequence[Sequence[int]],
+        key: jax.Array,
+        sampling: SamplingParams | None,
+        max_tokens: Sequence[int] | np.ndarray | None,
+    ) -> _EngineCall:
+        """A :meth:`generate` call's program arguments (all but the parameters), checked."""
         b = len(prompts)
         if not b or any(len(p) == 0 for p in prompts):
             raise ValueError("Sampler.generate: need at least one prompt, each with >= 1 token")
@@ -296,37 +360,23 @@ class Sampler:
             key_impl, key_data = None, key
         rep = lambda x: put_replicated(x, self.mesh)  # noqa: E731
         stop = None if self.stop is None else rep(self.stop.transitions)
-        with on_mesh(self.mesh):
-            out = self._jitted(
-                params,
-                put_rows(prompts_RW, self.mesh),
-                put_rows(segment_ids_RW, self.mesh),
-                put_rows(positions_RW, self.mesh),
-                rep(pad_Q(packing.start_Q)),
-                rep(pad_Q(lengths_Q)),
-                rep(np.concatenate([np.asarray(group_Rq, np.int32), pad_Rq])),
-                rep(np.concatenate([limits.astype(np.int32), pad_Rq])),
-                rep(np.int32(b)),
-                rep(np.asarray(key_data)),
-                rep(np.float32(s.temperature)),
-                rep(np.int32(s.top_k)),
-                rep(np.float32(s.top_p)),
-                stop,
-                shape=shape,
-                key_impl=key_impl,
-            )
-        tokens, logprobs, lengths, truncated, steps, *routed = to_host(out)
-        routes = None
-        if routed:  # MoE: each row's prompt routes (its group's), then its completion's
-            prompt_QPLK, completion_RqNLK = routed
-            routes = [
-                np.concatenate([prompt_QPLK[g, : len(p)], completion_RqNLK[i, : lengths[i]]])
-                for i, (g, p) in enumerate(zip(group_Rq, prompts, strict=True))
-            ]
-        return SampleResult.of(
-            prompts, tokens, logprobs, lengths, truncated,
-            num_steps=int(steps), weight_version=self.weight_version, routes=routes,
-        )  # fmt: skip
+        args = (
+            put_rows(prompts_RW, self.mesh),
+            put_rows(segment_ids_RW, self.mesh),
+            put_rows(positions_RW, self.mesh),
+            rep(pad_Q(packing.start_Q)),
+            rep(pad_Q(lengths_Q)),
+            rep(np.concatenate([np.asarray(group_Rq, np.int32), pad_Rq])),
+            rep(np.concatenate([limits.astype(np.int32), pad_Rq])),
+            rep(np.int32(b)),
+            rep(np.asarray(key_data)),
+            rep(np.float32(s.temperature)),
+            rep(np.int32(s.top_k)),
+            rep(np.float32(s.top_p)),
+            stop,
+        )
+        program = (shape, key_impl, *((x.shape, x.dtype.name) for x in args if x is not None))
+        return _EngineCall(args, shape, key_impl, group_Rq, program)
 
     __call__ = generate
 

@@ -210,6 +210,17 @@ class SamplerWeights:
             for x, t in zip(jax.tree.leaves(params), targets, strict=True)
         )
 
+    def abstract_loaded(self) -> Any:
+        """What :meth:`get` will return after a load, as avals: the decode layout's shardings
+        with a mesh; without one the shardings are the loaded arrays' own, so left open."""
+        if self.shardings is None:
+            return self.abstract
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract,
+            self.shardings,
+        )
+
     def release(self) -> None:
         """Drop the weights (references to a trainer's arrays included)."""
         self.params = None

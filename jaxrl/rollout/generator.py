@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig, RolloutConfig
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.generate.backend import RolloutBackend
+from jaxrl.generate.backend import RolloutBackend, precompile
 from jaxrl.generate.decode_layout import sampler_mesh
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.losses.advantages import (
@@ -334,6 +334,13 @@ class RolloutGenerator:
             rewards_BW,
             routes=res.routes,
         )
+
+    def precompile(self, prompt_ids: Sequence[np.ndarray]) -> None:
+        """Compile ahead, on a background thread, the sampler program of a later
+        :meth:`sample` of these prompt rows (``Sampler.precompile``); tool episodes run
+        session programs of their own, so nothing then."""
+        if self.episodes is None:
+            precompile(self.sampler, list(prompt_ids))
 
     def sampler_params(self, params: Any) -> Any:
         """What the sampler loads: ``params``, or a LoRA model merged (``lora.merged_state``)."""

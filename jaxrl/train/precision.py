@@ -18,9 +18,10 @@ where the hardware has bf16 arithmetic (GPU, TPU), float32 on the CPU, where XLA
 
 ``model.matmul_dtype: auto`` (the default when ``model.dtype`` is auto;
 :func:`auto_matmul_dtype`) gives the trainer's projection matmuls bf16 operands with fp32
-accumulation where the compute dtype is fp32 and the CPU has AMX-BF16 (``models/matmul.py``):
-there a bf16 matmul runs at ~3x the fp32 rate, while bf16 elementwise arithmetic is still
-emulated. The engine decodes with the same operands, from a bf16 copy of those kernels
+accumulation where the compute dtype is fp32 and the CPU has bf16 matmul instructions, AMX-BF16
+or AVX512-BF16 (``models/matmul.py``): there a bf16 matmul runs at ~3x (AMX) or ~1.6-2x
+(AVX512-BF16) the fp32 rate, while bf16 elementwise arithmetic is still emulated. The engine
+decodes with the same operands, from a bf16 copy of those kernels
 (``generate/sampler_weights.decode_model``).
 """
 
@@ -51,25 +52,30 @@ def auto_matmul_dtype(
     matmul_dtype: str | None, dtype: str | None, platform: str | None = None
 ) -> str | None:
     """``model.matmul_dtype`` resolved: itself when pinned; for ``"auto"`` (and for None when
-    ``dtype`` is ``"auto"``) ``"bfloat16"`` where the compute dtype is fp32 on a CPU with
-    AMX-BF16 (:func:`cpu_has_amx_bf16`), else None (the compute dtype)."""
+    ``dtype`` is ``"auto"``) ``"bfloat16"`` where the compute dtype is fp32 on a CPU with bf16
+    matmul instructions (:func:`cpu_has_bf16_matmul`), else None (the compute dtype)."""
     if matmul_dtype not in (None, AUTO):
         return matmul_dtype
     if matmul_dtype is None and dtype != AUTO:
         return None
     platform = platform or jax.default_backend()
     fp32 = auto_compute_dtype(dtype, platform) in (None, "float32")
-    return "bfloat16" if platform == "cpu" and fp32 and cpu_has_amx_bf16() else None
+    return "bfloat16" if platform == "cpu" and fp32 and cpu_has_bf16_matmul() else None
+
+
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")  # Intel AMX; AVX512-BF16 (Cooper Lake, Zen 4+)
 
 
 @functools.cache
-def cpu_has_amx_bf16() -> bool:
-    """Whether this host's CPU lists the ``amx_bf16`` flag (Linux ``/proc/cpuinfo``)."""
+def cpu_has_bf16_matmul() -> str | None:
+    """The first of :data:`BF16_MATMUL_FLAGS` this host's CPU lists (Linux ``/proc/cpuinfo``):
+    bf16 dot-product instructions XLA's CPU matmuls use; None without."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
+        return None
+    return next((flag for flag in BF16_MATMUL_FLAGS if flag in flags), None)
 
 
 def auto_dtype_note(platform: str | None = None, matmul_dtype: str | None = None) -> str:
@@ -80,9 +86,11 @@ def auto_dtype_note(platform: str | None = None, matmul_dtype: str | None = None
     why = "bf16 arithmetic is emulated there" if chosen == "float32" else "native bf16"
     note = f"model.dtype=auto: {chosen} compute on {platform} ({why}; pin model.dtype to override)"
     if matmul_dtype is not None and matmul_dtype != chosen:
+        flag = cpu_has_bf16_matmul() if platform == "cpu" else None
         note += (
             f"; projection matmuls take {matmul_dtype} operands with fp32 accumulation "
-            "(AMX-BF16; model.matmul_dtype=float32 to turn off)"
+            f"({f'the CPU has {flag.upper()}' if flag else 'model.matmul_dtype'}; "
+            "model.matmul_dtype=float32 to turn off)"
         )
     return note
 

@@ -10,6 +10,7 @@ come from the ``RolloutPipeline`` (made when taken, or ahead with ``rollout.max_
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -252,6 +253,7 @@ class GRPOTrainer:
         self._started = True
         host = self.session.resume({})
         if host is None:
+            self._precompile_generation()
             self.start_eval = self.evaluate()
             return
         self.prompt_sampler.load_state_dict(host["prompt_sampler"])
@@ -265,6 +267,13 @@ class GRPOTrainer:
         self.pipeline.load_state_dict(
             host.get("pipeline") or {"launched": done, "taken": done, "ready": []}
         )
+        self._precompile_generation()
+
+    def _precompile_generation(self) -> None:
+        """The next generation's engine program, compiled on a background thread while the
+        start evaluation and the first weight copy run (``Sampler.precompile``)."""
+        ahead = copy.deepcopy(self.prompt_sampler)  # the next prompts, not taken
+        self.generator.precompile([self.data.train_prompts[i] for i in ahead.next_generation()])
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
