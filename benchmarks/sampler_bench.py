@@ -7,8 +7,8 @@
 One random jaxrl model is written with ``save_pretrained`` and loaded by transformers
 (``LlamaForCausalLM``, sdpa, fp32), so all three decode the same weights, greedily, from the same
 B prompts (random ids, ``--prompt-len`` 16-48 tokens); jaxrl's two run in fp32, or with
-``--dtype auto`` in the shipped configs' precision (bf16 matmul operands on an AMX CPU, so
-their greedy tokens may part from HF's fp32 ones after a near-tie). Cases:
+``--dtype auto`` in the shipped configs' precision (bf16 matmul operands on a CPU with bf16
+matmul instructions, so their greedy tokens may part from HF's fp32 ones after a near-tie). Cases:
 
 - ``long-tail``: request b may generate ``limit[b]`` tokens, log-normal (median ``--median``,
   sigma ``--sigma``) with the largest forced to ``--max-new`` (>= 8x the median); eos is
@@ -159,8 +159,9 @@ def main() -> None:
         "--dtype",
         choices=("float32", "auto"),
         default="float32",
-        help="jaxrl's compute: auto = as the shipped configs run (model.dtype: auto; on an AMX "
-        "CPU, bf16 matmul operands with fp32 accumulation); HF stays fp32",
+        help="jaxrl's compute: auto = as the shipped configs run (model.dtype: auto; on a CPU "
+        "with AMX-BF16 or AVX512-BF16, bf16 matmul operands with fp32 accumulation); HF stays "
+        "fp32",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

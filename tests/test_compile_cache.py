@@ -119,6 +119,28 @@ def test_compile_cache_false_turns_the_cache_off_and_a_path_turns_it_on(tmp_path
         enable_compile_cache(before or False)  # the suite's own cache (tests/conftest.py)
 
 
+def test_remembered_shapes_live_beside_the_cache_and_not_without_it(tmp_path):
+    import jax
+
+    from jaxrl.runtime import compile_cache as cc
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        cc.enable_compile_cache(False)
+        cc.remember("family", [[1]])
+        assert cc.remembered("family") == []  # the cache off: nothing kept, nothing read
+        cc.enable_compile_cache(str(tmp_path))
+        assert cc.remembered("family") == []
+        entries = [[["tokens", [1, 2, 64 * i], "int32"]] for i in range(cc.MAX_REMEMBERED + 2)]
+        cc.remember("family", entries)
+        assert cc.remembered("family") == entries[-cc.MAX_REMEMBERED :]  # the most recent
+        assert [p.name for p in (tmp_path / cc.SHAPES_DIR).iterdir()] == ["family.json"]
+        (tmp_path / cc.SHAPES_DIR / "family.json").write_text("{not json")
+        assert cc.remembered("family") == []  # unreadable: as if none
+    finally:
+        cc.enable_compile_cache(before or False)  # the suite's own cache (tests/conftest.py)
+
+
 def _train(config: str, out: Path, cache: str, *sets: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("JAXRL_COMPILE_CACHE", "XLA_FLAGS")}
     cmd = [sys.executable, "-m", "jaxrl.cli", "train", config, "--set", f"output_dir={out}"]
@@ -147,3 +169,9 @@ def test_a_second_run_reads_its_programs_from_the_cache_and_compiles_no_more(tmp
     assert [r["compiles"] for r in steps] == [steps[0]["compiles"]] * len(steps)  # steady
     again = [r for r in second if "compiles" in r]
     assert again[0]["compile_cache_hits"] >= 3  # train step, sampler, scorer
+    # the train step's batch shapes are remembered beside the cache (the second run compiled
+    # them ahead, on the background thread, while it started)
+    (family,) = (cache / "jaxrl-shapes").glob("train-step-grpo-*.json")
+    tokens = [dict((name, shape) for name, shape, _ in sig)["tokens"] for sig in
+              json.loads(family.read_text())]  # fmt: skip
+    assert sorted({shape[-1] for shape in tokens}) == sorted({r["row_len"] for r in steps})

@@ -324,3 +324,34 @@ def test_policy_loss_docs_per_step_equals_one_pass(level, loss_type):
     if level == "sequence":
         assert float(sums.denominator) == 6.0
     assert _max_rel(grads, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_precompiled_step_is_the_step_the_call_runs(dp):
+    """``TrainStep.precompile`` (the batch shapes a previous run remembered) compiles on the
+    background thread the program the step then runs: the call neither traces nor compiles,
+    and the step is the one a step without it takes, bit for bit."""
+    rng = np.random.default_rng(8)
+    docs = random_docs(rng, 8)
+    graphdef, params = _model()
+    loss_fn = make_loss_fn(graphdef, mode="token", num_segments=SEGMENTS)
+    tx = optax.adamw(1e-2)
+    layout = [[[i, i + dp] for i in range(r, 4, dp)] for r in range(dp)]
+    out = []
+    for ahead in (True, False):
+        step = TrainStep(loss_fn, tx, make_mesh(dp), learning_rate=lambda s: 1e-2)
+        fresh = jax.tree.map(jnp.copy, params)  # the step donates its state
+        state = step.place(TrainState.create(fresh, tx, seed=0))
+        rows = build_rows(layout, docs, ROW)
+        if ahead:  # as remembered: JSON lists
+            signature = [[name, list(x.shape), x.dtype.name] for name, x in sorted(rows.items())]
+            step.precompile(state, signature)
+            step.precompile(state, signature)  # queued once
+        state, metrics = step(state, step.shard_batch(rows))
+        assert step.compiles == 1 and len(step.signatures) == 1
+        assert step._precompiled.compiled == int(ahead)
+        out.append((state, metrics))
+    (s_ahead, m_ahead), (s_plain, m_plain) = out
+    assert float(m_ahead["loss"]) == float(m_plain["loss"])
+    for a, b in zip(jax.tree.leaves(s_ahead.params), jax.tree.leaves(s_plain.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

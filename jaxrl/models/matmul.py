@@ -3,7 +3,8 @@
 ``ModelConfig.matmul_dtype`` (docs/precision.md, "Matmul operands"): None runs ``x @ w`` in the
 compute dtype. ``"bfloat16"`` under an fp32 compute dtype casts both operands of the
 projection matmuls (q, k, v, o, gate, up, down) to bf16 and accumulates in fp32: on a CPU with
-AMX-BF16 that is the hardware's matmul unit (about 3x an fp32 matmul's rate here), while every
+AMX-BF16 or AVX512-BF16 that runs on its bf16 matmul instructions (about 3x an fp32 matmul's
+rate with AMX, 1.4-2x with AVX512-BF16), while every
 elementwise op, norm, softmax, residual and the LM head stay in fp32, where XLA's CPU backend
 would emulate bf16 arithmetic. The backward's two matmuls take bf16 operands too (the output's
 cotangent cast to bf16, as a bf16 forward's would be), and return fp32 gradients.

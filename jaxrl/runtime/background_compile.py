@@ -8,7 +8,8 @@ shapes does not trace or compile again) on a daemon thread; ``wait(key)`` blocks
 needs it until it is ready. XLA compiles on the calling thread, so the compile overlaps the
 foreground's work (benchmarks/README.md, "Issue 34, engine programs compiled ahead").
 
-One thread for all of them: two compiles at once would only share the same cores. A compile
+One thread for all of them (every instance queues on it, in order): two compiles at once would
+only share the same cores. A compile
 that fails in the background is dropped without a word: the foreground call compiles the
 program itself and raises the real error there.
 """
@@ -22,15 +23,19 @@ from collections.abc import Callable, Hashable
 __all__ = ["BackgroundCompiles"]
 
 
+_QUEUE: queue.SimpleQueue = queue.SimpleQueue()  # (instance, key, compile_fn, done)
+_THREAD: list[threading.Thread] = []  # the worker, started by the first ``start``
+_THREAD_LOCK = threading.Lock()
+
+
 class BackgroundCompiles:
-    """Compiles queued by key on one daemon thread (started at the first ``start``)."""
+    """One owner's compiles (a sampler's, a train step's), queued by key on the shared daemon
+    thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[Hashable, threading.Event] = {}
         self._seen: set[Hashable] = set()  # started or waited for: compiled, or compiling
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self.compiled = 0  # background compiles that finished without an error
         self.failed = 0
 
@@ -42,12 +47,13 @@ class BackgroundCompiles:
                 return False
             self._seen.add(key)
             done = self._pending[key] = threading.Event()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._work, name="jaxrl-background-compile", daemon=True
+        with _THREAD_LOCK:
+            if not _THREAD:
+                _THREAD.append(
+                    threading.Thread(target=_work, name="jaxrl-background-compile", daemon=True)
                 )
-                self._thread.start()
-        self._queue.put((key, compile_fn, done))
+                _THREAD[0].start()
+        _QUEUE.put((self, key, compile_fn, done))
         return True
 
     def wait(self, key: Hashable) -> None:
@@ -58,15 +64,19 @@ class BackgroundCompiles:
         if done is not None:
             done.wait()
 
-    def _work(self) -> None:
-        while True:
-            key, compile_fn, done = self._queue.get()
-            try:
-                compile_fn()
-                self.compiled += 1
-            except Exception:  # noqa: BLE001 - the foreground call compiles and raises it
-                self.failed += 1
-            finally:
-                with self._lock:
-                    self._pending.pop(key, None)
-                done.set()
+    def _run(self, key: Hashable, compile_fn: Callable[[], object], done: threading.Event) -> None:
+        try:
+            compile_fn()
+            self.compiled += 1
+        except Exception:  # noqa: BLE001 - the foreground call compiles and raises it
+            self.failed += 1
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+            done.set()
+
+
+def _work() -> None:
+    while True:
+        owner, key, compile_fn, done = _QUEUE.get()
+        owner._run(key, compile_fn, done)

@@ -15,20 +15,32 @@ step, scorer and sampler programs (docs/performance.md, "Compile once per shape"
 
 Hits and misses are counted from jax's monitoring events (:func:`cache_counts`), so a run can
 report how many of its programs came from the cache.
+
+Beside the cache, :func:`remember` keeps a small JSON list per program family (e.g. a config's
+train step: the batch shapes it compiled for), which a later run reads with
+:func:`remembered` to compile those programs ahead, on a background thread, while it starts
+(``jaxrl.runtime.background_compile``): the cache skips XLA's compile, this also skips the
+tracing and lowering of the first step (docs/performance.md). Nothing is remembered with the
+cache off.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 
-__all__ = ["cache_counts", "default_cache_dir", "enable_compile_cache"]
+__all__ = ["cache_counts", "default_cache_dir", "enable_compile_cache", "remember", "remembered"]
 
 ENV = "JAXRL_COMPILE_CACHE"
 OFF = ("0", "false", "off", "no", "")
 MIN_COMPILE_SECONDS = 0.2  # programs that compile faster are not worth a disk entry
+SHAPES_DIR = "jaxrl-shapes"  # remembered program shapes, inside the cache directory
+MAX_REMEMBERED = 8  # entries kept per family (the most recent)
 
 _counts = {"hits": 0, "misses": 0}
 _state: dict[str, object] = {"dir": None, "listening": False}
@@ -91,3 +103,36 @@ def enable_compile_cache(setting: bool | str) -> Path | None:
 def cache_counts() -> dict[str, int]:
     """Persistent-cache hits and misses of the programs compiled in this process so far."""
     return dict(_counts)
+
+
+def _shapes_file(family: str) -> Path | None:
+    directory = _state["dir"]
+    if directory is None or not _enabled():
+        return None
+    return Path(directory) / SHAPES_DIR / f"{family}.json"  # type: ignore[arg-type]
+
+
+def remembered(family: str) -> list[Any]:
+    """The entries :func:`remember` kept for ``family`` in the cache directory in use (oldest
+    first); [] with the cache off, or when none were kept or the file cannot be read."""
+    path = _shapes_file(family)
+    if path is None or not path.is_file():
+        return []
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return entries if isinstance(entries, list) else []
+
+
+def remember(family: str, entries: list[Any]) -> None:
+    """Keep ``entries`` (JSON-able; the last ``MAX_REMEMBERED``) for ``family`` in the cache
+    directory in use, written whole or not at all (a temporary file renamed over the old one);
+    nothing with the cache off."""
+    path = _shapes_file(family)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        json.dump(entries[-MAX_REMEMBERED:], f)
+    os.replace(f.name, path)

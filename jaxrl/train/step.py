@@ -24,13 +24,25 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.losses.normalize import finalize
-from jaxrl.runtime.mesh import make_mesh, put_batch, replicated
+from jaxrl.runtime.background_compile import BackgroundCompiles
+from jaxrl.runtime.mesh import batch_sharding, make_mesh, put_batch, replicated
 from jaxrl.runtime.spmd import manual_batch_axes
 from jaxrl.train.accumulate import LossFn, StepConstants, as_shards, make_accumulate
 from jaxrl.train.precision import Rounding, write_master
 from jaxrl.train.state import TrainState
 
-__all__ = ["TrainStep", "make_mesh"]
+__all__ = ["BatchSignature", "TrainStep", "batch_signature", "make_mesh"]
+
+# what picks a step program besides the state: each batch field's (name, shape, dtype)
+BatchSignature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def batch_signature(batch: dict[str, Any]) -> BatchSignature:
+    """The batch's fields as ``(name, shape, dtype)``, sorted by name (JSON-able as lists)."""
+    return tuple(
+        (name, tuple(int(n) for n in x.shape), np.dtype(x.dtype).name)
+        for name, x in sorted(batch.items())
+    )
 
 
 class TrainStep:
@@ -62,6 +74,8 @@ class TrainStep:
         self.frozen = frozen
         self.compiles = 0
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
+        self.signatures: list[BatchSignature] = []  # the batches compiled for, in order
+        self._precompiled = BackgroundCompiles()  # ``precompile``'s programs
         self.state_shardings = state_shardings
         grad_specs = None if state_shardings is None else _specs(state_shardings.params)
         # ZeRO-3 updates in place (below); other layouts keep the select of new and old values
@@ -105,7 +119,33 @@ class TrainStep:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         num_slots = next(iter(batch.values())).shape[1]
         bounds = np.asarray([start, num_slots if stop is None else stop], np.int32)
+        self._precompiled.wait(batch_signature(batch))  # compiling in the background: wait
         return self._jitted(state, batch, bounds, self.frozen)
+
+    def precompile(self, state: TrainState, signature: BatchSignature) -> None:
+        """Compile, on the background thread (``jaxrl.runtime.background_compile``), the
+        program a step on ``state`` (placed as the step keeps it) and a sharded batch of
+        ``signature`` runs; that step waits for it and neither traces nor compiles. Trainers
+        call it with the batches a previous run of the same config compiled for (remembered
+        beside the persistent compile cache: ``jaxrl.runtime.compile_cache.remembered``)."""
+        signature = tuple(  # as batch_signature gives it (a JSON list: lists)
+            (str(name), tuple(int(n) for n in shape), str(dtype))
+            for name, shape, dtype in signature
+        )
+        as_aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        abstract = jax.tree.map(as_aval, state)
+        sharding = batch_sharding(self.mesh)
+        batch = {
+            name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
+            for name, shape, dtype in signature
+        }
+        bounds = jax.ShapeDtypeStruct((2,), jnp.int32)
+        frozen = self.frozen
+
+        def compile_step() -> None:
+            self._jitted.lower(abstract, batch, bounds, frozen).compile()
+
+        self._precompiled.start(signature, compile_step)
 
     def _clipped(self, grads: Any, grad_norm: jax.Array) -> Any:
         if self._max_grad_norm <= 0:
@@ -143,6 +183,8 @@ class TrainStep:
     def _step(self, state: TrainState, batch, bounds, frozen):
         self.compiles += 1  # runs only while tracing, i.e. once per compilation
         self.last_compile = f"rows [R, M, T] = {list(batch['tokens'].shape)}"
+        if (signature := batch_signature(batch)) not in self.signatures:
+            self.signatures.append(signature)
         sums = self._accumulate(state.params, batch, bounds, frozen)
         loss = finalize(sums.numerator, sums.denominator)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)

@@ -270,10 +270,13 @@ class GRPOTrainer:
         self._precompile_generation()
 
     def _precompile_generation(self) -> None:
-        """The next generation's engine program, compiled on a background thread while the
-        start evaluation and the first weight copy run (``Sampler.precompile``)."""
+        """The next generation's engine program (``Sampler.precompile``), then the train-step
+        programs a previous run of this config compiled (``Session.precompile_steps``),
+        compiled on a background thread while the start evaluation and the first weight copy
+        run."""
         ahead = copy.deepcopy(self.prompt_sampler)  # the next prompts, not taken
         self.generator.precompile([self.data.train_prompts[i] for i in ahead.next_generation()])
+        self.session.precompile_steps()
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""

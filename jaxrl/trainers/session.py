@@ -11,6 +11,7 @@ process runs the same session; only process 0 writes config.json, metrics.jsonl 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import flax.nnx as nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
@@ -32,7 +34,12 @@ from jaxrl.models.adapters.peft import save_adapters
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
-from jaxrl.runtime.compile_cache import cache_counts, enable_compile_cache
+from jaxrl.runtime.compile_cache import (
+    cache_counts,
+    enable_compile_cache,
+    remember,
+    remembered,
+)
 from jaxrl.runtime.mesh import (
     barrier,
     batch_ranks,
@@ -67,6 +74,17 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     devices -= generation_devices(cfg, devices)
     data, fsdp, _ = resolve_shape(*cfg.mesh.sizes, devices, expert=cfg.mesh.expert)
     return cfg.with_batch_ranks(data * fsdp)
+
+
+def step_family(cfg: RunConfig, devices: int) -> str:
+    """The name the train step's batch shapes are remembered under (``precompile_steps``): a
+    hash of what its programs depend on (the model, mesh, schedule, optimizer and algorithm
+    sections, the device count, jax's version), not of the seed, the data or the outputs."""
+    c = to_dict(cfg)
+    parts = {k: c.get(k) for k in ("algorithm", "model", "mesh", "schedule", "optimizer")}
+    parts.update(method=c.get(cfg.algorithm), devices=devices, jax=jax.__version__)
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    return f"train-step-{cfg.algorithm}-{digest[:16]}"
 
 
 def generation_devices(cfg: RunConfig, pool: int) -> int:
@@ -162,6 +180,7 @@ class Session:
         self.counters = HostCounters()  # in every metrics row and every checkpoint
         self.programs = CompileWatch()  # the run's compiled programs: metric `compiles`
         self.programs.add("train step", self.step_fn)
+        self.step_family = step_family(cfg, len(self.mesh.devices.flat))  # remembered shapes
         self.warned_empty = False
         self.started = time.perf_counter()
 
@@ -299,6 +318,25 @@ class Session:
             "in both layouts)"
         )
 
+    def precompile_steps(self) -> None:
+        """Compile ahead, on the background thread, the train-step programs a previous run of
+        this config compiled: their batch shapes are remembered beside the persistent compile
+        cache (none with it off), so the first step neither traces nor compiles them
+        (docs/performance.md). Call once the state is placed (after ``resume``)."""
+        for signature in remembered(self.step_family):
+            try:
+                self.step_fn.precompile(self.state, signature)
+            except (TypeError, ValueError):  # an entry of another format: not ours to compile
+                continue
+
+    def _remember_steps(self) -> None:
+        """Add the batch shapes this run's train step compiled to the remembered ones."""
+        kept = remembered(self.step_family)
+        as_json = lambda sig: [[name, list(shape), dtype] for name, shape, dtype in sig]  # noqa: E731
+        new = [j for sig in self.step_fn.signatures if (j := as_json(sig)) not in kept]
+        if new:
+            remember(self.step_family, kept + new)
+
     def plan(self, ids: Any, *, all_ranks: bool = False, **documents: Any) -> StepBatch:
         """The step planner on this session's ranks: ``plan_device_batch(ids, **documents)``
         packing this process's ranks (every rank with ``all_ranks``)."""
@@ -369,7 +407,10 @@ class Session:
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.programs.total
         row["compile_cache_hits"] = cache_counts()["hits"]  # programs read from compile_cache
-        self.say(self.programs.news(self.step))
+        news = self.programs.news(self.step)
+        self.say(news)
+        if news or self.step == 1:  # a program compiled: the next run compiles it ahead
+            self._remember_steps()
         row["elapsed_s"] = round(time.perf_counter() - self.started, 3)
         return row
 
