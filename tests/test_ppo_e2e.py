@@ -98,11 +98,12 @@ def test_ppo_actor_and_critic_steps_are_the_same_in_every_layout(tmp_path):
             assert outcome.row["num_micro_batches"] >= 4
         diffs = compare(outcome, ref)
         assert set(diffs) >= {"loss", "grad_norm", "params", "value_loss", "critic/grad_norm"}
-        if name == "d2f2t2":
-            # the actor's loss is a mean of O(1) terms (whitened advantages: unit variance)
-            # that cancel to ~1e-8; tensor parallelism rounds its split sums (and V_old)
-            # otherwise, measured 1.7e-8 absolute: compared relative to 1, not to 1e-2
-            diffs["loss"] = abs(outcome.loss - ref.loss) / max(abs(ref.loss), 1.0)
+        # the actor's loss is a mean of O(1) terms (whitened advantages: unit variance) that
+        # cancel to ~1e-8, so another summation order moves it by fp32 rounding of O(1) terms:
+        # tensor parallelism (its split sums, and V_old) by 1.7e-8 absolute, dp=8's psum by
+        # 1.3e-8 on an AMD EPYC: compared relative to 1, not to 1e-2 (grad norm and parameters
+        # keep their relative 1e-6)
+        diffs["loss"] = abs(outcome.loss - ref.loss) / max(abs(ref.loss), 1.0)
         assert max(diffs.values()) <= 1e-6, (name, diffs)
 
 

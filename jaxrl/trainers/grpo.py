@@ -10,7 +10,6 @@ come from the ``RolloutPipeline`` (made when taken, or ahead with ``rollout.max_
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +39,7 @@ from jaxrl.trainers.grpo_rollouts import (
     load_reward_funcs,
     needs_old_logprobs,
     plan_window,
+    precompile_start,
     shared_prompt_metrics,
     snapshot,
 )
@@ -253,7 +253,7 @@ class GRPOTrainer:
         self._started = True
         host = self.session.resume({})
         if host is None:
-            self._precompile_generation()
+            precompile_start(self.session, self.generator, self.data, self.prompt_sampler)
             self.start_eval = self.evaluate()
             return
         self.prompt_sampler.load_state_dict(host["prompt_sampler"])
@@ -267,16 +267,7 @@ class GRPOTrainer:
         self.pipeline.load_state_dict(
             host.get("pipeline") or {"launched": done, "taken": done, "ready": []}
         )
-        self._precompile_generation()
-
-    def _precompile_generation(self) -> None:
-        """The next generation's engine program (``Sampler.precompile``), then the train-step
-        programs a previous run of this config compiled (``Session.precompile_steps``),
-        compiled on a background thread while the start evaluation and the first weight copy
-        run."""
-        ahead = copy.deepcopy(self.prompt_sampler)  # the next prompts, not taken
-        self.generator.precompile([self.data.train_prompts[i] for i in ahead.next_generation()])
-        self.session.precompile_steps()
+        precompile_start(self.session, self.generator, self.data, self.prompt_sampler)
 
     def run(self) -> dict[str, Any]:
         """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""

@@ -590,6 +590,7 @@ def run_reference_stage(
     start = time.perf_counter()
     trainer.build_references()
     host = session.resume({})
+    session.precompile_steps()  # shapes a previous run compiled, while the evaluation runs
     if host is not None:
         trainer.feed.load_state_dict(host["feed"])
         trainer.initial = host.get("start", {})

@@ -120,6 +120,7 @@ class SFTTrainer:
     def run(self) -> dict[str, Any]:
         session = self.session
         host = session.resume({})
+        session.precompile_steps()  # shapes a previous run compiled (``Session``)
         if host is not None:
             self.feed.load_state_dict(host["feed"])
         start = time.perf_counter()
