@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.models.matmul import PROJECTIONS
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.sharding import state_shardings
+from jaxrl.models.sharding import avals, state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import put_global, to_host
@@ -213,13 +213,7 @@ class SamplerWeights:
     def abstract_loaded(self) -> Any:
         """What :meth:`get` will return after a load, as avals: the decode layout's shardings
         with a mesh; without one the shardings are the loaded arrays' own, so left open."""
-        if self.shardings is None:
-            return self.abstract
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.abstract,
-            self.shardings,
-        )
+        return avals(self.abstract, self.shardings)
 
     def release(self) -> None:
         """Drop the weights (references to a trainer's arrays included)."""

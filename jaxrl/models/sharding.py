@@ -118,6 +118,16 @@ def state_shardings(state: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_AXIS_R
     )
 
 
+def avals(tree: Any, shardings: Any = None) -> Any:
+    """``jax.ShapeDtypeStruct``s of ``tree``'s leaves (arrays or ShapeDtypeStructs) carrying
+    ``shardings`` (a matching tree), or without it each leaf's own: what ``jit(...).lower``
+    takes to compile for arrays that do not exist yet."""
+    aval = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    if shardings is None:
+        return jax.tree.map(lambda x: aval(x, x.sharding), tree)
+    return jax.tree.map(aval, tree, shardings)
+
+
 def bytes_per_device(tree: Any, shardings: Any) -> int:
     """Bytes the largest device holds of ``tree`` (arrays or ShapeDtypeStructs) under
     ``shardings`` (a matching tree of NamedShardings)."""

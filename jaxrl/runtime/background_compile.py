@@ -9,9 +9,8 @@ needs it until it is ready. XLA compiles on the calling thread, so the compile o
 foreground's work (benchmarks/README.md, "Issue 34, engine programs compiled ahead").
 
 One thread for all of them (every instance queues on it, in order): two compiles at once would
-only share the same cores. A compile
-that fails in the background is dropped without a word: the foreground call compiles the
-program itself and raises the real error there.
+only share the same cores. A compile that fails in the background is dropped without a word:
+the foreground call compiles the program itself and raises the real error there.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ where the hardware has bf16 arithmetic (GPU, TPU), float32 on the CPU, where XLA
 ``model.matmul_dtype: auto`` (the default when ``model.dtype`` is auto;
 :func:`auto_matmul_dtype`) gives the trainer's projection matmuls bf16 operands with fp32
 accumulation where the compute dtype is fp32 and the CPU has bf16 matmul instructions, AMX-BF16
-or AVX512-BF16 (``models/matmul.py``): there a bf16 matmul runs at ~3x (AMX) or ~1.6-2x
+or AVX512-BF16 (``models/matmul.py``): there a bf16 matmul runs at ~3x (AMX) or 1.4-2x
 (AVX512-BF16) the fp32 rate, while bf16 elementwise arithmetic is still emulated. The engine
 decodes with the same operands, from a bf16 copy of those kernels
 (``generate/sampler_weights.decode_model``).

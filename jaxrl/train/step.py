@@ -24,6 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.losses.normalize import finalize
+from jaxrl.models.sharding import avals
 from jaxrl.runtime.background_compile import BackgroundCompiles
 from jaxrl.runtime.mesh import batch_sharding, make_mesh, put_batch, replicated
 from jaxrl.runtime.spmd import manual_batch_axes
@@ -132,8 +133,7 @@ class TrainStep:
             (str(name), tuple(int(n) for n in shape), str(dtype))
             for name, shape, dtype in signature
         )
-        as_aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        abstract = jax.tree.map(as_aval, state)
+        abstract = avals(state)
         sharding = batch_sharding(self.mesh)
         batch = {
             name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)

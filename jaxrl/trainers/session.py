@@ -181,6 +181,7 @@ class Session:
         self.programs = CompileWatch()  # the run's compiled programs: metric `compiles`
         self.programs.add("train step", self.step_fn)
         self.step_family = step_family(cfg, len(self.mesh.devices.flat))  # remembered shapes
+        self._remembered = 0  # the step's signatures already added to them
         self.warned_empty = False
         self.started = time.perf_counter()
 
@@ -331,6 +332,7 @@ class Session:
 
     def _remember_steps(self) -> None:
         """Add the batch shapes this run's train step compiled to the remembered ones."""
+        self._remembered = len(self.step_fn.signatures)
         kept = remembered(self.step_family)
         as_json = lambda sig: [[name, list(shape), dtype] for name, shape, dtype in sig]  # noqa: E731
         new = [j for sig in self.step_fn.signatures if (j := as_json(sig)) not in kept]
@@ -407,9 +409,8 @@ class Session:
         row["row_len"] = int(arrays["tokens"].shape[-1])  # T: the step's row-length bucket
         row["compiles"] = self.programs.total
         row["compile_cache_hits"] = cache_counts()["hits"]  # programs read from compile_cache
-        news = self.programs.news(self.step)
-        self.say(news)
-        if news or self.step == 1:  # a program compiled: the next run compiles it ahead
+        self.say(self.programs.news(self.step))
+        if len(self.step_fn.signatures) > self._remembered:  # the next run compiles it ahead
             self._remember_steps()
         row["elapsed_s"] = round(time.perf_counter() - self.started, 3)
         return row

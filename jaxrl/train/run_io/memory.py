@@ -84,7 +84,7 @@ from jaxrl.generate.sampler import Sampler
 from jaxrl.generate.sampler_weights import reads_trainer_arrays
 from jaxrl.models.lora import dense_config
 from jaxrl.models.model_config import ModelConfig
-from jaxrl.models.sharding import bytes_per_device, state_shardings
+from jaxrl.models.sharding import avals, bytes_per_device, state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import batch_ranks, batch_sharding, replicated
 from jaxrl.train.build import RunParts, build_run, build_task
@@ -120,15 +120,6 @@ def plan_run(cfg: RunConfig) -> RunParts:
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
         where = f"model.path={m.path!r}" if m.path is not None else "model.init"
         raise ConfigError(f"{where}: {e}") from e
-
-
-def _abstract(tree: Any, shardings: Any) -> Any:
-    """``ShapeDtypeStruct``s carrying their shardings, for ``jit(...).lower``."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        tree,
-        shardings,
-    )
 
 
 def abstract_batch(mesh: Any, max_tokens: int, slots: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
@@ -371,8 +362,8 @@ def _compile_step(cfg: RunConfig, run: RunParts) -> tuple[Any, float, float]:
     batch = abstract_batch(run.mesh, cfg.schedule.max_tokens)
     bounds = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated(run.mesh))
     started = time.perf_counter()
-    frozen = None if run.frozen is None else _abstract(run.frozen, run.frozen_shardings)
-    lowered = run.step._jitted.lower(_abstract(run.state, run.shardings), batch, bounds, frozen)
+    frozen = None if run.frozen is None else avals(run.frozen, run.frozen_shardings)
+    lowered = run.step._jitted.lower(avals(run.state, run.shardings), batch, bounds, frozen)
     lowered_at = time.perf_counter()
     cpu = run.mesh.devices.flat[0].platform == "cpu"
     compiled = lowered.compile(_CPU_COMPILER_OPTIONS if cpu else None)
