@@ -67,3 +67,40 @@ def test_device_check_cpu_smoke(tmp_path):
     assert "random init" in table  # the smoke never reads a real checkpoint
     assert "MFU = (6 N tokens" in table
     assert (tmp_path / "device_check.json").is_file() and (tmp_path / "device_check.log").is_file()
+
+
+def test_long_tail_replay_follows_the_engines_schedule():
+    """``long_tail_bound.replay`` predicts the decode steps the engine runs (slots refilled in
+    request order at the start of every step), and charges each step the cost of its slots, or
+    with ``compact`` of the smallest listed size that holds the live ones."""
+    import flax.nnx as nnx
+    import jax
+    import numpy as np
+    from long_tail_bound import replay
+
+    from jaxrl.generate.sampler import Sampler, SamplingParams
+    from jaxrl.models.model_config import ModelConfig
+    from jaxrl.models.transformer import Transformer
+
+    # 2 slots, limits 3 1 1 2: r0 r1 | r0 r2 | r0 r3 | r3 -> 4 steps of 2, 2, 2, 1 live slots
+    assert replay([3, 1, 1, 2], 2, lambda s: 1.0) == (4, 4.0)
+    assert replay([3, 1, 1, 2], 2, lambda s: float(s), compact=[1, 2]) == (4, 7.0)
+    assert replay([5, 1, 1], 8, lambda s: 1.0) == (5, 5.0)  # more slots than requests
+    with pytest.raises(ValueError, match="limits must be >= 1"):
+        replay([2, 0], 2, lambda s: 1.0)
+
+    config = ModelConfig.tiny(256, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    eos = 1
+    model.embedding[...] = model.embedding[...].at[eos].set(0.0)  # logit 0: never the argmax
+    rng = np.random.default_rng(0)
+    limits = np.clip(np.exp(rng.normal(np.log(4), 1.0, 24)).round(), 1, 24).astype(np.int32)
+    prompts = [rng.integers(2, 256, size=n).tolist() for n in rng.integers(1, 9, size=24)]
+    for slots in (3, 5):
+        sampler = Sampler(config, max_new_tokens=24, eos_id=eos, pad_id=0, max_slots=slots)
+        sampler.load_params(model)
+        res = sampler.generate(
+            prompts, jax.random.key(0), SamplingParams(temperature=0.0), max_tokens=limits
+        )
+        assert (res.lengths == limits).all()  # no request stopped early at eos
+        assert res.num_steps == replay(limits, slots, lambda s: 1.0)[0]
