@@ -8,25 +8,26 @@ The model, prompts and limits are ``sampler_bench.py``'s long-tail case (its fun
 seed). Measured in one process, each time the median of ``--repeat`` calls after a warm-up call:
 
 - the static sampler's call (the baseline: every row decodes to the longest limit);
-- the engine's call as the benchmark runs it (``--slots`` slots, refilled every step, requests
-  admitted in request order) and the decode steps it ran;
-- the engine's prefill: a call where every limit is 1 (the prefill plus one one-token step per
-  wave of ``--slots`` requests), less those steps;
-- one decode step at each slot count S of ``--costs``: (a call where every request generates
-  ``--cost-tokens`` tokens - a call where each generates 1) / (the decode steps between them),
-  so the step's whole cost (model, head, sampling, attention, refills) is in it.
+- one decode step at each slot count S of ``--costs``, every step over all S slots
+  (``compact_slots=False``): (a call where every request generates ``--cost-tokens`` tokens -
+  a call where each generates 1) / (the decode steps between them), so the step's whole cost
+  (model, head, sampling, attention, refills) is in it;
+- the engine's prefill: the ``--slots`` call with every limit 1, less its one-token steps.
 
-The engine's schedule is then replayed in Python (:func:`replay`) with these step costs: first
-as it runs (the replay's prediction of the measured call checks the model), then as schedules
-the engine does not have would run it:
+Then each schedule of the table is replayed in Python (:func:`replay`: slots refilled in
+request order at every step) with these step costs, and the engine's own call is measured
+where it has that schedule, with its decode steps checked against the replay's:
 
-- **compacted**: each step runs only its live slots, padded to the smallest measured slot count
-  that holds them (a decode batch that shrinks as requests stop, as vLLM's does);
-- **all admitted, compacted**: one slot per request (no request waits for a slot), compacted;
-- **... with free prefill**: the same with the prefill costing nothing (its limit if prefill
-  chunks hid entirely inside decode steps).
+- ``--slots`` slots, every step over all of them (``compact_slots=False``), and compacted as
+  the engine does (``compact_slots=True``: steps at a quarter and a half of the slots,
+  ``sampler.compact_sizes``);
+- the same with one slot per request (every request admitted at once, as vLLM admits a batch
+  that fits);
+- replayed only: compacted to every measured size (a batch that shrinks step by step), and
+  that with the prefill free (its limit if prefill chunks hid entirely inside decode steps).
 
-Each line prints the predicted seconds per call and the ratio against the measured static call.
+Each row prints the replayed and the measured seconds per call and the ratio against the
+measured static call (of the measured call where there is one).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def main() -> None:
     from sampler_bench import EOS, GREEDY, PAD, SHAPES, long_tail_limits
     from static_sampler import StaticSampler
 
-    from jaxrl.generate.sampler import Sampler
+    from jaxrl.generate.sampler import Sampler, compact_sizes
     from jaxrl.models.model_config import ModelConfig
     from jaxrl.models.transformer import Transformer
     from jaxrl.train.precision import auto_compute_dtype, auto_matmul_dtype
@@ -138,51 +139,64 @@ def main() -> None:
     static.load_params(model)
     t_static = _median_call(lambda: static.generate(prompts, key, GREEDY), args.repeat)
 
-    def engine(slots: int) -> Callable[[np.ndarray], object]:
+    def engine(slots: int, compact: bool) -> Callable[[np.ndarray], object]:
         sampler = Sampler(config, max_new_tokens=args.max_new, eos_id=EOS, pad_id=PAD,
-                          max_slots=slots)  # fmt: skip
+                          max_slots=slots, compact_slots=compact)  # fmt: skip
         sampler.load_params(model)
         return lambda limits: sampler.generate(prompts, key, GREEDY, max_tokens=limits)
 
     b = args.batch
     ones, equal = np.ones(b, np.int32), np.full(b, args.cost_tokens, np.int32)
-    cost, prefill = {}, None
-    for s in sorted(set(args.costs)):
-        call = engine(s)
+    cost, prefill = {}, 0.0
+    for s in sorted(set(args.costs)):  # every step over all S slots: compaction off
+        call = engine(s, compact=False)
         steps_1, steps_n = call(ones).num_steps, call(equal).num_steps
         t_1 = _median_call(lambda c=call: c(ones), args.repeat)
         t_n = _median_call(lambda c=call: c(equal), args.repeat)
         cost[s] = (t_n - t_1) / (steps_n - steps_1)
         if s == args.slots:
             prefill = t_1 - steps_1 * cost[s]
-            shipped = call(tail).num_steps
-            t_engine = _median_call(lambda c=call: c(tail), args.repeat)
         print(f"S={s}: {cost[s] * 1e3:.1f} ms per decode step", flush=True)
     sizes = sorted(cost)
+    print(f"prefill (from the {args.slots}-slot calls): {prefill:.2f} s")
+    print(f"static sampler, measured: {t_static:.2f} s per call")
 
-    print(f"\nstatic sampler, measured: {t_static:.2f} s per call")
-    print(f"engine ({args.slots} slots), measured: {t_engine:.2f} s per call, {shipped} decode "
-          f"steps, {t_static / t_engine:.2f}x static; its prefill {prefill:.2f} s")  # fmt: skip
-    print("\n| schedule (replayed with the measured step costs) | decode steps | s per call "
-          "| vs static |\n|---|---|---|---|")  # fmt: skip
+    # (slots, compaction sizes or None = every measured size, measured with compact_slots?,
+    # prefill counted?)
     rows = {
-        f"as the engine runs: {args.slots} slots, refilled in request order": (args.slots, 0, 1),
-        f"{args.slots} slots, compacted": (args.slots, 1, 1),
-        "all admitted (one slot per request), not compacted": (b, 0, 1),
-        "all admitted, compacted": (b, 1, 1),
-        "all admitted, compacted, free prefill": (b, 1, 0),
-    }
-    report = {"static_s": t_static, "engine_s": t_engine, "engine_steps": shipped,
-              "prefill_s": prefill, "step_cost_s": cost, "replay": {}}  # fmt: skip
-    for name, (slots, compacted, with_prefill) in rows.items():
+        f"{args.slots} slots, every step over all of them": (args.slots, (), False, 1),
+        f"{args.slots} slots, compacted as the engine does": (
+            args.slots, compact_sizes(args.slots), True, 1),
+        f"{args.slots} slots, compacted to every measured size": (args.slots, None, None, 1),
+        "all admitted (one slot each), every step over all": (b, (), False, 1),
+        "all admitted, compacted as the engine does": (b, compact_sizes(b), True, 1),
+        "all admitted, compacted to every measured size": (b, None, None, 1),
+        "all admitted, compacted to every size, free prefill": (b, None, None, 0),
+    }  # fmt: skip
+    print("\n| schedule | decode steps | s per call, replayed | measured | vs static "
+          "(measured, else replayed) |\n|---|---|---|---|---|")  # fmt: skip
+    report = {"static_s": t_static, "prefill_s": prefill, "step_cost_s": cost, "rows": {}}
+    for name, (slots, compact, measure, with_prefill) in rows.items():
         if slots not in cost:
-            print(f"| {name} | - | not replayed: --costs has no {slots} | - |")
+            print(f"| {name} | - | not replayed: --costs has no {slots} | - | - |")
             continue
-        compact = [s for s in sizes if s <= slots] if compacted else ()
+        compact = [n for n in sizes if n < slots] if compact is None else compact
         steps, decode_s = replay(tail, slots, cost.__getitem__, compact=compact)
-        total = decode_s + with_prefill * prefill
-        report["replay"][name] = {"steps": steps, "s": total, "vs_static": t_static / total}
-        print(f"| {name} | {steps} | {total:.2f} | {t_static / total:.2f}x |")
+        replayed = decode_s + with_prefill * prefill
+        measured = None
+        if measure is not None:
+            call = engine(slots, compact=measure)
+            ran = call(tail).num_steps
+            assert ran == steps, f"{name}: the engine ran {ran} steps, the replay {steps}"
+            measured = _median_call(lambda c=call: c(tail), args.repeat)
+        seconds = replayed if measured is None else measured
+        report["rows"][name] = {
+            "steps": steps, "compact": list(compact), "replayed_s": replayed,
+            "measured_s": measured, "vs_static": t_static / seconds,
+        }  # fmt: skip
+        shown = "-" if measured is None else f"{measured:.2f}"
+        print(f"| {name} (sizes {list(compact) or '-'}) | {steps} | {replayed:.2f} | {shown} | "
+              f"{t_static / seconds:.2f}x |", flush=True)  # fmt: skip
     print(f"\nload average after: {os.getloadavg()}")
     print(json.dumps(report))
 

@@ -21,6 +21,10 @@ matmul instructions, so their greedy tokens may part from HF's fp32 ones after a
 - ``equal``: every request generates ``--equal-new`` tokens (no eos); engine with its default
   slots (one per request) vs the static sampler vs HF.
 
+The engine compacts its decode steps (``compact_slots``, docs/rollout.md) as shipped;
+``--uncompacted`` adds rows where every step runs all its slots, ``--unpacked`` rows with one
+prompt per prefill row.
+
 Calls are interleaved (engine configs, static, HF, then again) after one warm-up call each
 (jaxrl compiles), ``--repeat`` times; each time is one whole ``generate`` call (prefill
 included). The greedy tokens of every method are compared within each request's limit.
@@ -152,6 +156,11 @@ def main() -> None:
         action="store_true",
         help="also time the engine with one prompt per prefill row",
     )
+    ap.add_argument(
+        "--uncompacted",
+        action="store_true",
+        help="also time the engine with every decode step over all its slots (compact_slots off)",
+    )
     ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
     ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
@@ -191,9 +200,9 @@ def main() -> None:
           f"{config.matmul_dtype or config.dtype}), HF fp32, greedy; "
           f"prompts {args.prompt_len} tokens")  # fmt: skip
 
-    def engine(prompts, limits, slots, pack=True):
+    def engine(prompts, limits, slots, pack=True, compact=True):
         sampler = Sampler(config, max_new_tokens=int(limits.max()), eos_id=EOS, pad_id=PAD,
-                          max_slots=slots, pack_prompts=pack)  # fmt: skip
+                          max_slots=slots, pack_prompts=pack, compact_slots=compact)  # fmt: skip
         sampler.load_params(model)
         return lambda: sampler.generate(prompts, key, GREEDY, max_tokens=limits).tokens
 
@@ -221,6 +230,11 @@ def main() -> None:
             for s in slots:
                 methods[f"engine, {s or 'one per request'} slots, unpacked"] = engine(
                     prompts, limits, s, pack=False
+                )
+        if args.uncompacted:
+            for s in slots:
+                methods[f"engine, {s or 'one per request'} slots, uncompacted"] = engine(
+                    prompts, limits, s, compact=False
                 )
         methods["static sampler"] = static(prompts, limits)
         if not args.skip_hf:

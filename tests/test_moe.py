@@ -221,6 +221,16 @@ def test_sampler_records_the_routes_a_scoring_forward_takes(ckpt):
         _, trace = model.routed_hidden_states(ids)
         np.testing.assert_array_equal(routes[:-1], np.asarray(trace.routes_BTLK)[0, :-1])
         assert (routes[-1] == -1).all()
+    # 20 requests in 16 slots with long-tailed limits: the last steps run compacted (8 rows)
+    compacted = Sampler(model.config, max_new_tokens=6, eos_id=95, pad_id=0, max_slots=16)
+    assert compacted.engine_shape(16, 64, 8).compact == (8,)
+    compacted.load_params(model)
+    rows = [IDS[i % 2, : 2 + i % 4].tolist() for i in range(20)]
+    limits = [6 if i in (3, 17) else 1 + i % 3 for i in range(20)]
+    result = compacted.generate(rows, jax.random.key(2), max_tokens=limits)
+    for prompt, completion, routes in zip(rows, result.completions(), result.routes, strict=True):
+        _, trace = model.routed_hidden_states(np.asarray([prompt + completion.tolist()]))
+        np.testing.assert_array_equal(routes[:-1], np.asarray(trace.routes_BTLK)[0, :-1])
 
 
 def test_replayed_routes_reach_the_router_gradient(ckpt):

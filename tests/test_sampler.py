@@ -22,6 +22,7 @@ from jaxrl.generate.dense_decode import decode_step, left_pad, prefill
 from jaxrl.generate.sampler import (
     Sampler,
     SamplingParams,
+    compact_sizes,
     filter_logits,
     sample_tokens,
 )
@@ -346,6 +347,40 @@ def test_batch_sizes_share_a_bucket_and_padding_changes_no_completion(tiny):
     assert sampler.compiles == before
     np.testing.assert_array_equal(part.tokens, full.tokens[:5])
     np.testing.assert_array_equal(part.logprobs, full.logprobs[:5])
+
+
+def test_compacted_steps_generate_what_steps_over_every_slot_generate(tiny):
+    """Once the live slots fit a quarter or a half of the slots, a step runs only those
+    (``engine._compacted_step``): the same tokens, lengths, truncation and decode steps as
+    steps over every slot, log-probs to float rounding, one program either way, sampled and
+    greedy, with refills (16 and 32 slots) and with every request admitted at once (0)."""
+    model, _ = tiny
+    assert compact_sizes(16) == (8,) and compact_sizes(32) == (8, 16)
+    assert compact_sizes(64) == (16, 32) and compact_sizes(8) == ()
+    assert compact_sizes(64, ranks=2) == ()  # slots split over devices: never gathered
+    rng = np.random.default_rng(3)
+    limits = np.clip(np.exp(rng.normal(np.log(4), 1.0, 40)).round(), 1, 16).astype(np.int32)
+    prompts = [rng.integers(2, 16, size=n).tolist() for n in rng.integers(1, 12, size=40)]
+    for slots in (16, 32, 0):
+        out = {}
+        for compact in (False, True):
+            sampler = Sampler(model.config, max_new_tokens=16, eos_id=(3, 7), pad_id=1,
+                              max_slots=slots, compact_slots=compact)  # fmt: skip
+            sampler.load_params(model)
+            for params in (SamplingParams(), GREEDY):
+                key = jax.random.key(5)
+                out[compact, params] = sampler.generate(prompts, key, params, max_tokens=limits)
+            assert sampler.compiles == 1
+            geometry = sampler.cache_geometry(40, 40, 11)
+            shape = sampler.engine_shape(geometry.slots, geometry.cache_length, 0)
+            assert shape.compact == (compact_sizes(geometry.slots) if compact else ())
+        for params in (SamplingParams(), GREEDY):
+            full, compacted = out[False, params], out[True, params]
+            for field in ("tokens", "lengths", "truncated"):
+                np.testing.assert_array_equal(getattr(compacted, field), getattr(full, field))
+            assert compacted.num_steps == full.num_steps
+            np.testing.assert_allclose(compacted.logprobs, full.logprobs, atol=2e-6)
+            assert (full.lengths < limits).any() and (full.lengths == limits).any()
 
 
 def test_load_params_copies_and_casts_and_is_required(tiny):

@@ -455,6 +455,9 @@ class RolloutConfig:
     # 0 = half of them (none with one device: generation then shares it)
     max_slots: int = 0  # decode slots of the rollout engine (docs/rollout.md): a stopped
     # completion's slot takes the next waiting one; 0 = one slot per completion of the batch
+    compact_slots: bool = True  # once every completion has a slot and the live ones fit a half
+    # (then a quarter) of the slots, decode on in that many (docs/rollout.md); false = every
+    # step runs every slot (shorter compiles)
     tensor_parallel: int = 0  # the sampler's decode layout (docs/scale_out.md): groups of this
     # many devices decode tensor-parallel, the groups data-parallel; 1 = a whole compute-dtype
     # copy per device; 0 = auto: the fewest devices whose share fits weight_budget_gb
@@ -498,6 +501,12 @@ class RolloutConfig:
             "rollout.tensor_parallel",
             self.tensor_parallel,
             "use 0 (auto), 1 (a whole copy per device) or a divisor of the generation devices",
+        )
+        require(
+            isinstance(self.compact_slots, bool),
+            "rollout.compact_slots",
+            self.compact_slots,
+            "use true (steps run only the live slots) or false (every slot, shorter compiles)",
         )
         require(
             isinstance(self.scan_layers, bool),

@@ -21,6 +21,17 @@ step then, for every slot holding a request:
 
 A stopped slot is empty until the next refill. The loop ends when every request has stopped.
 
+Compaction (``EngineShape.compact``, smaller slot counts, ascending). A step costs its Sl
+rows in every matmul, the LM head and the draw, live or not, so once few requests are left (the
+long tail of completion lengths; most of them when every request was admitted at once) a step
+over all slots mostly computes for empty ones. With ``compact``, the loop above runs while
+requests wait or more slots are live than the largest of them; then the live slots (and empty
+ones up to that size) are gathered, their cache rows with them, into a state of that many
+slots, and the loop goes on there (no refill: every request is admitted), down to the next
+size, and so on. Each size is a loop of its own in the program (one more step body to
+compile); the gathers run once per size, not per step. Nothing a request generates depends
+on it beyond float reduction order in the matmuls (the random bits are per (request, token)).
+
 MoE routes (``record_routes``, router replay: docs/moe.md): the prefill and every decode step
 also return the expert ids each MoE layer chose for the tokens they ran
 (``Transformer.routed_decode``), kept as prompt routes ``[Q, P, Lm, K]`` and completion routes
@@ -74,6 +85,8 @@ class EngineShape:
     pad_id: int  # written after a request's last token
     eos_ids: tuple[int, ...]  # E stop token ids
     prompt_length: int = 0  # P: entries a refill copies from the prompt cache (0: its width)
+    compact: tuple[int, ...] = ()  # smaller slot counts, ascending: the loop moves the live
+    # slots into them as requests stop (module doc, "Compaction"); () = all Sl slots throughout
 
 
 @jax.tree_util.register_dataclass
@@ -255,6 +268,20 @@ def _decode_step(
     )
 
 
+def _compacted(state: DecodeState, size: int, rows: Callable) -> DecodeState:
+    """The state in ``size`` of its Sl slots (module doc, "Compaction"): the live ones (at most
+    ``size``), then empty ones, each in slot order, with their cache rows."""
+    slots_n = jnp.argsort(state.request_Sl < 0, stable=True)[:size].astype(jnp.int32)
+    take = lambda x, axis=0: jnp.take(x, slots_n, axis=axis)  # noqa: E731
+    cache = dataclasses.replace(
+        state.cache, keys=take(state.cache.keys, 1), values=take(state.cache.values, 1)
+    )
+    fields = ("logits_SlV", "request_Sl", "position_Sl", "emitted_Sl", "stop_state_Sl")
+    return dataclasses.replace(
+        state, cache=cache, **{f: rows(take(getattr(state, f))) for f in fields}
+    )
+
+
 def _initial_state(
     shape: EngineShape,
     r: int,
@@ -345,10 +372,19 @@ def decode_requests(
             next_request=state.next_request + jnp.sum(take_Sl.astype(jnp.int32)),
         )
 
+    live = lambda state: jnp.sum((state.request_Sl >= 0).astype(jnp.int32))  # noqa: E731
+    sizes = (0, *shape.compact)  # each phase runs while more slots are live than the next size
+
     def cond(state: DecodeState) -> jax.Array:
-        return (state.next_request < num_requests) | jnp.any(state.request_Sl >= 0)
+        return (state.next_request < num_requests) | (live(state) > sizes[-1])
 
     request_key = lambda r_Sl, t_Sl: jax.vmap(token_key, in_axes=(None, 0, 0))(key, r_Sl, t_Sl)  # noqa: E731
+
+    def step(state: DecodeState) -> DecodeState:
+        return _decode_step(
+            model, shape, state, request_key, max_tokens_Rq, temperature, top_k, top_p,
+            stop_ZV, rows, record_routes=record_routes,
+        )  # fmt: skip
 
     def body(state: DecodeState) -> DecodeState:
         due = (
@@ -356,11 +392,7 @@ def decode_requests(
             & jnp.any(state.request_Sl < 0)
             & (state.next_request < num_requests)
         )
-        state = lax.cond(due, refill, lambda st: st, state)
-        return _decode_step(
-            model, shape, state, request_key, max_tokens_Rq, temperature, top_k, top_p,
-            stop_ZV, rows, record_routes=record_routes,
-        )  # fmt: skip
+        return step(lax.cond(due, refill, lambda st: st, state))
 
     v = prompt_logits_QV.shape[-1]
     routes_LK = None
@@ -369,6 +401,9 @@ def decode_requests(
     logits_SlV = jnp.zeros((s, v), prompt_logits_QV.dtype)
     state = _initial_state(shape, r, logits_SlV, cache, rows, routes_LK)
     out = lax.while_loop(cond, body, state)
+    for size, below in zip(sizes[:0:-1], sizes[-2::-1], strict=True):  # compaction phases
+        out = _compacted(out, size, rows)  # every request admitted: no refill from here on
+        out = lax.while_loop(lambda st, below=below: live(st) > below, step, out)
     outs = out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
     if not record_routes:
         return outs

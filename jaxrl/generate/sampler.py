@@ -85,10 +85,24 @@ __all__ = [
     "SamplingParams",
     "StopStrings",
     "batch_bucket",
+    "compact_sizes",
     "filter_logits",
     "sample_tokens",
     "token_key",
 ]
+
+
+COMPACT_MIN = 8  # a compacted step runs at least this many slots
+
+
+def compact_sizes(slots: int, ranks: int = 1) -> tuple[int, ...]:
+    """The smaller slot counts an engine program of ``slots`` decode slots moves its live slots
+    into as requests stop (``engine.py``, "Compaction"): a half and a quarter of the slots,
+    those of at least ``COMPACT_MIN``. None when the slots are split over several row ranks
+    (gathering live slots would move them between devices)."""
+    if ranks > 1:
+        return ()
+    return tuple(n for n in sorted({slots // 4, slots // 2}) if COMPACT_MIN <= n < slots)
 
 
 class _EngineCall(NamedTuple):
@@ -114,7 +128,10 @@ class Sampler:
     prefill several distinct prompts per row (``cache_geometry.prompt_rows``; False: one
     right-padded prompt per row). ``scan_layers``: decode a model with stacked layers
     (``ModelConfig.scan_layers``) in its layer scan: shorter compiles, slower steps (default:
-    unrolled, ``sampler_weights.decode_model``).
+    unrolled, ``sampler_weights.decode_model``). ``compact_slots``: once every request is
+    admitted and the live slots fit a half (then a quarter) of the slots, decode on in that many
+    slots (:func:`compact_sizes`; ``engine.py``, "Compaction"); False: every step runs every
+    slot (one step body compiled, not up to three).
     """
 
     def __init__(
@@ -135,6 +152,7 @@ class Sampler:
         copy_params: bool = True,
         pack_prompts: bool = True,
         scan_layers: bool = False,
+        compact_slots: bool = True,
     ):
         eos_ids = stop_token_ids("Sampler", config.vocab_size, eos_id, pad_id)
         for name, value, low in (
@@ -168,6 +186,7 @@ class Sampler:
         self.attention_block = attention_block
         self.copy_params = copy_params
         self.pack_prompts = pack_prompts
+        self.compact_slots = compact_slots
         self.compiles = 0
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.weights = SamplerWeights(abstract_params, mesh)
@@ -240,6 +259,7 @@ class Sampler:
     def engine_shape(self, slots: int, cache_length: int, prompt_length: int) -> EngineShape:
         """The static part of an engine program of this sampler."""
         return EngineShape(
+            compact=compact_sizes(slots, row_ranks(self.mesh)) if self.compact_slots else (),
             slots=slots,
             max_new_tokens=self.max_new_tokens,
             cache_length=cache_length,

@@ -167,6 +167,7 @@ class RolloutGenerator:
                 sampling=sampling,
                 mesh=decoding,
                 max_slots=rollout.max_slots,
+                compact_slots=rollout.compact_slots,
                 copy_params=copy_params,
                 scan_layers=rollout.scan_layers,
             )

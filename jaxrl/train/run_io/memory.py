@@ -324,7 +324,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     dmesh = sampler_mesh(mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(  # abstract: nothing is allocated or compiled
         dense, max_new_tokens=g.max_completion_length, eos_id=0, pad_id=0, mesh=dmesh,
-        max_slots=r.max_slots, scan_layers=r.scan_layers,
+        max_slots=r.max_slots, scan_layers=r.scan_layers, compact_slots=r.compact_slots,
     )  # fmt: skip
     requests = g.generation.size
     prompt = g.max_prompt_length or max(cfg.schedule.max_tokens - g.max_completion_length, 1)
