@@ -33,7 +33,6 @@ measured static call (of the measured call where there is one).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -90,16 +89,20 @@ def _median_call(fn: Callable[[], object], repeat: int) -> float:
 
 
 def main() -> None:
-    import flax.nnx as nnx
     import jax
     from machine import machine
-    from sampler_bench import EOS, GREEDY, PAD, SHAPES, long_tail_limits
+    from sampler_bench import (
+        EOS,
+        GREEDY,
+        PAD,
+        SHAPES,
+        bench_model,
+        bench_prompts,
+        long_tail_limits,
+    )
     from static_sampler import StaticSampler
 
     from jaxrl.generate.sampler import Sampler, compact_sizes
-    from jaxrl.models.model_config import ModelConfig
-    from jaxrl.models.transformer import Transformer
-    from jaxrl.train.precision import auto_compute_dtype, auto_matmul_dtype
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="100m")
@@ -118,16 +121,9 @@ def main() -> None:
         ap.error(f"--costs must include --slots ({args.slots}) to replay the engine as it runs")
 
     # the model, prompts and limits of sampler_bench.py's long-tail case (same draws, in order)
-    config = ModelConfig.tiny(**SHAPES[args.shape])
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    if args.dtype == "auto":
-        config = dataclasses.replace(
-            config, dtype=auto_compute_dtype("auto"), matmul_dtype=auto_matmul_dtype(None, "auto")
-        )
-    model.embedding[...] = model.embedding[...].at[EOS].set(0.0)
+    config, model = bench_model(args.shape, args.dtype)
     rng = np.random.default_rng(0)
-    lengths = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, size=args.batch)
-    prompts = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
+    prompts = bench_prompts(rng, config.vocab_size, args.batch, args.prompt_len)
     tail = long_tail_limits(rng, args.batch, args.median, args.sigma, args.max_new)
     key = jax.random.key(0)
     print(json.dumps(machine(("jax", "jaxlib"))))
@@ -177,10 +173,11 @@ def main() -> None:
           "(measured, else replayed) |\n|---|---|---|---|---|")  # fmt: skip
     report = {"static_s": t_static, "prefill_s": prefill, "step_cost_s": cost, "rows": {}}
     for name, (slots, compact, measure, with_prefill) in rows.items():
-        if slots not in cost:
-            print(f"| {name} | - | not replayed: --costs has no {slots} | - | - |")
-            continue
         compact = [n for n in sizes if n < slots] if compact is None else compact
+        missing = [n for n in (slots, *compact) if n not in cost]
+        if missing:
+            print(f"| {name} | - | not replayed: --costs has no {missing} | - | - |")
+            continue
         steps, decode_s = replay(tail, slots, cost.__getitem__, compact=compact)
         replayed = decode_s + with_prefill * prefill
         measured = None

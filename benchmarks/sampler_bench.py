@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -96,6 +97,26 @@ def hf_generate(
             pad_token_id=PAD,
         )
     return out[:, width:].cpu().numpy()
+
+
+def bench_model(shape: str, dtype: str) -> tuple[ModelConfig, Transformer]:
+    """The benchmark's random model of ``shape`` (fp32 weights, the eos embedding row zeroed so
+    its logit 0 never wins the argmax) and the config jaxrl runs it in: fp32, or with ``auto``
+    the shipped precision (``model.dtype: auto``)."""
+    config = ModelConfig.tiny(**SHAPES[shape])
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    if dtype == "auto":  # the same fp32 weights, run in the shipped precision
+        config = dataclasses.replace(
+            config, dtype=auto_compute_dtype("auto"), matmul_dtype=auto_matmul_dtype(None, "auto")
+        )
+    model.embedding[...] = model.embedding[...].at[EOS].set(0.0)  # eos logit 0: never argmax
+    return config, model
+
+
+def bench_prompts(rng, vocab_size: int, batch: int, prompt_len: Sequence[int]) -> list:
+    """``batch`` random prompts of ``prompt_len`` = (min, max) tokens (ids 2.., no pad or eos)."""
+    lengths = rng.integers(prompt_len[0], prompt_len[1] + 1, size=batch)
+    return [rng.integers(2, vocab_size, size=n).astype(np.int32) for n in lengths]
 
 
 def long_tail_limits(rng, batch: int, median: float, sigma: float, longest: int) -> np.ndarray:
@@ -177,21 +198,14 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
-    config = ModelConfig.tiny(**SHAPES[args.shape])
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    if args.dtype == "auto":  # the same fp32 weights, run in the shipped precision
-        config = dataclasses.replace(
-            config, dtype=auto_compute_dtype("auto"), matmul_dtype=auto_matmul_dtype(None, "auto")
-        )
-    model.embedding[...] = model.embedding[...].at[EOS].set(0.0)  # eos logit 0: never argmax
+    config, model = bench_model(args.shape, args.dtype)
     hf_dir = Path(tempfile.mkdtemp(prefix="sampler_bench_")) / "hf"
     save_pretrained(model, hf_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, attn_implementation="sdpa", dtype=torch.float32
     ).eval()
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, size=args.batch)
-    distinct = [rng.integers(2, config.vocab_size, size=n).astype(np.int32) for n in lengths]
+    rng = np.random.default_rng(0)  # the prompts, then the long tail's limits
+    distinct = bench_prompts(rng, config.vocab_size, args.batch, args.prompt_len)
     grouped = [p for p in distinct[: args.batch // args.group] for _ in range(args.group)]
     key = jax.random.key(0)
     print(json.dumps(machine(("jax", "jaxlib", "torch", "transformers"))))

@@ -29,6 +29,7 @@ from jaxrl.generate.sampler import (
 from jaxrl.generate.sampling import first_argmax, gumbel_max
 from jaxrl.models import ModelConfig, Transformer, from_pretrained
 from jaxrl.models.sharding import state_shardings
+from jaxrl.models.slot_kv_cache import SlotKVCache
 from jaxrl.runtime.mesh import make_mesh
 from jaxrl.train.forward import micro_batch_logprobs
 
@@ -362,7 +363,7 @@ def test_compacted_steps_generate_what_steps_over_every_slot_generate(tiny):
     limits = np.clip(np.exp(rng.normal(np.log(4), 1.0, 40)).round(), 1, 16).astype(np.int32)
     prompts = [rng.integers(2, 16, size=n).tolist() for n in rng.integers(1, 12, size=40)]
     for slots in (16, 32, 0):
-        out = {}
+        out, memory = {}, {}
         for compact in (False, True):
             sampler = Sampler(model.config, max_new_tokens=16, eos_id=(3, 7), pad_id=1,
                               max_slots=slots, compact_slots=compact)  # fmt: skip
@@ -374,6 +375,11 @@ def test_compacted_steps_generate_what_steps_over_every_slot_generate(tiny):
             geometry = sampler.cache_geometry(40, 40, 11)
             shape = sampler.engine_shape(geometry.slots, geometry.cache_length, 0)
             assert shape.compact == (compact_sizes(geometry.slots) if compact else ())
+            memory[compact] = sampler.memory_bytes(40, 40, 11)
+        # the first gather's copy (the largest smaller size) lives beside the full slot cache
+        largest = compact_sizes(geometry.slots)[-1]
+        extra = SlotKVCache.nbytes(model.config, largest, geometry.cache_length, 1)
+        assert memory[True] == memory[False] + extra
         for params in (SamplingParams(), GREEDY):
             full, compacted = out[False, params], out[True, params]
             for field in ("tokens", "lengths", "truncated"):

@@ -44,6 +44,19 @@ def decode_slots(num_requests: int, max_slots: int, ranks: int = 1) -> int:
     return -(-slots // ranks) * ranks
 
 
+COMPACT_MIN = 8  # the engine's compacted loops run at least this many slots
+
+
+def compact_sizes(slots: int, ranks: int = 1) -> tuple[int, ...]:
+    """The smaller slot counts an engine program of ``slots`` decode slots moves its live slots
+    into as requests stop (``engine.py``, "Compaction"): a half and a quarter of the slots,
+    those of at least ``COMPACT_MIN``. None when the slots are split over several row ranks
+    (gathering live slots would move them between devices)."""
+    if ranks > 1:
+        return ()
+    return tuple(n for n in sorted({slots // 4, slots // 2}) if COMPACT_MIN <= n < slots)
+
+
 def prompt_bucket(longest: int, prompt_buckets: BucketSpec = None, prefill_chunk: int = 0) -> int:
     """P: the length prompts of at most ``longest`` tokens are right-padded to (``prompt_buckets``
     as in ``pick_bucket``; None = :func:`batch_bucket`), a multiple of ``prefill_chunk``."""

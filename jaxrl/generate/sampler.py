@@ -57,6 +57,7 @@ from jaxrl.generate.cache_geometry import (
     CacheGeometry,
     batch_bucket,
     cache_geometry,
+    compact_sizes,
     prompt_rows,
 )
 from jaxrl.generate.engine import EngineShape, continue_slots, decode_requests
@@ -73,7 +74,7 @@ from jaxrl.generate.session import EngineSession
 from jaxrl.generate.stop import StopStrings
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.sharding import bytes_per_device
-from jaxrl.models.slot_kv_cache import DECODE_BLOCK
+from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
 from jaxrl.runtime.background_compile import BackgroundCompiles
 from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import to_host
@@ -90,19 +91,6 @@ __all__ = [
     "sample_tokens",
     "token_key",
 ]
-
-
-COMPACT_MIN = 8  # a compacted step runs at least this many slots
-
-
-def compact_sizes(slots: int, ranks: int = 1) -> tuple[int, ...]:
-    """The smaller slot counts an engine program of ``slots`` decode slots moves its live slots
-    into as requests stop (``engine.py``, "Compaction"): a half and a quarter of the slots,
-    those of at least ``COMPACT_MIN``. None when the slots are split over several row ranks
-    (gathering live slots would move them between devices)."""
-    if ranks > 1:
-        return ()
-    return tuple(n for n in sorted({slots // 4, slots // 2}) if COMPACT_MIN <= n < slots)
 
 
 class _EngineCall(NamedTuple):
@@ -243,11 +231,15 @@ class Sampler:
     def memory_bytes(self, num_requests: int, num_groups: int, longest_prompt: int) -> int:
         """Bytes of the KV caches of such a call on the largest device (the slots split over
         the row ranks and, tensor-parallel, over KV heads when ``tensor`` divides them; the
-        prompt groups' cache counted whole)."""
+        prompt groups' cache counted whole; with compaction, the first gather's copy of the
+        slots' cache at the largest smaller size too, which lives beside the full one)."""
         geometry = self.cache_geometry(num_requests, num_groups, longest_prompt)
+        ranks = row_ranks(self.mesh)
         tensor = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
         split = tensor if self.config.num_key_value_heads % tensor == 0 else 1
-        return geometry.nbytes_per_device(self.config, row_ranks(self.mesh), kv_split=split)
+        largest = max(self._compact(geometry.slots), default=0)
+        gathered = SlotKVCache.nbytes(self.config, largest, geometry.cache_length, 1)
+        return geometry.nbytes_per_device(self.config, ranks, kv_split=split) + gathered // split
 
     def weight_bytes(self) -> int:
         """Bytes on the largest device of the compute-dtype weights it decodes with, in its
@@ -256,10 +248,14 @@ class Sampler:
             return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.weights.abstract))
         return bytes_per_device(self.weights.abstract, self.weights.shardings)
 
+    def _compact(self, slots: int) -> tuple[int, ...]:
+        """The smaller slot counts a program of ``slots`` slots compacts into (none when off)."""
+        return compact_sizes(slots, row_ranks(self.mesh)) if self.compact_slots else ()
+
     def engine_shape(self, slots: int, cache_length: int, prompt_length: int) -> EngineShape:
         """The static part of an engine program of this sampler."""
         return EngineShape(
-            compact=compact_sizes(slots, row_ranks(self.mesh)) if self.compact_slots else (),
+            compact=self._compact(slots),
             slots=slots,
             max_new_tokens=self.max_new_tokens,
             cache_length=cache_length,

@@ -40,7 +40,9 @@ Numbers are bytes on the largest device:
   ``[Nl, Sl, L, K, Dh]`` (keys and values; Sl = ``rollout.max_slots`` or one per completion of a
   generation batch, split over the batch ranks; L = the prompt bucket of
   ``grpo.max_prompt_length`` plus ``grpo.max_completion_length``, in decode-attention blocks)
-  plus the prompt groups' prefill cache ``[Nl, Q, P, K, Dh]`` (replicated). Both live while a
+  plus the prompt groups' prefill cache ``[Nl, Q, P, K, Dh]`` (replicated), plus, with
+  ``rollout.compact_slots``, the slots' cache at Sl/2 that the engine's first compaction
+  gathers beside the full one (``Sampler.memory_bytes``). They live while a
   generation runs, which is not while the train step runs; they are counted on top anyway.
 - ``total_bytes`` = params + optimizer + grads + compute copies + KV caches + temp: the peak on
   the device
