@@ -98,8 +98,15 @@ def test_staleness_two_and_a_shared_device_generate_the_same_batches(tmp_path):
             name="shared",
         )
     assert shared.generation_mesh is shared.session.mesh
-    a, b = [split.step() for _ in range(4)], [shared.step() for _ in range(4)]
+    a, b = [], []
+    for _ in range(4):  # the epoch of the rows trained, however far generation has run ahead
+        a.append({**split.step(), "epoch": split.epochs})
+        b.append({**shared.step(), "epoch": shared.epochs})
     assert [r["rollout/staleness_max"] for r in a] == [0, 1, 2, 2]
+    per_generation = split.prompt_sampler.prompts_per_generation / split.prompt_sampler.num_prompts
+    assert [r["epoch"] for r in a] == [r["epoch"] for r in b] == [
+        per_generation * i for i in (1, 2, 3, 4)
+    ]
     for x, y in zip(a, b, strict=True):
         assert x["rollout/staleness_max"] == y["rollout/staleness_max"]
         assert x["reward"] == y["reward"] and x["num_tokens"] == y["num_tokens"]
@@ -198,6 +205,22 @@ def test_pipeline_state_round_trip_and_an_unpredicted_load():
     assert fresh.launched == 3 and fresh.taken == 3
     pipe.close()
     fresh.close()
+
+
+def test_progress_travels_with_its_generation_not_with_the_jobs_made_ahead():
+    """``progress()`` is read right after each job: the trainer sees the value that belongs to
+    the generation it takes, however many jobs ahead have finished (a timing matter)."""
+    from jaxrl.rollout.pipeline import Generated
+
+    pipe, made, _ = _fake_pipeline(3, [0, 1, 2, 3, 4, 5])
+    pipe.progress = lambda: float(len(made))  # e.g. passes over the prompts
+    pipe.launch_due(0)  # four jobs
+    state = json.loads(json.dumps(pipe.state_dict()))  # waits until all four are made
+    assert len(made) == 4 and [g["progress"] for g in state["ready"]] == [1.0, 2.0, 3.0, 4.0]
+    assert [pipe.take(s).progress for s in range(4)] == [1.0, 2.0, 3.0, 4.0]
+    pipe.close()
+    legacy = {k: v for k, v in state["ready"][0].items() if k != "progress"}
+    assert Generated.from_json(legacy).progress is None  # a checkpoint from before
 
 
 def test_a_failing_generation_raises_in_the_trainer():

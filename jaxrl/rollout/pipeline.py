@@ -50,20 +50,24 @@ class Generated:
     batch: RolloutBatch  # its policy_version: the updates the generating weights had taken
     stats: dict[str, int]  # dynamic-sampling counters of this generation
     seconds: float  # wall time of making it (sample, rewards, old / reference log-probs)
+    progress: float | None = None  # the pipeline's progress() right after making it
 
     def to_json(self) -> dict[str, Any]:
         return {
             "batch": self.batch.to_json(),
             "stats": self.stats,
             "seconds": self.seconds,
+            "progress": self.progress,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Generated:
+        progress = data.get("progress")  # absent in checkpoints before it was recorded
         return cls(
             RolloutBatch.from_json(data["batch"]),
             {k: int(v) for k, v in data["stats"].items()},
             float(data["seconds"]),
+            None if progress is None else float(progress),
         )
 
 
@@ -81,6 +85,11 @@ class RolloutPipeline:
     copy that survives the next train steps when asynchronous, the trainer's own when
     synchronous. The trainer calls :meth:`launch_due` at the start of every step and
     :meth:`take` whenever its buffer needs the next generation.
+
+    ``progress()`` (optional) reads host state that the jobs advance, e.g. the passes over
+    the prompts: it is read right after each job, in the job's thread, and travels with the
+    generation (``Generated.progress``), so the trainer reports the value that belongs to the
+    rows it trains rather than whatever jobs made ahead have reached by then (timing).
     """
 
     def __init__(
@@ -91,11 +100,13 @@ class RolloutPipeline:
         max_staleness: int,
         load_steps: Iterator[int],
         max_steps: int,
+        progress: Callable[[], float] | None = None,
     ):
         if max_staleness < 0:
             raise ValueError(f"RolloutPipeline: max_staleness={max_staleness} must be >= 0")
         self.produce, self.snapshot = produce, snapshot
         self.k, self.max_steps = max_staleness, max_steps
+        self.progress = progress
         self._loads = load_steps
         self._load_of: list[int] = []  # load step of generation m, as far as known
         self.launched = 0  # generations started (or restored) so far
@@ -130,10 +141,11 @@ class RolloutPipeline:
     def _run(self, params: Any, step: int) -> Generated:
         start = time.perf_counter()
         batch, stats = self.produce(params, step)
+        progress = None if self.progress is None else self.progress()
         seconds = time.perf_counter() - start
         with self._lock:
             self._busy_s += seconds
-        return Generated(batch, stats, seconds)
+        return Generated(batch, stats, seconds, progress)
 
     def take(self, step: int) -> Generated:
         """The next generation (waiting for it if still running; made now when synchronous

@@ -109,7 +109,9 @@ class GRPOTrainer:
             max_staleness=staleness,
             load_steps=self.rule.load_steps(),
             max_steps=self.cfg.max_steps,
+            progress=lambda: self.prompt_sampler.epochs,
         )
+        self.epochs = 0.0  # passes over the prompts up to the newest generation taken
         self.generation_s = 0.0  # time making the generations loaded since the last row
         self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
@@ -131,6 +133,8 @@ class GRPOTrainer:
         """Take the next generation (made now, or ahead) and load it into the buffer."""
         made = self.pipeline.take(self.session.step)
         self.generation_s += made.seconds
+        if made.progress is not None:  # None: stored by a checkpoint from before it was kept
+            self.epochs = made.progress
         if made.stats:
             self.sampling_stats = made.stats
         self.rollouts.load(made.batch)
@@ -244,6 +248,7 @@ class GRPOTrainer:
             "rollouts": self.rollouts.state_dict(),
             "start_eval": self.start_eval,
             "sampling_stats": self.sampling_stats,
+            "epochs": self.epochs,
         }
 
     def _start(self) -> None:
@@ -261,6 +266,8 @@ class GRPOTrainer:
         legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
         self.start_eval = host.get("start_eval", legacy)
         self.sampling_stats = host.get("sampling_stats", {})
+        # the generations taken so far; older checkpoints: the prompt order's own position
+        self.epochs = float(host.get("epochs", self.prompt_sampler.epochs))
         # generations made ahead (by an asynchronous run) are trained first; a synchronous
         # checkpoint: the pipeline starts here
         done = self.rollouts.next_id
@@ -279,7 +286,8 @@ class GRPOTrainer:
                 "grpo",
                 self.step,
                 first_row=self.data_report,  # rows the length limits touched
-                epoch=lambda: self.prompt_sampler.epochs,
+                # of the rows trained, not of generations made ahead (timing)
+                epoch=lambda: self.epochs,
                 host_state=self.host_state,
                 evaluate=self.evaluate,
                 info=lambda row: f"reward {row['reward']:.3f}",
