@@ -104,9 +104,11 @@ def test_staleness_two_and_a_shared_device_generate_the_same_batches(tmp_path):
         b.append({**shared.step(), "epoch": shared.epochs})
     assert [r["rollout/staleness_max"] for r in a] == [0, 1, 2, 2]
     per_generation = split.prompt_sampler.prompts_per_generation / split.prompt_sampler.num_prompts
-    assert [r["epoch"] for r in a] == [r["epoch"] for r in b] == [
-        per_generation * i for i in (1, 2, 3, 4)
-    ]
+    assert (
+        [r["epoch"] for r in a]
+        == [r["epoch"] for r in b]
+        == [per_generation * i for i in (1, 2, 3, 4)]
+    )
     for x, y in zip(a, b, strict=True):
         assert x["rollout/staleness_max"] == y["rollout/staleness_max"]
         assert x["reward"] == y["reward"] and x["num_tokens"] == y["num_tokens"]
