@@ -1,10 +1,12 @@
-"""What the benchmarks share: one fresh-process runner and one seconds-per-step statistic.
+"""What the benchmarks share: one fresh-process runner, one call timer and one seconds-per-step
+statistic.
 
-``run_fresh`` runs one stage of a benchmark in a new interpreter (its own thread pools, its own
-memory, optionally pinned to CPUs), with the job written to a JSON file and the stage's output
-to a log; it raises SystemExit with the log's tail when the stage fails. ``seconds_per_step`` is
-the one s/step every table reports: the median of the steady steps, i.e. of every step after
-the first (which compiles or sets up lazily), or the only step of a one-step run.
+``median_call`` times a call (the median of repeats after a warm-up call). ``run_fresh`` runs
+one stage of a benchmark in a new interpreter (its own thread pools, its own memory, optionally
+pinned to CPUs), with the job written to a JSON file and the stage's output to a log; it
+raises SystemExit with the log's tail when the stage fails. ``seconds_per_step`` is the one
+s/step every table reports: the median of the steady steps, i.e. of every step after the first
+(which compiles or sets up lazily), or the only step of a one-step run.
 """
 
 from __future__ import annotations
@@ -15,11 +17,23 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def median_call(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``repeat`` calls of ``fn`` after one warm-up call (which compiles);
+    ``fn`` returns when its work is done (host values, or arrays it waited for)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def seconds_per_step(times: Sequence[float]) -> float | None:

@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -78,18 +76,9 @@ def replay(
     return steps, seconds
 
 
-def _median_call(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up: compiles
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     import jax
+    from harness import median_call
     from machine import machine
     from sampler_bench import (
         EOS,
@@ -133,7 +122,7 @@ def main() -> None:
 
     static = StaticSampler(config, max_new_tokens=args.max_new, eos_id=EOS, pad_id=PAD)
     static.load_params(model)
-    t_static = _median_call(lambda: static.generate(prompts, key, GREEDY), args.repeat)
+    t_static = median_call(lambda: static.generate(prompts, key, GREEDY), args.repeat)
 
     def engine(slots: int, compact: bool) -> Callable[[np.ndarray], object]:
         sampler = Sampler(config, max_new_tokens=args.max_new, eos_id=EOS, pad_id=PAD,
@@ -147,8 +136,8 @@ def main() -> None:
     for s in sorted(set(args.costs)):  # every step over all S slots: compaction off
         call = engine(s, compact=False)
         steps_1, steps_n = call(ones).num_steps, call(equal).num_steps
-        t_1 = _median_call(lambda c=call: c(ones), args.repeat)
-        t_n = _median_call(lambda c=call: c(equal), args.repeat)
+        t_1 = median_call(lambda c=call: c(ones), args.repeat)
+        t_n = median_call(lambda c=call: c(equal), args.repeat)
         cost[s] = (t_n - t_1) / (steps_n - steps_1)
         if s == args.slots:
             prefill = t_1 - steps_1 * cost[s]
@@ -185,7 +174,7 @@ def main() -> None:
             call = engine(slots, compact=measure)
             ran = call(tail).num_steps
             assert ran == steps, f"{name}: the engine ran {ran} steps, the replay {steps}"
-            measured = _median_call(lambda c=call: c(tail), args.repeat)
+            measured = median_call(lambda c=call: c(tail), args.repeat)
         seconds = replayed if measured is None else measured
         report["rows"][name] = {
             "steps": steps, "compact": list(compact), "replayed_s": replayed,

@@ -69,6 +69,22 @@ def test_device_check_cpu_smoke(tmp_path):
     assert (tmp_path / "device_check.json").is_file() and (tmp_path / "device_check.log").is_file()
 
 
+def test_decode_matmul_bound_runs_on_tiny_sizes():
+    """benchmarks/decode_matmul_bound.py (the matmul cost by rows behind the long tail's bound)
+    runs through: the per-row table for both dtypes, the fit, the rows-riding-along table."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/decode_matmul_bound.py"), "--pairs", "2",
+         "--rows", "16", "32", "--riding", "16", "--repeat", "1", "--read-mb", "8"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "read bandwidth (sum of 8 MB)" in out
+    assert out.count("fit over M >= 16: time = ") == 2  # bfloat16 and float32
+    assert "| 16 | " in out and "| 32 | " in out
+    assert "16 + P rows in one call" in out
+
+
 def test_long_tail_replay_follows_the_engines_schedule():
     """``long_tail_bound.replay`` predicts the decode steps the engine runs (slots refilled in
     request order at the start of every step), and charges each step the cost of its slots, or
