@@ -100,8 +100,8 @@ def test_staleness_two_and_a_shared_device_generate_the_same_batches(tmp_path):
     assert shared.generation_mesh is shared.session.mesh
     a, b = [], []
     for _ in range(4):  # the epoch of the rows trained, however far generation has run ahead
-        a.append({**split.step(), "epoch": split.epochs})
-        b.append({**shared.step(), "epoch": shared.epochs})
+        a.append({**split.step(), "epoch": split.pipeline.progress_taken(-1.0)})
+        b.append({**shared.step(), "epoch": shared.pipeline.progress_taken(-1.0)})
     assert [r["rollout/staleness_max"] for r in a] == [0, 1, 2, 2]
     per_generation = split.prompt_sampler.prompts_per_generation / split.prompt_sampler.num_prompts
     assert (
@@ -219,8 +219,14 @@ def test_progress_travels_with_its_generation_not_with_the_jobs_made_ahead():
     pipe.launch_due(0)  # four jobs
     state = json.loads(json.dumps(pipe.state_dict()))  # waits until all four are made
     assert len(made) == 4 and [g["progress"] for g in state["ready"]] == [1.0, 2.0, 3.0, 4.0]
+    assert pipe.progress_taken(-1.0) == -1.0  # nothing taken yet
     assert [pipe.take(s).progress for s in range(4)] == [1.0, 2.0, 3.0, 4.0]
+    assert pipe.progress_taken(-1.0) == 4.0
+    resumed, _, _ = _fake_pipeline(3, [0, 1, 2, 3, 4, 5])
+    resumed.load_state_dict(json.loads(json.dumps(pipe.state_dict())))
+    assert resumed.progress_taken(-1.0) == 4.0  # checkpointed with the counters
     pipe.close()
+    resumed.close()
     legacy = {k: v for k, v in state["ready"][0].items() if k != "progress"}
     assert Generated.from_json(legacy).progress is None  # a checkpoint from before
 

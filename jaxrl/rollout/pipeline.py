@@ -88,8 +88,9 @@ class RolloutPipeline:
 
     ``progress()`` (optional) reads host state that the jobs advance, e.g. the passes over
     the prompts: it is read right after each job, in the job's thread, and travels with the
-    generation (``Generated.progress``), so the trainer reports the value that belongs to the
-    rows it trains rather than whatever jobs made ahead have reached by then (timing).
+    generation (``Generated.progress``; :meth:`progress_taken`), so the trainer reports the
+    value that belongs to the rows it trains rather than whatever jobs made ahead have reached
+    by then (timing).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class RolloutPipeline:
         self._load_of: list[int] = []  # load step of generation m, as far as known
         self.launched = 0  # generations started (or restored) so far
         self.taken = 0  # generations handed to the trainer so far
+        self._progress_taken: float | None = None  # progress of the newest one taken
         self._jobs: deque[concurrent.futures.Future[Generated]] = deque()
         self._worker = (
             concurrent.futures.ThreadPoolExecutor(1, "jaxrl-rollout") if max_staleness else None
@@ -151,16 +153,25 @@ class RolloutPipeline:
         """The next generation (waiting for it if still running; made now when synchronous
         or when nothing was launched); step ``step`` loads it."""
         if not self._jobs and self._worker is None:
-            self.launched, self.taken = self.launched + 1, self.taken + 1
-            return self._run(self.snapshot(), step)
-        if not self._jobs:  # a load the schedule did not predict (rows handed back, ...)
-            self._jobs.append(self._worker.submit(self._run, self.snapshot(), step))
             self.launched += 1
-        start = time.perf_counter()
-        generated = self._jobs.popleft().result()  # a job's exception is raised here
-        self._wait_s += time.perf_counter() - start
+            generated = self._run(self.snapshot(), step)
+        else:
+            if not self._jobs:  # a load the schedule did not predict (rows handed back, ...)
+                self._jobs.append(self._worker.submit(self._run, self.snapshot(), step))
+                self.launched += 1
+            start = time.perf_counter()
+            generated = self._jobs.popleft().result()  # a job's exception is raised here
+            self._wait_s += time.perf_counter() - start
         self.taken += 1
+        if generated.progress is not None:  # None: stored by a checkpoint from before
+            self._progress_taken = generated.progress
         return generated
+
+    def progress_taken(self, default: float) -> float:
+        """``progress()`` as of the newest generation taken; ``default`` before one was, or
+        after resuming a checkpoint that did not record it (a synchronous run's: ``default``
+        is then the same value)."""
+        return default if self._progress_taken is None else self._progress_taken
 
     def metrics(self) -> dict[str, float]:
         """Seconds since the last call: ``time/wait_s`` (the trainer waited for a generation)
@@ -187,10 +198,12 @@ class RolloutPipeline:
             "launched": self.launched,
             "taken": self.taken,
             "ready": [g.to_json() for g in ready],
+            "progress_taken": self._progress_taken,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.launched, self.taken = int(state["launched"]), int(state["taken"])
+        self._progress_taken = state.get("progress_taken")
         self._jobs.clear()
         for data in state["ready"]:
             done: concurrent.futures.Future[Generated] = concurrent.futures.Future()

@@ -109,9 +109,8 @@ class GRPOTrainer:
             max_staleness=staleness,
             load_steps=self.rule.load_steps(),
             max_steps=self.cfg.max_steps,
-            progress=lambda: self.prompt_sampler.epochs,
+            progress=lambda: self.prompt_sampler.epochs,  # carried by each generation
         )
-        self.epochs = 0.0  # passes over the prompts up to the newest generation taken
         self.generation_s = 0.0  # time making the generations loaded since the last row
         self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
@@ -133,8 +132,6 @@ class GRPOTrainer:
         """Take the next generation (made now, or ahead) and load it into the buffer."""
         made = self.pipeline.take(self.session.step)
         self.generation_s += made.seconds
-        if made.progress is not None:  # None: stored by a checkpoint from before it was kept
-            self.epochs = made.progress
         if made.stats:
             self.sampling_stats = made.stats
         self.rollouts.load(made.batch)
@@ -248,7 +245,6 @@ class GRPOTrainer:
             "rollouts": self.rollouts.state_dict(),
             "start_eval": self.start_eval,
             "sampling_stats": self.sampling_stats,
-            "epochs": self.epochs,
         }
 
     def _start(self) -> None:
@@ -266,10 +262,7 @@ class GRPOTrainer:
         legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
         self.start_eval = host.get("start_eval", legacy)
         self.sampling_stats = host.get("sampling_stats", {})
-        # the generations taken so far; older checkpoints: the prompt order's own position
-        self.epochs = float(host.get("epochs", self.prompt_sampler.epochs))
-        # generations made ahead (by an asynchronous run) are trained first; a synchronous
-        # checkpoint: the pipeline starts here
+        # an asynchronous run's generations made ahead are trained first; else start here
         done = self.rollouts.next_id
         self.pipeline.load_state_dict(
             host.get("pipeline") or {"launched": done, "taken": done, "ready": []}
@@ -286,8 +279,7 @@ class GRPOTrainer:
                 "grpo",
                 self.step,
                 first_row=self.data_report,  # rows the length limits touched
-                # of the rows trained, not of generations made ahead (timing)
-                epoch=lambda: self.epochs,
+                epoch=lambda: self.pipeline.progress_taken(self.prompt_sampler.epochs),
                 host_state=self.host_state,
                 evaluate=self.evaluate,
                 info=lambda row: f"reward {row['reward']:.3f}",
