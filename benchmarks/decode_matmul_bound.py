@@ -86,7 +86,8 @@ def main() -> None:
             for _ in range(args.pairs)
         ]
         nbytes = 2 * args.pairs * d * i * jnp.dtype(dtype).itemsize
-        run = jax.jit(stack(weights, dtype))
+        f = stack(weights, dtype)
+        run = jax.jit(f)
         print(f"\n{name}: {args.pairs} pairs, {nbytes / 1e6:.0f} MB of weights")
         print("| rows M | ms per stack | weights GB/s | GFLOP/s |\n|---|---|---|---|")
         times = {}
@@ -104,7 +105,6 @@ def main() -> None:
         if dtype != jnp.bfloat16:
             continue
         decode = jnp.asarray(rng.standard_normal((16, d), dtype=np.float32))
-        f = stack(weights, dtype)
         both = jax.jit(lambda x, y: (f(x), f(y)))  # noqa: B023  (used within this iteration)
         joined = jax.jit(lambda x, y: f(jnp.concatenate([x, y])))  # noqa: B023
         print("\n| P | 16 rows, then P rows (two calls) | both in one program | 16 + P rows "

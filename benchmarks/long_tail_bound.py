@@ -84,9 +84,9 @@ def main() -> None:
         EOS,
         GREEDY,
         PAD,
-        SHAPES,
         bench_model,
         bench_prompts,
+        long_tail_arguments,
         long_tail_limits,
     )
     from static_sampler import StaticSampler
@@ -94,17 +94,10 @@ def main() -> None:
     from jaxrl.generate.sampler import Sampler, compact_sizes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="100m")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--median", type=float, default=8)
-    ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--max-new", type=int, default=64)
+    long_tail_arguments(ap, shape="100m", median=8, max_new=64, dtype="auto")
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--costs", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--cost-tokens", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
-    ap.add_argument("--dtype", choices=("float32", "auto"), default="auto")
     args = ap.parse_args()
     if args.slots not in args.costs:
         ap.error(f"--costs must include --slots ({args.slots}) to replay the engine as it runs")

@@ -160,14 +160,31 @@ def run_case(name, methods, limits, repeat) -> dict:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+def long_tail_arguments(
+    ap: argparse.ArgumentParser, *, shape: str, median: float, max_new: int, dtype: str
+) -> None:
+    """The options that draw the long-tail case (model, prompts, limits; shared with
+    long_tail_bound.py, which replays it) and time it, with these defaults."""
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=shape)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--median", type=float, default=16)
+    ap.add_argument("--median", type=float, default=median)
     ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--max-new", type=int, default=max_new)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "auto"),
+        default=dtype,
+        help="jaxrl's compute: auto = as the shipped configs run (model.dtype: auto; on a CPU "
+        "with AMX-BF16 or AVX512-BF16, bf16 matmul operands with fp32 accumulation); HF stays "
+        "fp32",
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    long_tail_arguments(ap, shape="tiny", median=16, max_new=128, dtype="float32")
     ap.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--equal-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -184,15 +201,6 @@ def main() -> None:
     )
     ap.add_argument("--cases", nargs="+", default=["long-tail", "grouped", "equal"])
     ap.add_argument("--group", type=int, default=8, help="G of the grouped case")
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 48], help="min max")
-    ap.add_argument(
-        "--dtype",
-        choices=("float32", "auto"),
-        default="float32",
-        help="jaxrl's compute: auto = as the shipped configs run (model.dtype: auto; on a CPU "
-        "with AMX-BF16 or AVX512-BF16, bf16 matmul operands with fp32 accumulation); HF stays "
-        "fp32",
-    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()

@@ -351,10 +351,11 @@ def test_batch_sizes_share_a_bucket_and_padding_changes_no_completion(tiny):
 
 
 def test_compacted_steps_generate_what_steps_over_every_slot_generate(tiny):
-    """Once the live slots fit a quarter or a half of the slots, a step runs only those
-    (``engine._compacted_step``): the same tokens, lengths, truncation and decode steps as
-    steps over every slot, log-probs to float rounding, one program either way, sampled and
-    greedy, with refills (16 and 32 slots) and with every request admitted at once (0)."""
+    """Once the live slots fit a quarter or a half of the slots, steps run only those
+    (``engine._compacted``, then a loop of its own): the same tokens, lengths, truncation and
+    decode steps as steps over every slot, log-probs to float rounding, one program either way,
+    sampled and greedy, with refills (16 and 32 slots) and with every request admitted at once
+    (0)."""
     model, _ = tiny
     assert compact_sizes(16) == (8,) and compact_sizes(32) == (8, 16)
     assert compact_sizes(64) == (16, 32) and compact_sizes(8) == ()
