@@ -129,6 +129,29 @@ def test_removed_keys_are_one_line_errors_naming_what_replaces_them(key, fix):
         GRPOConfig(**{field: yaml.safe_load(value)})  # the keyword, as from Python
 
 
+@pytest.mark.parametrize(
+    "key, fix",
+    [
+        ("grpo.use_vllm=true", "set rollout.backend: vllm"),
+        ("grpo.vllm_mode=server", "rollout.vllm.url"),
+        ("grpo.vllm_server_base_url=http://h:8000", "rollout.vllm.url: http://host:port"),
+        ("grpo.vllm_gpu_memory_utilization=0.5", "rollout.vllm.extra_args"),
+        ("grpo.vllm_importance_sampling_cap=2.0", "grpo.importance_sampling_cap"),
+    ],
+)
+def test_trl_vllm_keys_point_to_the_rollout_backend(key, fix):
+    """TRL's ``use_vllm`` and ``vllm_*`` keys are not unknown keys: each names what jaxrl has
+    instead (rollout.backend, rollout.vllm.*), from a config file and from Python."""
+    name, value = key.split("=", 1)
+    with pytest.raises(ConfigError) as err:
+        load_run_config("configs/grpo_tiny.yaml", [key])
+    message = str(err.value)
+    assert message.startswith(f"{name}=") and "TRL's vLLM key" in message and fix in message
+    assert "unknown" not in message and "\n" not in message
+    with pytest.raises(ConfigError, match="TRL's vLLM key"):
+        GRPOConfig(**{name.removeprefix("grpo."): yaml.safe_load(value)})
+
+
 @pytest.mark.parametrize("value", ['"', "\x1b", "[1", "{a: 1"])
 def test_an_override_that_is_not_yaml_is_a_one_line_config_error(value):
     """Found by tests/test_fuzz.py: ``--set key="`` raised yaml's multi-line ScannerError."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])
 def test_ruff(args):
-    ruff = shutil.which("ruff")
-    assert ruff, "ruff is part of the test extra: pip install -e '.[test]'"
-    result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
+    """Through the interpreter under test (``python -m ruff``), not a ``ruff`` found on PATH: a
+    venv's pytest run without activating the venv (a scheduler, an IDE) has no PATH to it."""
+    found = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True)
+    assert found.returncode == 0, "ruff is part of the test extra: pip install -e '.[test]'"
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

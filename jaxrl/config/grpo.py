@@ -119,6 +119,42 @@ class _Resolved:
         obj.__dict__[self.slot] = None if isinstance(value, ResolvedValue) else value
 
 
+# TRL's vLLM keys: in jaxrl vLLM is a rollout backend, configured once for every algorithm that
+# generates (rollout.backend, rollout.vllm.*; docs/rollout.md, "vLLM"), not a grpo option
+_VLLM = "TRL's vLLM key; jaxrl: set rollout.backend: vllm"
+_VLLM_ARG = (
+    f"{_VLLM}, and pass the server option in rollout.vllm.extra_args (a server jaxrl starts) "
+    "or to the servers you run (rollout.vllm.url)"
+)
+TRL_VLLM_FIXES = {
+    "use_vllm": f"{_VLLM} (rollout.backend: engine, the default, is jaxrl's own sampler)",
+    "vllm_mode": (
+        f"{_VLLM}: servers jaxrl starts (rollout.vllm.command, else the installed vllm) or "
+        "servers you run (rollout.vllm.url); there is no colocate mode"
+    ),
+    "vllm_server_base_url": f"{_VLLM} and rollout.vllm.url: http://host:port",
+    "vllm_server_host": f"{_VLLM} and rollout.vllm.url: http://host:port",
+    "vllm_server_port": f"{_VLLM} and rollout.vllm.url: http://host:port",
+    "vllm_server_timeout": f"{_VLLM}; rollout.vllm.start_timeout is the seconds to start",
+    "vllm_group_port": f"{_VLLM}; rollout.vllm.weight_transfer picks disk, nccl or ipc",
+    "vllm_gpu_memory_utilization": _VLLM_ARG,
+    "vllm_tensor_parallel_size": _VLLM_ARG,
+    "vllm_max_model_length": _VLLM_ARG,
+    "vllm_model_impl": _VLLM_ARG,
+    "vllm_enable_sleep_mode": _VLLM_ARG,
+    "vllm_guided_decoding_regex": f"{_VLLM}; guided decoding is not supported: delete the key",
+    "vllm_structured_outputs_regex": f"{_VLLM}; structured outputs are not supported: delete it",
+    "vllm_importance_sampling_correction": (
+        "TRL's vLLM key; jaxrl: grpo.importance_sampling_correction (any rollout.backend)"
+    ),
+    "vllm_importance_sampling_mode": (
+        "TRL's vLLM key; jaxrl: grpo.importance_sampling_correction (any rollout.backend)"
+    ),
+    "vllm_importance_sampling_cap": (
+        "TRL's vLLM key; jaxrl: grpo.importance_sampling_cap (any rollout.backend)"
+    ),
+}
+
 ROUTER_REPLAY = ("none", "rollout")  # grpo.router_replay (jaxrl/models/moe, docs/moe.md)
 
 
@@ -136,6 +172,7 @@ ROUTER_REPLAY = ("none", "rollout")  # grpo.router_replay (jaxrl/models/moe, doc
     max_tool_calling_iterations=(
         "TRL's name; jaxrl counts assistant turns: set max_turns to TRL's value + 1"
     ),
+    **TRL_VLLM_FIXES,
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:

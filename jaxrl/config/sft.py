@@ -21,7 +21,9 @@ class SFTConfig:
     loss_normalization: Literal["token", "sequence", "document"] = "token"  # step divisor
     completion_only_loss: bool = True  # loss on answer tokens (and EOS) only, not the prompt
     max_length: int = 64  # document length cap (prompt + answer + EOS), in tokens: longer ones
-    # keep their first max_length tokens and are counted (data/train_over_length), as in TRL
+    # keep their first max_length tokens and are counted (data/train_over_length), as in TRL.
+    # TRL's default is 1024; 64 fits the built-in tasks (about 12 tokens a document) and the
+    # default schedule.max_tokens (512, which it may not exceed); real-data configs set theirs
 
     def __post_init__(self):
         require(
