@@ -1,5 +1,5 @@
-"""``jaxrl train CONFIG.yaml [--set key=value ...]``, ``jaxrl memory CONFIG.yaml [--json]``
-and ``jaxrl schedule ...``.
+"""``jaxrl train CONFIG.yaml [--set key=value ...]``, ``jaxrl check CONFIG.yaml``,
+``jaxrl memory CONFIG.yaml [--json]`` and ``jaxrl schedule ...``.
 
 Thin: parse, load the config, call the trainer. jax is imported only after the config is read,
 so the ``mesh`` section can size the CPU host-device count, and the ``distributed`` section start
@@ -249,8 +249,12 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
 
 
 DESCRIPTION = (
-    "RL and preference fine-tuning of language models in JAX: train a config (SFT, GRPO or DPO), "
-    "plan its memory, or show the data-parallel micro-batch schedule of a lengths file."
+    "Exact, layout-invariant RL and preference fine-tuning of language models in JAX. "
+    "Commands: train (run a config), check (is its update the same in two layouts?), memory "
+    "(plan its per-device memory without allocating), schedule (the data-parallel micro-batch "
+    "plan of a lengths file). Algorithms (the config's algorithm: key): sft, dpo (dpo.loss_type "
+    "sigmoid, ipo, simpo, ..., or orpo), kto, grpo (GRPO, GSPO, DAPO, Dr.GRPO, CISPO, RLOO: "
+    "grpo.loss_type and friends), ppo (GRPO's rollouts with a learned critic)."
 )
 
 
@@ -283,7 +287,13 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"jaxrl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run a config (SFT, GRPO or DPO)")
+    train = sub.add_parser(
+        "train",
+        help="run a config: sft, dpo (orpo via dpo.loss_type), kto, grpo or ppo",
+        description="Runs the trainer the config's algorithm names (sft, dpo, kto, grpo, ppo; orpo is "
+        "dpo.loss_type: orpo; "
+        "an SFT warm start first when sft_warmup_steps > 0) and prints its summary as JSON.",
+    )
     train.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")
     _add_set(train)
     train.add_argument("--debug", action="store_true", help="show tracebacks of errors")

@@ -176,6 +176,35 @@ def test_help_is_plain_text_and_version_is_the_package_version(capsys):
     assert "--micro-batch-group MICRO_BATCH_GROUP each rank's micro-batch count" in text
 
 
+def test_help_names_every_algorithm_and_command(capsys):
+    """``jaxrl --help`` names every ``algorithm:`` the config accepts and every subcommand
+    (in its description, not only in the usage line); ``jaxrl train --help`` names the
+    algorithms too, orpo included (a dpo.loss_type)."""
+    import dataclasses
+    import re
+    import typing
+
+    from jaxrl.config import RunConfig
+
+    field = next(f for f in dataclasses.fields(RunConfig) if f.name == "algorithm")
+    algorithms = typing.get_args(typing.get_type_hints(RunConfig)[field.name])
+    assert {"sft", "dpo", "kto", "grpo", "ppo"} <= set(algorithms)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    commands = re.search(r"\{([a-z,]+)\}", text).group(1).split(",")
+    assert {"train", "check", "memory", "schedule"} <= set(commands)
+    description = " ".join(text.split("positional arguments")[0].split("\n")[1:])
+    missing = [
+        w for w in (*algorithms, *commands, "orpo") if not re.search(rf"\b{w}\b", description)
+    ]
+    assert not missing, f"jaxrl --help does not describe {missing}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    train = capsys.readouterr().out
+    assert all(re.search(rf"\b{a}\b", train) for a in (*algorithms, "orpo")), train
+
+
 @pytest.mark.parametrize("dp", [2, 5, 64])
 def test_schedule_plot_has_integer_rank_ticks_and_titles_that_fit(dp):
     from jaxrl.data.batching.schedule_report import compare_schedules, schedule_figure
