@@ -122,3 +122,82 @@ def test_citation_scan_sees_bare_names_paths_and_sections(tmp_path):
     outside = tmp_path / "grpo.md"  # an existing file outside the repository
     outside.write_text("# 1. x\n")
     assert _resolve(ROOT / "README.md", str(outside)) is None
+
+
+# -- quoted figures have one source (docs/figures.yaml) -----------------------------------------
+FIGURES = ROOT / "docs" / "figures.yaml"
+
+
+def _recorded(root: Path, source: dict) -> float:
+    """A figure recorded in a JSON file (``json``: path, ``key``: dotted), in GiB when the key
+    counts bytes (``*_bytes``), rounded as docs quote it (2 decimals)."""
+    import json
+
+    value = json.loads((root / source["json"]).read_text())
+    for part in source["key"].split("."):
+        value = value[part]
+    return round(value / 2**30, 2) if source["key"].endswith("_bytes") else value
+
+
+def _stale_figures(figures: dict, root: Path) -> list[str]:
+    """What disagrees with ``figures``: each figure's value equals its recorded source (a JSON
+    key), or, formatted into its source's text, appears in that file; formatted into every
+    quote's text it appears in the quoting file (line breaks read as spaces)."""
+    stale = []
+    for name, figure in figures.items():
+        value = figure["value"]
+        if not figure.get("quotes"):
+            stale.append(f"{name}: a figure nobody quotes does not belong here")
+        texts = [*figure.get("quotes", ())]
+        if "json" in figure["source"]:
+            recorded = _recorded(root, figure["source"])
+            if recorded != value:
+                stale.append(f"{name}: {figure['source']['json']} records {recorded}, not {value}")
+        else:
+            texts.insert(0, figure["source"])
+        for where in texts:
+            text = " ".join(where["text"].format(value=value).split())
+            body = " ".join((root / where["file"]).read_text().split())
+            if text not in body:
+                stale.append(f"{name}: {where['file']} lacks {text!r}")
+    return stale
+
+
+def test_quoted_figures_match_their_source():
+    """Each figure docs/figures.yaml lists appears, with its value, in its single source (the
+    benchmark table or the plan it comes from) and in every file that quotes it: a figure
+    changed in one place and not in the others fails here, naming the file and the text."""
+    import yaml
+
+    figures = yaml.safe_load(FIGURES.read_text())
+    assert len(figures) >= 10, "docs/figures.yaml lost its figures"
+    stale = _stale_figures(figures, ROOT)
+    assert not stale, "quoted figures that disagree with docs/figures.yaml:\n" + "\n".join(stale)
+
+
+def test_figure_check_reports_a_quote_that_moved(tmp_path):
+    """The check itself: a source and a quote that agree pass; a quote whose number differs
+    from the value (or a source that changed) is reported with its file."""
+    (tmp_path / "a.md").write_text("| data=1 | scanned | block | 28.31 |\n")
+    (tmp_path / "b.md").write_text("cuts the temporaries to 28\nGiB of temporaries.\n")
+    (tmp_path / "c.md").write_text("only 26 GiB of temporaries\n")
+    figure = {
+        "value": 28.31,
+        "source": {"file": "a.md", "text": "| scanned | block | {value} |"},
+        "quotes": [{"file": "b.md", "text": "{value:.0f} GiB of temporaries"}],
+    }
+    assert _stale_figures({"t": figure}, tmp_path) == []
+    figure["quotes"].append({"file": "c.md", "text": "{value:.0f} GiB of temporaries"})
+    assert _stale_figures({"t": figure}, tmp_path) == ["t: c.md lacks '28 GiB of temporaries'"]
+    figure["value"] = 26.15
+    assert [m.split(" lacks")[0] for m in _stale_figures({"t": figure}, tmp_path)] == [
+        "t: a.md",
+        "t: b.md",
+    ]
+    (tmp_path / "plan.json").write_text('{"plan": {"total_bytes": 48117744072}}')
+    recorded = {"value": 44.81, "source": {"json": "plan.json", "key": "plan.total_bytes"}}
+    recorded["quotes"] = [{"file": "d.md", "text": "{value:.1f} GiB: fits"}]
+    (tmp_path / "d.md").write_text("44.8 GiB: fits a 95 GB chip")
+    assert _stale_figures({"p": recorded}, tmp_path) == []
+    recorded["value"] = 38.06
+    assert _stale_figures({"p": recorded}, tmp_path)[0] == "p: plan.json records 44.81, not 38.06"
