@@ -5,7 +5,8 @@ arrays ``[R, M, ...]`` with R = data × fsdp ranks, split over the batch axes
 (``jaxrl.runtime.mesh``). Round i is slot i on every rank.
 
 The ``shard_map`` is manual over the batch axes (``data``, ``fsdp``) only; ``tensor`` stays
-automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary.
+automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary (the
+scorer's program has the same shape: ``jaxrl.train.per_rank``).
 
 ZeRO-3 (``fsdp > 1`` with ``grad_specs``): the parameters enter as their fsdp shards
 (``in_specs`` from their own PartitionSpecs, restricted to the manual axes) and stay sharded
@@ -19,7 +20,8 @@ enter whole and their round gradients are ``psum``'d over ``fsdp``. A ``psum`` o
 after the loop finishes the sum. Axes of size 1 are left out of the manual set (and with none
 left there is no ``shard_map``).
 
-Starting at the cursor ``start``, the loop consumes rounds while ``i < stop`` and, when
+Starting at the cursor ``start``, the loop (state :class:`Rounds`, its sums
+:class:`RoundSums`) consumes rounds while ``i < stop`` and, when
 ``docs_per_step > 0``, while the psum'd document total is below the target. The round that
 crosses the target is kept (Fast-LLM), so every rank runs the same number of rounds.
 
