@@ -85,7 +85,7 @@ def _prefill_hlo_and_logits(model: Transformer):
     tokens = jnp.asarray([[5, 9, 3, 17, 2, 0, 0, 0], [30, 1, 4, 4, 8, 12, 6, 2]], jnp.int32)
     lengths = jnp.asarray([5, 8], jnp.int32)
     graphdef, params = nnx.split(model)
-    run = jax.jit(lambda p: prefill_prompts(nnx.merge(graphdef, p), tokens, lengths, 0)[0])
+    run = jax.jit(lambda p: prefill_prompts(nnx.merge(graphdef, p), tokens, lengths, 0).logits_QV)
     return run.lower(params).as_text(), np.asarray(run(params))
 
 

@@ -55,7 +55,7 @@ def test_packed_prefill_equals_one_prompt_per_row(tiny, chunk):
     lengths_Q = np.asarray([len(x) for x in prompts], np.int32)
     for q, x in enumerate(prompts):
         one_QP[q, : len(x)] = x
-    want_logits, want = prefill_prompts(tiny, jnp.asarray(one_QP), jnp.asarray(lengths_Q), chunk)
+    want = prefill_prompts(tiny, jnp.asarray(one_QP), jnp.asarray(lengths_Q), chunk)
     rows = prompt_rows(lengths_Q, p)
     assert rows.rows < len(prompts)  # genuinely packed
     tok, seg, pos = (np.zeros((rows.rows, rows.width), np.int32) for _ in range(3))
@@ -64,13 +64,14 @@ def test_packed_prefill_equals_one_prompt_per_row(tiny, chunk):
         tok[r, c : c + len(x)], seg[r, c : c + len(x)] = x, q + 1
         pos[r, c : c + len(x)] = np.arange(len(x))
     last = rows.start_Q + lengths_Q - 1
-    logits, cache = prefill_rows(tiny, tok, seg, pos, jnp.asarray(last), chunk)
-    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+    got = prefill_rows(tiny, tok, seg, pos, jnp.asarray(last), chunk)
+    np.testing.assert_allclose(got.logits_QV, want.logits_QV, rtol=1e-5, atol=1e-5)
     for q, x in enumerate(prompts):
         r, c = rows.row_Q[q], rows.offset_Q[q]
-        for got, ref in ((cache.keys, want.keys), (cache.values, want.values)):
+        pairs = ((got.cache.keys, want.cache.keys), (got.cache.values, want.cache.values))
+        for got_kv, ref in pairs:
             np.testing.assert_allclose(
-                got[:, r, c : c + len(x)], ref[:, q, : len(x)], rtol=1e-5, atol=1e-6
+                got_kv[:, r, c : c + len(x)], ref[:, q, : len(x)], rtol=1e-5, atol=1e-6
             )
 
 

@@ -119,3 +119,143 @@ def test_the_public_api_paths_exist():
 
     c = GRPOConfig(per_device_train_batch_size=8, num_generations=4, world_size=2)
     assert (c.generation_batch_size, c.steps_per_generation) == (16, 1)  # resolved values
+
+
+# -- state has names (docs/architecture.md: loop carries are registered dataclasses) ----------
+LOOP_INIT_ARG = {"while_loop": 2, "fori_loop": 3, "scan": 1}  # positional index of the carry
+LOOP_BODY_ARGS = {"while_loop": ((0, 0), (1, 0)), "fori_loop": ((2, 1),), "scan": ((0, 0),)}
+CARRY_NAMES = {"c", "carry", "state", "st", "loop_state", "loop_carry", "init", "val"}
+NAMED_STATE_PACKAGES = ("jaxrl/train", "jaxrl/generate")
+
+
+def _loop_kind(call) -> str | None:
+    """``while_loop`` / ``fori_loop`` / ``scan`` for a call of ``lax.<kind>`` (any prefix)."""
+    import ast
+
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name if name in LOOP_INIT_ARG else None
+
+
+def _int_index(node) -> int | None:
+    """The integer a subscript's index is (``x[2]``, ``x[-1]``), else None."""
+    import ast
+
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        value = _int_index(node.operand)
+        return None if value is None else -value
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    return None
+
+
+def _returned(fn) -> list:
+    """The expressions a function (a ``def``'s returns, a lambda's body) returns."""
+    import ast
+
+    if isinstance(fn, ast.Lambda):
+        return [fn.body]
+    return [r.value for r in ast.walk(fn) if isinstance(r, ast.Return) and r.value is not None]
+
+
+def positional_state(source: str) -> list[str]:
+    """Where ``source`` treats loop state as a positional tuple: an integer subscript of a
+    carry-named variable (``c[2]``) or of a loop body's carry parameter, a carry-named variable
+    unpacked into a tuple (``i, carry = state``), a tuple literal as a loop's initial carry, or a
+    ``while_loop`` / ``fori_loop`` body returning one."""
+    import ast
+
+    tree = ast.parse(source)
+    defs: dict[str, list] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            defs.setdefault(node.name, []).append(node)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and (kind := _loop_kind(node))):
+            continue
+        at = LOOP_INIT_ARG[kind]
+        init = node.args[at] if len(node.args) > at else None
+        init = next((k.value for k in node.keywords if k.arg in ("init", "init_val")), init)
+        if isinstance(init, ast.Tuple):
+            found.append(f"line {node.lineno}: a tuple as the {kind} carry")
+        for fn_at, param_at in LOOP_BODY_ARGS[kind]:
+            if len(node.args) <= fn_at:
+                continue
+            fn = node.args[fn_at]
+            bodies = [fn] if isinstance(fn, ast.Lambda) else defs.get(getattr(fn, "id", ""), [])
+            for body in bodies:
+                params = [a.arg for a in body.args.args]
+                carry = params[param_at] if len(params) > param_at else None
+                for sub in ast.walk(body):
+                    if (
+                        isinstance(sub, ast.Subscript)
+                        and isinstance(sub.value, ast.Name)
+                        and sub.value.id == carry
+                        and _int_index(sub.slice) is not None
+                    ):
+                        found.append(f"line {sub.lineno}: {carry}[{_int_index(sub.slice)}]")
+                if kind != "scan" and any(isinstance(r, ast.Tuple) for r in _returned(body)):
+                    found.append(f"line {body.lineno}: a {kind} body returns a tuple")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in CARRY_NAMES
+            and _int_index(node.slice) is not None
+        ):
+            found.append(f"line {node.lineno}: {node.value.id}[{_int_index(node.slice)}]")
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in CARRY_NAMES
+            and any(isinstance(t, ast.Tuple) for t in node.targets)
+        ):
+            found.append(f"line {node.lineno}: {node.value.id} unpacked as a tuple")
+    return sorted(set(found))
+
+
+def test_positional_state_scan_finds_tuple_carries():
+    """The scan finds what the accumulator's loop looked like before its state had names."""
+    before = """
+def rounds(add, init, total_of):
+    def cond(state):
+        i, carry = state
+        return (i < stop) & (total_of(carry) < docs_per_step)
+
+    def body(state):
+        i, carry = state
+        return i + 1, add(carry, i)
+
+    return jax.lax.while_loop(cond, body, (start, init))
+
+def add(carry, i):
+    grads, total = carry
+    return grads + g, total + n
+
+end, carry = rounds(add, (zero, jnp.int32(0)), lambda c: c[1])
+out = lax.fori_loop(0, n, lambda j, v: (v[0] + j, v[1]), x)
+"""
+    found = positional_state(before)
+    assert any("tuple as the while_loop carry" in f for f in found), found
+    assert any("state unpacked" in f for f in found) and any("carry unpacked" in f for f in found)
+    assert any("c[1]" in f for f in found) and any("v[0]" in f for f in found), found
+    assert any("while_loop body returns a tuple" in f for f in found), found
+    named = """
+def body(state: Rounds) -> Rounds:
+    return Rounds(cursor=state.cursor + 1, sums=add(state.sums, state.cursor))
+
+out = jax.lax.while_loop(lambda s: s.cursor < stop, body, Rounds(cursor=start, sums=init))
+carry, ys = jax.lax.scan(lambda c, x: (c + x, c), init, xs)
+"""
+    assert positional_state(named) == []
+
+
+def test_no_tuple_indexing_of_loop_state():
+    """Loop carries in train/ and generate/ are registered dataclasses read by name, never
+    positional tuples read as ``carry[3]`` (issue 50, item 3)."""
+    found = []
+    for package in NAMED_STATE_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)}: {f}" for f in positional_state(path.read_text())]
+    assert not found, "positional loop state:\n" + "\n".join(found)

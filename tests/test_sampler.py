@@ -355,7 +355,7 @@ def test_compacted_steps_generate_what_steps_over_every_slot_generate(tiny):
     (``engine._compacted``, then a loop of its own): the same tokens, lengths, truncation and
     decode steps as steps over every slot, log-probs to float rounding, one program either way,
     sampled and greedy, with refills (16 and 32 slots) and with every request admitted at once
-    (0)."""
+    (0); the engine counts the steps that ran compacted (``EngineResult.compacted_steps``)."""
     model, _ = tiny
     assert compact_sizes(16) == (8,) and compact_sizes(32) == (8, 16)
     assert compact_sizes(64) == (16, 32) and compact_sizes(8) == ()
@@ -386,6 +386,10 @@ def test_compacted_steps_generate_what_steps_over_every_slot_generate(tiny):
             for field in ("tokens", "lengths", "truncated"):
                 np.testing.assert_array_equal(getattr(compacted, field), getattr(full, field))
             assert compacted.num_steps == full.num_steps
+            # the compacted loops did run (a counter in the engine's result), and only with
+            # compaction on: the equalities above compare two programs, not one twice
+            assert 0 < compacted.compacted_steps < compacted.num_steps
+            assert full.compacted_steps == 0
             np.testing.assert_allclose(compacted.logprobs, full.logprobs, atol=2e-6)
             assert (full.lengths < limits).any() and (full.lengths == limits).any()
 

@@ -52,8 +52,9 @@ _EXPERT_KERNELS = ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel
 def _bytes(config: ModelConfig) -> tuple[int, int]:
     """``(whole, experts)``: bytes of the sampler's parameters in the compute dtype, and of its
     expert kernels among them (``[E, ...]``, split over the ``expert`` axis)."""
+    _, _, abstract = decode_model(config)
     whole = experts = 0
-    for path, x in jax.tree.leaves_with_path(decode_model(config)[2]):
+    for path, x in jax.tree.leaves_with_path(abstract):
         n = x.size * np.dtype(x.dtype).itemsize
         whole += n
         if any(name in jax.tree_util.keystr(path) for name in _EXPERT_KERNELS):
@@ -64,7 +65,8 @@ def _bytes(config: ModelConfig) -> tuple[int, int]:
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of the model's parameters in the compute dtype (the sampler's copy, whole), from
     the abstract parameters of the model the sampler runs (``sampler_weights.decode_model``)."""
-    return _bytes(config)[0]
+    whole, _ = _bytes(config)
+    return whole
 
 
 def decode_expert(config: ModelConfig, devices: int, tensor: int, expert: int) -> int:

@@ -64,7 +64,9 @@ from jaxrl.runtime.spmd import constrain_rows
 
 __all__ = [
     "DecodeState",
+    "EngineResult",
     "EngineShape",
+    "Prefill",
     "continue_slots",
     "decode_requests",
     "prefill_prompts",
@@ -109,6 +111,34 @@ class DecodeState:
     routes_RqNLK: jax.Array | None = None  # int32 MoE routes of the fed tokens (-1 = none)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    """What an engine program returns (:func:`decode_requests`, :func:`continue_slots`): one
+    row per request (a session's turn: per slot)."""
+
+    tokens_RqN: jax.Array  # int32: generated tokens, pad_id after the end
+    logprobs_RqN: jax.Array  # float32: their sampler log-probs, 0 after the end
+    lengths_Rq: jax.Array  # int32: tokens generated (eos / stop token included)
+    truncated_Rq: jax.Array  # bool: stopped at its limit, without eos or stop string
+    steps: jax.Array  # int32 scalar: decode steps run
+    compacted_steps: jax.Array  # int32 scalar: of those, steps run compacted (module doc)
+    prompt_routes: jax.Array | None = None  # MoE (``record_routes``): the routes of what was
+    # prefilled: decode_requests' prompts [Q, P, Lm, K], continue_slots' new tokens [Sl, E, Lm, K]
+    routes_RqNLK: jax.Array | None = None  # MoE: the completions' routes (-1 = none)
+    cache: SlotKVCache | None = None  # continue_slots: the slots' cache after the turn
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """A prefill's results (:func:`prefill_rows`)."""
+
+    logits_QV: jax.Array  # next-token logits of each prompt's last token
+    cache: KVCache  # the prompts' keys and values, W entries per row
+    routes: jax.Array | None = None  # MoE (``record_routes``): every entry's, [R * W, Lm, K]
+
+
 def _run(model: Transformer, record_routes: bool, *args: jax.Array, loop: bool = False) -> tuple:
     """``model.decode(*args)`` as ``(hidden, cache, routes or None)``; MoE routes with
     ``record_routes`` (``Transformer.routed_decode``); ``loop``: ``loop_layers``."""
@@ -138,15 +168,15 @@ def prefill_rows(
     last_Q: jax.Array,
     chunk: int,
     record_routes: bool = False,
-) -> tuple[jax.Array, ...]:
+) -> Prefill:
     """Prompts packed into R rows of W tokens (``segment_ids`` 1.. per prompt, 0 = padding;
-    ``positions`` from 0 in each prompt) into a fresh cache of W entries per row: ``(next-token
-    logits [Q, V], cache)``. ``last_Q`` is the flat entry ``row * W + column`` of prompt q's last
-    token. A prompt attends to its own tokens only (``kv_cache.py``), so its keys, values and
-    logits are those of a prefill of the prompt alone, up to float reduction order. With
-    ``chunk`` (W a multiple of it), C tokens at a time: each chunk's queries attend to the cache
-    filled so far (prefix chunks) and themselves. With ``record_routes`` (a MoE model) also the
-    routes of every entry, ``[R * W, Lm, K]``."""
+    ``positions`` from 0 in each prompt) into a fresh cache of W entries per row: the
+    next-token logits ``[Q, V]`` and the cache. ``last_Q`` is the flat entry
+    ``row * W + column`` of prompt q's last token. A prompt attends to its own tokens only
+    (``kv_cache.py``), so its keys, values and logits are those of a prefill of the prompt
+    alone, up to float reduction order. With ``chunk`` (W a multiple of it), C tokens at a time:
+    each chunk's queries attend to the cache filled so far (prefix chunks) and themselves. With
+    ``record_routes`` (a MoE model) also the routes of every entry, ``[R * W, Lm, K]``."""
     r, w = tokens_RW.shape
     cache = KVCache.empty(model.config, r, w)
     if not chunk or chunk >= w:
@@ -170,8 +200,8 @@ def prefill_rows(
     last_QD = jnp.take(hidden_ND, last_Q, axis=0, mode="clip")
     logits_QV = model.logits(last_QD[:, None])[:, 0]
     if record_routes:
-        return logits_QV, cache, routes.reshape(r * w, *routes.shape[2:])
-    return logits_QV, cache
+        routes = routes.reshape(r * w, *routes.shape[2:])
+    return Prefill(logits_QV=logits_QV, cache=cache, routes=routes)
 
 
 def prefill_prompts(
@@ -180,7 +210,7 @@ def prefill_prompts(
     lengths_Q: jax.Array,
     chunk: int,
     record_routes: bool = False,
-) -> tuple[jax.Array, ...]:
+) -> Prefill:
     """Right-padded prompts, one per row, into a fresh cache of P entries (:func:`prefill_rows`
     with prompt q alone in row q); MoE routes ``[Q * P, Lm, K]`` with ``record_routes``."""
     q, p = tokens_QP.shape
@@ -332,18 +362,20 @@ def decode_requests(
     stop_ZV: jax.Array | None,
     mesh: Mesh | None = None,
     record_routes: bool = False,
-) -> tuple[jax.Array, ...]:
-    """Generate every request (module doc): ``(tokens [Rq, N], logprobs [Rq, N], lengths [Rq],
-    truncated [Rq], decode steps)``, with ``record_routes`` (a MoE model) also the prompt routes
-    ``[Q, P, Lm, K]`` and completion routes ``[Rq, N, Lm, K]``. Requests ``>= num_requests``
-    are padding, never run. The Q prompts come packed in rows (:func:`prefill_rows`); prompt q
-    starts at the flat entry ``start_Q[q]`` (``row * W + column``)."""
+) -> EngineResult:
+    """Generate every request (module doc): tokens and log-probs ``[Rq, N]``, lengths and
+    truncation ``[Rq]``, the decode steps run and how many of them ran compacted; with
+    ``record_routes`` (a MoE model) also the prompt routes ``[Q, P, Lm, K]`` and completion
+    routes ``[Rq, N, Lm, K]``. Requests ``>= num_requests`` are padding, never run. The Q
+    prompts come packed in rows (:func:`prefill_rows`); prompt q starts at the flat entry
+    ``start_Q[q]`` (``row * W + column``)."""
     s, r = shape.slots, group_Rq.shape[0]
     last_Q = start_Q + jnp.maximum(prompt_lengths_Q - 1, 0)
-    prompt_logits_QV, prompt_cache, *prefill_routes = prefill_rows(
+    prefill = prefill_rows(
         model, prompts_RW, segment_ids_RW, positions_RW, last_Q, shape.prefill_chunk,
         record_routes,
     )  # fmt: skip
+    prompt_logits_QV, prompt_cache = prefill.logits_QV, prefill.cache
     cache = SlotKVCache.empty(model.config, s, shape.cache_length, shape.block)
     cache = dataclasses.replace(
         cache,
@@ -400,17 +432,25 @@ def decode_requests(
         routes_LK = (len(model.config.moe_layers), model.config.num_experts_per_tok)
     logits_SlV = jnp.zeros((s, v), prompt_logits_QV.dtype)
     state = _initial_state(shape, r, logits_SlV, cache, rows, routes_LK)
-    out = lax.while_loop(cond, body, state)
+    out = uncompacted = lax.while_loop(cond, body, state)
     for size, below in zip(sizes[:0:-1], sizes[-2::-1], strict=True):  # compaction phases
         out = _compacted(out, size, rows)  # every request admitted: no refill from here on
         out = lax.while_loop(lambda st, below=below: live(st) > below, step, out)
-    outs = out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step
-    if not record_routes:
-        return outs
-    p = shape.prompt_length or prompts_RW.shape[1]  # each prompt's P entries from its start
-    at_QP = start_Q[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
-    prompt_routes_QPLK = jnp.take(prefill_routes[0], at_QP, axis=0, mode="clip")
-    return (*outs, prompt_routes_QPLK, out.routes_RqNLK)
+    prompt_routes_QPLK = None
+    if record_routes:
+        p = shape.prompt_length or prompts_RW.shape[1]  # each prompt's P entries from its start
+        at_QP = start_Q[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
+        prompt_routes_QPLK = jnp.take(prefill.routes, at_QP, axis=0, mode="clip")
+    return EngineResult(
+        tokens_RqN=out.tokens_RqN,
+        logprobs_RqN=out.logprobs_RqN,
+        lengths_Rq=out.lengths_Rq,
+        truncated_Rq=out.truncated_Rq,
+        steps=out.step,
+        compacted_steps=out.step - uncompacted.step,
+        prompt_routes=prompt_routes_QPLK,
+        routes_RqNLK=out.routes_RqNLK,
+    )
 
 
 def continue_slots(
@@ -429,17 +469,18 @@ def continue_slots(
     stop_ZV: jax.Array | None,
     mesh: Mesh | None = None,
     record_routes: bool = False,
-) -> tuple[jax.Array, ...]:
+) -> EngineResult:
     """One turn of live slots (``generate/session.py``): slot s holds ``lengths_Sl[s]`` entries;
     its ``new_lengths_Sl[s]`` new tokens (``new_SlE``, right padded) are appended at entries
     ``lengths, lengths + 1, ...`` (attending to everything the slot holds), then the slot
     generates one request from the last of them, token t drawn with ``fold_in(keys_Sl[s], t)``,
     up to ``max_tokens_Sl[s]`` tokens. Slots with ``max_tokens_Sl == 0`` sit the turn out and
-    keep their entries. ``(tokens [Sl, N], logprobs [Sl, N], lengths [Sl], truncated [Sl],
-    decode steps, cache)``; a slot then holds ``lengths + new_lengths + generated`` entries (its
-    last token included). With ``record_routes`` (a MoE model) the MoE routes of the new tokens
-    ``[Sl, E, Lm, K]`` and of the generated ones ``[Sl, N, Lm, K]`` (every one is fed, the last
-    included) come before the cache."""
+    keep their entries. The result's rows are the slots (tokens and log-probs ``[Sl, N]``,
+    lengths and truncation ``[Sl]``; no compaction: ``compacted_steps`` 0) and its ``cache``
+    the slots' cache: a slot then holds ``lengths + new_lengths + generated`` entries (its last
+    token included). With ``record_routes`` (a MoE model) also the MoE routes of the new tokens
+    ``[Sl, E, Lm, K]`` (``prompt_routes``) and of the generated ones ``[Sl, N, Lm, K]`` (every
+    one is fed, the last included)."""
     s, e = new_SlE.shape
     rows = lambda x: constrain_rows(x, mesh)  # noqa: E731
     cache = dataclasses.replace(
@@ -474,8 +515,14 @@ def continue_slots(
         )  # fmt: skip
 
     out = lax.while_loop(lambda st: jnp.any(st.request_Sl >= 0), body, state)
-    routes = (new_routes, out.routes_RqNLK) if record_routes else ()
-    return (
-        out.tokens_RqN, out.logprobs_RqN, out.lengths_Rq, out.truncated_Rq, out.step, *routes,
-        out.cache,
-    )  # fmt: skip
+    return EngineResult(
+        tokens_RqN=out.tokens_RqN,
+        logprobs_RqN=out.logprobs_RqN,
+        lengths_Rq=out.lengths_Rq,
+        truncated_Rq=out.truncated_Rq,
+        steps=out.step,
+        compacted_steps=jnp.zeros((), jnp.int32),
+        prompt_routes=new_routes,
+        routes_RqNLK=out.routes_RqNLK,
+        cache=out.cache,
+    )

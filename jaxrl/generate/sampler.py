@@ -291,17 +291,18 @@ class Sampler:
         self._precompiled.wait(call.program)  # compiling on the background thread: wait for it
         with on_mesh(self.mesh):
             out = self._jitted(params, *call.args, shape=call.shape, key_impl=call.key_impl)
-        tokens, logprobs, lengths, truncated, steps, *routed = to_host(out)
-        routes = None
-        if routed:  # MoE: each row's prompt routes (its group's), then its completion's
-            prompt_QPLK, completion_RqNLK = routed
+        host = to_host(out)  # an engine.EngineResult of numpy arrays
+        lengths, routes = host.lengths_Rq, None
+        if host.routes_RqNLK is not None:  # MoE: each row's prompt routes, then its completion's
+            prompt_QPLK, completion_RqNLK = host.prompt_routes, host.routes_RqNLK
             routes = [
                 np.concatenate([prompt_QPLK[g, : len(p)], completion_RqNLK[i, : lengths[i]]])
                 for i, (g, p) in enumerate(zip(call.group_Rq, prompts, strict=True))
             ]
         return SampleResult.of(
-            prompts, tokens, logprobs, lengths, truncated,
-            num_steps=int(steps), weight_version=self.weight_version, routes=routes,
+            prompts, host.tokens_RqN, host.logprobs_RqN, lengths, host.truncated_Rq,
+            num_steps=int(host.steps), compacted_steps=int(host.compacted_steps),
+            weight_version=self.weight_version, routes=routes,
         )  # fmt: skip
 
     def precompile(

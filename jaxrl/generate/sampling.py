@@ -64,6 +64,7 @@ class SampleResult:
     truncated: np.ndarray  # bool [B]: stopped by its token limit, without eos or stop string
     prompt_lengths: np.ndarray  # int32 [B]
     num_steps: int  # decode steps run
+    compacted_steps: int = 0  # of those, steps run in fewer slots (engine.py, "Compaction")
     weight_version: int = -1  # the version of the weights that generated it (-1: unknown)
     routes: list[np.ndarray] | None = None  # MoE models: int32 [P + len, Lm, K] per row, the
     # experts each prompt and completion token went through; -1 on the last token (never fed);
@@ -79,6 +80,7 @@ class SampleResult:
         truncated: np.ndarray,
         *,
         num_steps: int | None = None,
+        compacted_steps: int = 0,
         weight_version: int = -1,
         routes: list[np.ndarray] | None = None,
     ) -> SampleResult:
@@ -94,6 +96,7 @@ class SampleResult:
             truncated=np.asarray(truncated[:b], bool),
             prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
             num_steps=int(lengths.max(initial=0) if num_steps is None else num_steps),
+            compacted_steps=compacted_steps,
             weight_version=weight_version,
             routes=routes,
         )

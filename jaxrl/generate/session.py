@@ -115,7 +115,7 @@ class EngineSession:
         rep = lambda x: put_replicated(x, mesh)  # noqa: E731
         stop = None if sampler.stop is None else rep(sampler.stop.transitions)
         with on_mesh(mesh):
-            *out, self._cache = sampler._jitted_session(
+            out = sampler._jitted_session(
                 sampler.weights.get(),
                 self._cache,
                 put_rows(pad(self.lengths.astype(np.int32)), mesh),
@@ -130,23 +130,24 @@ class EngineSession:
                 shape=sampler.engine_shape(rows, self.cache_length, 0),
                 key_impl=key_impl,
             )
-        tokens, logprobs, lengths, truncated, steps, *routed = to_host(tuple(out))
-        lengths = np.where(run, lengths[:s], 0).astype(np.int32)
+        self._cache = out.cache  # the slots' cache stays on the devices (the next turn's input)
+        host = to_host(dataclasses.replace(out, cache=None))  # an engine.EngineResult
+        lengths = np.where(run, host.lengths_Rq[:s], 0).astype(np.int32)
         routes = None
-        if routed:  # MoE: each slot's new tokens' routes, then its generated tokens'
-            new_SlELK, gen_SlNLK = routed
+        if host.routes_RqNLK is not None:  # MoE: each slot's new tokens' routes, then its own
+            new_SlELK, gen_SlNLK = host.prompt_routes, host.routes_RqNLK
             routes = [
                 np.concatenate([new_SlELK[i, : sizes[i]], gen_SlNLK[i, : lengths[i]]])
                 for i in range(s)
             ]
         self.lengths = self.lengths + np.where(run, sizes + lengths, 0)
         return SampleResult(
-            tokens=tokens[:s],
-            logprobs=logprobs[:s],
+            tokens=host.tokens_RqN[:s],
+            logprobs=host.logprobs_RqN[:s],
             lengths=lengths,
-            truncated=truncated[:s] & np.asarray(run),
+            truncated=host.truncated_Rq[:s] & np.asarray(run),
             prompt_lengths=self.lengths.astype(np.int32) - lengths,
-            num_steps=int(steps),
+            num_steps=int(host.steps),
             weight_version=sampler.weight_version,
             routes=routes,
         )

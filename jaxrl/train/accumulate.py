@@ -5,7 +5,8 @@ arrays ``[R, M, ...]`` with R = data × fsdp ranks, split over the batch axes
 (``jaxrl.runtime.mesh``). Round i is slot i on every rank.
 
 The ``shard_map`` is manual over the batch axes (``data``, ``fsdp``) only; ``tensor`` stays
-automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary.
+automatic, so XLA partitions the model's matmuls over heads / MLP units / vocabulary (the
+scorer's program has the same shape: ``jaxrl.train.per_rank``).
 
 ZeRO-3 (``fsdp > 1`` with ``grad_specs``): the parameters enter as their fsdp shards
 (``in_specs`` from their own PartitionSpecs, restricted to the manual axes) and stay sharded
@@ -19,7 +20,8 @@ enter whole and their round gradients are ``psum``'d over ``fsdp``. A ``psum`` o
 after the loop finishes the sum. Axes of size 1 are left out of the manual set (and with none
 left there is no ``shard_map``).
 
-Starting at the cursor ``start``, the loop consumes rounds while ``i < stop`` and, when
+Starting at the cursor ``start``, the loop (state :class:`Rounds`, its sums
+:class:`RoundSums`) consumes rounds while ``i < stop`` and, when
 ``docs_per_step > 0``, while the psum'd document total is below the target. The round that
 crosses the target is kept (Fast-LLM), so every rank runs the same number of rounds.
 
@@ -31,9 +33,10 @@ micro-batches, which is what makes the result independent of the layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -41,16 +44,18 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.losses.normalize import LossTerms, num_documents
-from jaxrl.models.fsdp import mark_sharded
 from jaxrl.runtime.mesh import DATA_AXIS, FSDP_AXIS
 from jaxrl.runtime.spmd import manual_batch_axes
+from jaxrl.train.per_rank import as_shards, fsdp_dim, in_specs_of, is_spec, marked, per_rank_map
 
 LossFn = Callable[[Any, dict[str, jax.Array]], LossTerms]
 # the step's summed LossTerms of a no-grad pre-pass -> fields added to every micro-batch
 StepConstants = Callable[[LossTerms], dict[str, jax.Array]]
 
 
-class StepSums(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepSums:
     """Global (psum'd) sums of one optimizer step's consumed rounds."""
 
     grads: Any  # fp32 gradient of the summed numerator (in the parameters' fsdp sharding)
@@ -64,46 +69,36 @@ class StepSums(NamedTuple):
     loss_tokens: jax.Array  # int32: consumed tokens with loss_mask > 0 (all real tokens without)
 
 
-def fsdp_dim(spec: P) -> int | None:
-    """The dimension a parameter's PartitionSpec shards over ``fsdp`` (None: not sharded)."""
-    for dim, entry in enumerate(spec):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        if FSDP_AXIS in names:
-            return dim
-    return None
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundSums:
+    """One rank's running sums over the rounds it consumed (the accumulation loop's carry)."""
+
+    grads: Any  # fp32, summed over fsdp round by round (a ZeRO-3 shard's: its own)
+    terms: LossTerms  # fp32 sums of the rounds' LossTerms
+    documents: jax.Array  # int32: the rounds' documents over every rank (the docs_per_step stop)
+    micro_batches: jax.Array  # int32: this rank's non-empty micro-batches
+    tokens: jax.Array  # int32: this rank's real tokens
+    loss_tokens: jax.Array  # int32: this rank's tokens with loss_mask > 0
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrePassSums:
+    """The ``step_constants`` pre-pass's running sums (its loop's carry)."""
+
+    terms: LossTerms  # fp32 sums of the rounds' LossTerms (no gradient)
+    documents: jax.Array  # int32: the rounds' documents over every rank (the docs_per_step stop)
 
 
-def fsdp_dims(specs: Any) -> list[int | None]:
-    """:func:`fsdp_dim` of every PartitionSpec of a tree, in leaf order."""
-    return [fsdp_dim(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """The rounds loop's state: the cursor and the running sums (``RoundSums`` or
+    ``PrePassSums``); after the loop, the cursor is the first round not consumed."""
 
-
-def fsdp_in_specs(specs: Any) -> Any:
-    """``shard_map`` in_specs of ZeRO-3 shards: each spec's ``fsdp`` entry kept, every other
-    axis (``tensor`` is automatic) dropped."""
-    return jax.tree.map(
-        lambda s: P(*(FSDP_AXIS if d == fsdp_dim(s) else None for d in range(len(s)))),
-        specs,
-        is_leaf=_is_spec,
-    )
-
-
-def as_shards(specs: Any | None, manual: tuple[str, ...]) -> bool:
-    """Whether a tree with these PartitionSpecs enters a per-rank program as its fsdp shards
-    (ZeRO-3): fsdp is a manual axis and the specs are known."""
-    return FSDP_AXIS in manual and specs is not None
-
-
-def marked(tree: Any, specs: Any | None, manual: tuple[str, ...]) -> Any:
-    """Inside a per-rank program: ``tree``'s fsdp shards marked for the model to gather
-    (``jaxrl.models.fsdp``); ``tree`` itself when it enters whole."""
-    if tree is None or not as_shards(specs, manual):
-        return tree
-    return mark_sharded(tree, fsdp_dims(specs), FSDP_AXIS)
+    cursor: jax.Array  # int32: the next round (micro-batch slot) to consume
+    sums: Any
 
 
 class _Collectives:
@@ -130,7 +125,7 @@ class _Collectives:
         def one(g: jax.Array, spec: P) -> jax.Array:
             return jax.lax.psum(g, FSDP_AXIS) if fsdp_dim(spec) is None else g
 
-        return jax.tree.map(one, grads, self.grad_specs, is_leaf=_is_spec)
+        return jax.tree.map(one, grads, self.grad_specs, is_leaf=is_spec)
 
 
 def _zeros_like_terms(loss_fn: LossFn, params: Any, mb: dict[str, jax.Array]) -> LossTerms:
@@ -178,28 +173,27 @@ def _rank_sums(
             lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=True), batch_MT
         )
 
-    def rounds(add, init, total_of):
-        """``(end, carry)``: ``add(carry, i, active)`` over the step's rounds per ``loop``;
-        ``total_of(carry)``: the documents consumed so far (the ``docs_per_step`` stop)."""
+    def rounds(add, init, total_of) -> Rounds:
+        """``add(sums, i, active)`` over the step's rounds per ``loop``, from ``init``;
+        ``total_of(sums)``: the documents consumed so far (the ``docs_per_step`` stop)."""
         if loop == "while":
 
-            def cond(state):
-                i, carry = state
-                below = (docs_per_step == 0) | (total_of(carry) < docs_per_step)
-                return (i < stop) & below
+            def cond(state: Rounds) -> jax.Array:
+                below = (docs_per_step == 0) | (total_of(state.sums) < docs_per_step)
+                return (state.cursor < stop) & below
 
-            def body(state):
-                i, carry = state
-                return i + 1, add(carry, i, jnp.bool_(True))
+            def body(state: Rounds) -> Rounds:
+                sums = add(state.sums, state.cursor, jnp.bool_(True))
+                return Rounds(cursor=state.cursor + 1, sums=sums)
 
-            return jax.lax.while_loop(cond, body, (start, init))
+            return jax.lax.while_loop(cond, body, Rounds(cursor=start, sums=init))
 
         # static baseline for benchmarks: every slot in [start, stop), no early exit
-        def scan_body(carry, i):
-            return add(carry, i, (i >= start) & (i < stop)), None
+        def scan_body(sums, i):
+            return add(sums, i, (i >= start) & (i < stop)), None
 
-        carry, _ = jax.lax.scan(scan_body, init, jnp.arange(num_slots))
-        return stop, carry
+        sums, _ = jax.lax.scan(scan_body, init, jnp.arange(num_slots))
+        return Rounds(cursor=stop, sums=sums)
 
     if step_constants is not None:  # a no-grad pre-pass over the same rounds (docs/moe.md)
         micro_batch = _with_step_constants(
@@ -211,26 +205,43 @@ def _rank_sums(
     shard_shapes = jax.eval_shape(comm.grads_over_fsdp, params)
     zero_grads = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shard_shapes)
 
-    def add(carry, i, active):
-        grads, terms, total, mbs, toks, loss_toks = carry
+    def add(sums: RoundSums, i: jax.Array, active: jax.Array) -> RoundSums:
         (_, t), g = grad_fn(params, micro_batch(i))
         w = active.astype(jnp.float32)
         g = comm.grads_over_fsdp(jax.tree.map(lambda b: w * b.astype(jnp.float32), g))
-        grads = jax.tree.map(jnp.add, grads, g)
-        terms = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), terms, t)
-        total = total + jnp.where(active, global_docs_M[i], 0)
-        mbs = mbs + jnp.where(active & (docs_M[i] > 0), 1, 0)
-        toks = toks + jnp.where(active, tokens_M[i], 0)
-        loss_toks = loss_toks + jnp.where(active, loss_tokens_M[i], 0)
-        return grads, terms, total, mbs, toks, loss_toks
+        return RoundSums(
+            grads=jax.tree.map(jnp.add, sums.grads, g),
+            terms=jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), sums.terms, t),
+            documents=sums.documents + jnp.where(active, global_docs_M[i], 0),
+            micro_batches=sums.micro_batches + jnp.where(active & (docs_M[i] > 0), 1, 0),
+            tokens=sums.tokens + jnp.where(active, tokens_M[i], 0),
+            loss_tokens=sums.loss_tokens + jnp.where(active, loss_tokens_M[i], 0),
+        )
 
-    init = (zero_grads, zero_terms, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0))
-    end, carry = rounds(add, init, lambda c: c[2])
-    grads, terms, total, mbs, toks, loss_toks = carry
-    grads = comm.psum(grads, (DATA_AXIS,))  # already summed over fsdp, round by round
-    terms, mbs, toks, loss_toks = comm.psum((terms, mbs, toks, loss_toks))
+    zero = jnp.int32(0)
+    init = RoundSums(
+        grads=zero_grads,
+        terms=zero_terms,
+        documents=zero,
+        micro_batches=zero,
+        tokens=zero,
+        loss_tokens=zero,
+    )
+    done = rounds(add, init, lambda sums: sums.documents)
+    sums = done.sums
+    grads = comm.psum(sums.grads, (DATA_AXIS,))  # already summed over fsdp, round by round
+    # the rank's own counts and terms over every rank (documents already are)
+    totals = comm.psum(dataclasses.replace(sums, grads=None, documents=None))
     return StepSums(
-        grads, terms.numerator, terms.denominator, terms.metrics, total, toks, mbs, end, loss_toks
+        grads=grads,
+        numerator=totals.terms.numerator,
+        denominator=totals.terms.denominator,
+        metrics=totals.terms.metrics,
+        documents=sums.documents,
+        tokens=totals.tokens,
+        micro_batches=totals.micro_batches,
+        end=done.cursor,
+        loss_tokens=totals.loss_tokens,
     )
 
 
@@ -248,14 +259,16 @@ def _with_step_constants(
     consumes, and over the ranks) by a no-grad pre-pass of ``loss_fn``."""
     zero = _zeros_like_terms(loss_fn, params, micro_batch(0))
 
-    def add(carry, i, active):
-        terms, total = carry
+    def add(sums: PrePassSums, i: jax.Array, active: jax.Array) -> PrePassSums:
         t = loss_fn(params, micro_batch(i))
         w = active.astype(jnp.float32)
-        terms = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), terms, t)
-        return terms, total + jnp.where(active, global_docs_M[i], 0)
+        return PrePassSums(
+            terms=jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), sums.terms, t),
+            documents=sums.documents + jnp.where(active, global_docs_M[i], 0),
+        )
 
-    _, (sums, _) = rounds(add, (zero, jnp.int32(0)), lambda c: c[1])
+    init = PrePassSums(terms=zero, documents=jnp.int32(0))
+    sums = rounds(add, init, lambda sums: sums.documents).sums.terms
     constants = step_constants(comm.psum(jax.lax.stop_gradient(sums)))
     return lambda i: {**micro_batch(i), **constants}
 
@@ -321,17 +334,23 @@ def make_accumulate(
             step_constants=step_constants,
         )
 
-    if not manual:  # one rank over several tensor devices: XLA partitions the whole loop
-        return per_rank
-    params_spec = fsdp_in_specs(grad_specs) if comm.scatter else P()
-    frozen_spec = fsdp_in_specs(frozen_specs) if as_shards(frozen_specs, manual) else P()
-    out_specs = StepSums(params_spec, P(), P(), P(), P(), P(), P(), P(), P())
-    mapped = jax.shard_map(
+    # one rank over several tensor devices (no manual axis): XLA partitions the whole loop
+    params_spec = in_specs_of(grad_specs, manual)
+    whole = P()
+    mapped = per_rank_map(
         per_rank,
-        mesh=mesh,
-        in_specs=(params_spec, P(manual), P(), frozen_spec),
-        out_specs=out_specs,
-        axis_names=set(manual),
-        check_vma=False,
+        mesh,
+        in_specs=(params_spec, P(manual), whole, in_specs_of(frozen_specs, manual)),
+        out_specs=StepSums(
+            grads=params_spec,
+            numerator=whole,
+            denominator=whole,
+            metrics=whole,
+            documents=whole,
+            tokens=whole,
+            micro_batches=whole,
+            end=whole,
+            loss_tokens=whole,
+        ),
     )
     return lambda params, batch, bounds, frozen=None: mapped(params, batch, bounds, frozen)

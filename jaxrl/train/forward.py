@@ -88,7 +88,8 @@ def micro_batch_scores(
 
 def _hidden_states(model: Transformer, mb: dict[str, jax.Array]) -> jax.Array:
     if model.config.moe_layers and ROUTE_REPLAY in mb:  # router replay (docs/moe.md)
-        return routed_hidden_states(model, mb)[0]
+        hidden_BTD, _, _ = routed_hidden_states(model, mb)
+        return hidden_BTD
     return model.hidden_states(
         mb["tokens"], mb.get("positions"), mb["segment_ids"], mb.get("parent_ids")
     )

@@ -50,8 +50,8 @@ from jaxrl.losses.dpo import sequence_logps
 from jaxrl.losses.policy import entropy_threshold
 from jaxrl.runtime.mesh import to_host
 from jaxrl.runtime.spmd import manual_batch_axes, on_mesh, put_replicated, put_rows, row_ranks
-from jaxrl.train.accumulate import as_shards, fsdp_in_specs, marked
 from jaxrl.train.forward import micro_batch_scores
+from jaxrl.train.per_rank import as_shards, fsdp_in_specs, marked, per_rank_map
 
 ROW_FIELDS = ("tokens", "targets", "segment_ids", "positions")
 MASK_FIELD = "loss_mask"  # optional: values only where it is non-zero (the rest 0 / False)
@@ -61,9 +61,11 @@ _sequence_values = jax.jit(sequence_logps, static_argnums=(3, 4))
 _entropy_threshold = jax.jit(entropy_threshold, static_argnums=2)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RowScores:
-    """Per-token results of :meth:`Scorer.score`, laid out like the rows' ``tokens``."""
+    """Per-token results of :meth:`Scorer.score`, laid out like the rows' ``tokens`` (also the
+    compiled program's output, one ``[T]`` row per packed row, before it reaches the host)."""
 
     logp: np.ndarray  # float32 [..., T]: log p(targets[t] | tokens[<= t]) at the temperature
     entropy: np.ndarray  # float32 [..., T]: entropy of that distribution
@@ -153,26 +155,20 @@ class Scorer:
                 scores = self.row_scores(
                     model, mb_1T, chunk_size=self.chunk_size, temperature=temperature
                 )
-                return tuple(x[0] for x in scores)
+                logp_1T, entropy_1T, correct_1T = scores
+                return RowScores(logp=logp_1T[0], entropy=entropy_1T[0], correct=correct_1T[0])
 
             return jax.lax.map(one, rows_MT)
 
-        if not manual:  # no mesh, or one rank over several tensor devices: XLA partitions it
-            return per_rank(rows_BT)
         # the train step's structure (jaxrl.train.accumulate): manual over the batch axes,
         # parameters replicated over them or as their fsdp shards, one [1, T] row per rank at
-        # a time; the same program shape gives the train step's forward values, also in bf16
+        # a time; the same program shape gives the train step's forward values, also in bf16.
+        # No mesh, or one rank over several tensor devices: XLA partitions it (no shard_map)
         in_specs, args = (P(manual),), (rows_BT,)
         if zero3:
             in_specs, args = (P(manual), fsdp_in_specs(specs)), (rows_BT, params)
-        return jax.shard_map(
-            per_rank,
-            mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=P(manual),
-            axis_names=set(manual),
-            check_vma=False,
-        )(*args)
+        mapped = per_rank_map(per_rank, self.mesh, in_specs=in_specs, out_specs=P(manual))
+        return mapped(*args)
 
     # -- rows -------------------------------------------------------------------------------
     def score(
@@ -214,8 +210,10 @@ class Scorer:
             with on_mesh(self.mesh):
                 calls.append((idx, self._jitted(params, batch, temperature_arg)))
         for idx, out in calls:
-            lp, ent, hit = to_host(out)
-            logp[idx], entropy[idx], correct[idx] = lp[: idx.size], ent[: idx.size], hit[: idx.size]
+            host = to_host(out)
+            logp[idx] = host.logp[: idx.size]
+            entropy[idx] = host.entropy[: idx.size]
+            correct[idx] = host.correct[: idx.size]
         return RowScores(
             logp=logp.reshape(shape), entropy=entropy.reshape(shape), correct=correct.reshape(shape)
         )

@@ -28,7 +28,8 @@ from jaxrl.models.sharding import avals
 from jaxrl.runtime.background_compile import BackgroundCompiles
 from jaxrl.runtime.mesh import batch_sharding, make_mesh, put_batch, replicated
 from jaxrl.runtime.spmd import manual_batch_axes
-from jaxrl.train.accumulate import LossFn, StepConstants, as_shards, make_accumulate
+from jaxrl.train.accumulate import LossFn, StepConstants, make_accumulate
+from jaxrl.train.per_rank import as_shards
 from jaxrl.train.precision import Rounding, write_master
 from jaxrl.train.state import TrainState
 
