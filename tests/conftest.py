@@ -4,7 +4,14 @@ import os
 import tempfile
 
 import pytest
+from xla_flags import COMPILE_FLAGS
 
+# Most of the suite's time from a cold cache is XLA:CPU compiling hundreds of tiny programs, and
+# most of each compile is LLVM optimising their loops: the suite compiles without LLVM's passes
+# (COMPILE_FLAGS; measured on the KTO layout test: 223 s of compile → 76 s). The numbers a test
+# compares are all computed at that one setting: a subprocess whose numbers are compared with
+# the suite's gets the same flag (tests/xla_flags.py).
+#
 # The 8 host devices' collectives meet in one process. On a 2-core machine running two pytest
 # workers a device's thread can reach a collective long after the others (seen: minutes, in the
 # ZeRO-3 MoE step); XLA's default then aborts the whole worker ("Fatal Python error: Aborted",
@@ -15,6 +22,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"
     + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
+    + f" {COMPILE_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -30,8 +38,13 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from jaxrl.runtime import compile_cache  # noqa: E402
 from jaxrl.runtime.compile_cache import enable_compile_cache  # noqa: E402
 
+# Every program is written to the cache, however fast it compiled (without LLVM's passes most
+# compile in under compile_cache.MIN_COMPILE_SECONDS): the same tiny programs recur across tests
+# and across the two workers, which share the cache directory.
+compile_cache.MIN_COMPILE_SECONDS = 0.0
 enable_compile_cache(True)
 
 
@@ -44,3 +57,13 @@ def _device_pool():
 
     with use_devices(jax.devices(), subset=True):
         yield
+
+
+def pytest_collection_modifyitems(items):
+    """The files that hold a slow test run first, each file's tests together and in their order:
+    with ``-n 2`` the suite ends when its last test does, so what is left for the last minutes
+    are short tests that the two workers share (``--dist worksteal``, pyproject.toml), not one
+    worker's minute-long layout test with the other idle. Every worker collects the same order."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.path not in slow_files, order[id(item)]))
