@@ -4,14 +4,7 @@ import os
 import tempfile
 
 import pytest
-from xla_flags import COMPILE_FLAGS
 
-# Most of the suite's time from a cold cache is XLA:CPU compiling hundreds of tiny programs, much
-# of it in LLVM's optimisation passes: the suite compiles at LLVM -O1 (COMPILE_FLAGS; measured on
-# the KTO layout test, the three side by side: 317 s of compile at -O2, 265 s at -O1). The numbers
-# a test compares are all computed at that one setting: a subprocess whose numbers are compared
-# with the suite's gets the same flag (tests/xla_flags.py).
-#
 # The 8 host devices' collectives meet in one process. On a 2-core machine running two pytest
 # workers a device's thread can reach a collective long after the others (seen: minutes, in the
 # ZeRO-3 MoE step); XLA's default then aborts the whole worker ("Fatal Python error: Aborted",
@@ -22,7 +15,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"
     + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
-    + f" {COMPILE_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -41,9 +33,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from jaxrl.runtime import compile_cache  # noqa: E402
 from jaxrl.runtime.compile_cache import enable_compile_cache  # noqa: E402
 
-# Every program is written to the cache, however fast it compiled (without LLVM's passes most
-# compile in under compile_cache.MIN_COMPILE_SECONDS): the same tiny programs recur across tests
-# and across the two workers, which share the cache directory.
+# Every program is written to the cache, however fast it compiled (the library skips those under
+# compile_cache.MIN_COMPILE_SECONDS): the same tiny programs recur across tests and across the
+# two workers, which share the cache directory.
 compile_cache.MIN_COMPILE_SECONDS = 0.0
 enable_compile_cache(True)
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_scale_out import JOBS, _run
-from xla_flags import COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL = {  # per-device batch fields that make the jobs' global batch on 8 ranks
@@ -33,8 +32,7 @@ def _launch(out: Path, config: str, sets: list[str]) -> list[subprocess.Complete
     """Both processes of a 2-host job, 4 CPU devices each, sharing one output directory."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    flags = f"--xla_force_host_platform_device_count=4 {COMPILE_FLAGS}"  # compiled as the suite
-    env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     procs = []
     for pid in range(2):
         args = [sys.executable, "-m", "jaxrl.cli", "train", config]
