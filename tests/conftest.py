@@ -30,8 +30,13 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from jaxrl.runtime import compile_cache  # noqa: E402
 from jaxrl.runtime.compile_cache import enable_compile_cache  # noqa: E402
 
+# Every program is written to the cache, however fast it compiled (the library skips those under
+# compile_cache.MIN_COMPILE_SECONDS): the same tiny programs recur across tests and across the
+# two workers, which share the cache directory.
+compile_cache.MIN_COMPILE_SECONDS = 0.0
 enable_compile_cache(True)
 
 
@@ -44,3 +49,13 @@ def _device_pool():
 
     with use_devices(jax.devices(), subset=True):
         yield
+
+
+def pytest_collection_modifyitems(items):
+    """The files that hold a slow test run first, each file's tests together and in their order:
+    with ``-n 2`` the suite ends when its last test does, so what is left for the last minutes
+    are short tests that the two workers share (``--dist worksteal``, pyproject.toml), not one
+    worker's minute-long layout test with the other idle. Every worker collects the same order."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.path not in slow_files, order[id(item)]))
