@@ -25,6 +25,7 @@ from jaxrl.generate.sampling import SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.vllm import VLLMBackend, VLLMError, live_servers
+from jaxrl.rollout.weight_sync import WeightSync
 
 VOCAB, EOS, PAD = 16, 1, 0
 STUB = str(Path(__file__).with_name("vllm_stub.py"))
@@ -117,20 +118,31 @@ def test_protocol_spreads_requests_and_tags_the_version(model, stubs):
 
 
 def test_versions_sync_every_and_unchanged_weights(model, stubs):
+    """The backend sends whatever it is told to load (the same arrays only once); when to sync
+    is the trainer's policy (``WeightSync``, rollout.sync_every=2): a version one step newer
+    keeps the servers' weights, an evaluation's unversioned load is never taken for a step's."""
     cfg, (p0, p1, p2) = model
     a = stubs[0]
-    be = _backend(cfg, a.url, sync_every=2)
-    be.load_params(p0, version=0)
+    be = _backend(cfg, a.url)
+    sync = WeightSync(be, every=2)
+
+    def step(params, version):
+        if sync.due(version):
+            sync.load(params, version)
+
+    step(p0, 0)
     be.load_params(p0, version=0)  # the same arrays: nothing sent
-    be.load_params(p1, version=1)  # one version old: the server keeps v0
+    step(p1, 1)  # one version old: the server keeps v0
     assert len(a.reloads) == 1 and be.generate([[3]], KEY).weight_version == 0
-    be.load_params(p1, version=2)
+    step(p1, 2)
     assert len(a.reloads) == 2 and be.generate([[3]], KEY).weight_version == 2
     be.load_params(nnx.merge(be._graphdef, p2))  # an evaluation's (a model): its own version
     assert be.weight_version == 3 and len(a.reloads) == 3
-    be.load_params(p1, version=4)  # ... never taken for a step's
-    assert be.weight_version == 4 and len(a.reloads) == 4
-    assert a.version == f"{be.run_id}:4"
+    step(p1, 3)  # one version after the last sync, but the servers hold the evaluation's
+    assert be.weight_version == 3 and len(a.reloads) == 4
+    assert a.version == f"{be.run_id}:3"
+    be.load_params(p2, version=4)  # told to load: sent, one version after the last
+    assert be.weight_version == 4 and len(a.reloads) == 5
     be.close()
 
 
