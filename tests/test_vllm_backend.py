@@ -401,6 +401,63 @@ def test_launcher_hides_the_cuda_only_packages_on_a_cpu_torch():
     assert out.stdout.strip() == "hidden", (out.stdout, out.stderr[-2000:])
 
 
+# what vLLM's architecture inspection does: a fresh interpreter (``python -m
+# vllm.model_executor.models.registry``), and what multiprocessing's spawn does
+_CHILDREN = """
+import importlib.util, multiprocessing, runpy, subprocess, sys
+
+def probe(q):
+    q.put(importlib.util.find_spec("tomllib") is None)
+
+if __name__ == "__main__":
+    runpy.run_path(sys.argv[1], run_name="__launcher__")  # its set-up, not vLLM's server
+    child = "import importlib.util; print(importlib.util.find_spec('tomllib') is None)"
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    print("subprocess", run.stdout.strip())
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=probe, args=(q,))
+    p.start()
+    print("spawn", q.get(timeout=60))
+    p.join()
+"""
+
+
+def test_the_hiding_reaches_every_process_the_server_starts(tmp_path):
+    """The packages are hidden in the fresh interpreters the server starts, too (vLLM's model
+    inspection runs ``python -m vllm.model_executor.models.registry``, which imports
+    transformers and so torchvision: on a fresh machine, with vLLM's caches empty, it killed
+    the server), and a ``sitecustomize`` of the environment's own still runs there."""
+    from jaxrl.rollout.vllm.server import LAUNCHER
+
+    own = tmp_path / "own_site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import sys\nsys.own_site_ran = True\n")  # per process
+    script = tmp_path / "children.py"
+    script.write_text(_CHILDREN)
+    env = {**os.environ, "JAXRL_VLLM_HIDE": "tomllib", "PYTHONPATH": str(own)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(LAUNCHER)], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["subprocess", "True", "spawn", "True"], out.stdout
+    env["JAXRL_VLLM_HIDE"] = ""  # hides nothing
+    out = subprocess.run(
+        [sys.executable, str(script), str(LAUNCHER)], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.stdout.split() == ["subprocess", "False", "spawn", "False"], out.stdout
+    # the environment's own sitecustomize, shadowed by the launcher's, still runs in children
+    child = "import sys; print(getattr(sys, 'own_site_ran', False))"
+    code = f"import runpy, subprocess, sys; runpy.run_path({str(LAUNCHER)!r}); " + (
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
+        "text=True).stdout.strip())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "True", (out.stdout, out.stderr[-2000:])
+
+
 def test_async_grpo_with_the_server_honours_max_staleness(tmp_path):
     """rollout.max_staleness=2 with the (stub) server as generator: the pipeline's worker
     generates ahead through the backend, every trained row lags its generating weights by at
