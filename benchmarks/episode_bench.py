@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from episode_fixtures import AlwaysCall  # noqa: E402
+from episode_fixtures import AlwaysCall, Resend  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl.data.tool_task import CalculatorTask, calc  # noqa: E402
@@ -40,18 +40,6 @@ from jaxrl.models.model_config import ModelConfig  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
 from jaxrl.rollout.episodes import EpisodeRunner  # noqa: E402
 from jaxrl.rollout.tools.toolbox import Toolbox  # noqa: E402
-
-
-class Resend:
-    """The sampler behind the bare rollout interface (no ``session``)."""
-
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self.max_new_tokens = sampler.max_new_tokens
-        self.weight_version = sampler.weight_version
-
-    def generate(self, prompts, key, sampling=None, *, max_tokens=None):
-        return self.sampler.generate(prompts, key, sampling, max_tokens=max_tokens)
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from tiny_models import one_layer
 from jaxrl.cli import main
 from jaxrl.config import load_run_config
 from jaxrl.data.tool_task import CalculatorTask, calc
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler import Sampler, SampleResult, SamplingParams
 from jaxrl.rollout.episodes import EpisodeRunner
 from jaxrl.rollout.rollout_queue import RolloutBatch
@@ -37,14 +38,20 @@ TOK = TASK.tokenizer()
 CALL = '<tool_call>{"name":"calc","arguments":{"x":"12*3"}}</tool_call>'
 
 
-class ScriptedSampler:
-    """``Sampler.generate`` for one row, answering each prompt with its scripted turns in order
-    (a turn without a trailing EOS is cut: no EOS within the sampler's budget); log-prob of the
-    k-th generated token is -(k + 1) / 100."""
+class ScriptedSampler(RolloutBackend):
+    """A backend answering one row at a time with each prompt's scripted turns in order (a turn
+    without a trailing EOS is cut: no EOS within the sampler's budget); log-prob of the k-th
+    generated token is -(k + 1) / 100. No weights, no caches, no sessions (re-sending path)."""
 
     def __init__(self, script: dict[str, list[str]]):
         self.script = {k: list(v) for k, v in script.items()}
         self.calls: list[list[int]] = []
+
+    def load_params(self, params, *, copy=None, version=None):
+        raise AssertionError("a scripted sampler has no weights")
+
+    def memory_bytes(self, num_requests, num_groups, longest_prompt):
+        return 0  # nothing on any device
 
     def generate(self, prompts, key, sampling=None):
         (context,) = prompts

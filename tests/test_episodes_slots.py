@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from episode_fixtures import AlwaysCall
+from episode_fixtures import AlwaysCall, Resend
 from flax import nnx
 
 from jaxrl.data.tool_task import CalculatorTask, calc
@@ -20,20 +20,6 @@ from jaxrl.rollout.tools.toolbox import Toolbox
 
 TASK = CalculatorTask()
 TOK = TASK.tokenizer()
-
-
-class Resend:
-    """The sampler behind the bare rollout interface (no ``session``): the re-sending path."""
-
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self.max_new_tokens = sampler.max_new_tokens
-        self.weight_version = sampler.weight_version
-        self.calls = 0
-
-    def generate(self, prompts, key, sampling=None, *, max_tokens=None):
-        self.calls += 1
-        return self.sampler.generate(prompts, key, sampling, max_tokens=max_tokens)
 
 
 class Counting(Sampler):

@@ -25,6 +25,7 @@ from jaxrl.generate.sampling import SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.vllm import VLLMBackend, VLLMError, live_servers
+from jaxrl.rollout.weight_sync import WeightSync
 
 VOCAB, EOS, PAD = 16, 1, 0
 STUB = str(Path(__file__).with_name("vllm_stub.py"))
@@ -117,20 +118,31 @@ def test_protocol_spreads_requests_and_tags_the_version(model, stubs):
 
 
 def test_versions_sync_every_and_unchanged_weights(model, stubs):
+    """The backend sends whatever it is told to load (the same arrays only once); when to sync
+    is the trainer's policy (``WeightSync``, rollout.sync_every=2): a version one step newer
+    keeps the servers' weights, an evaluation's unversioned load is never taken for a step's."""
     cfg, (p0, p1, p2) = model
     a = stubs[0]
-    be = _backend(cfg, a.url, sync_every=2)
-    be.load_params(p0, version=0)
+    be = _backend(cfg, a.url)
+    sync = WeightSync(be, every=2)
+
+    def step(params, version):
+        if sync.due(version):
+            sync.load(params, version)
+
+    step(p0, 0)
     be.load_params(p0, version=0)  # the same arrays: nothing sent
-    be.load_params(p1, version=1)  # one version old: the server keeps v0
+    step(p1, 1)  # one version old: the server keeps v0
     assert len(a.reloads) == 1 and be.generate([[3]], KEY).weight_version == 0
-    be.load_params(p1, version=2)
+    step(p1, 2)
     assert len(a.reloads) == 2 and be.generate([[3]], KEY).weight_version == 2
     be.load_params(nnx.merge(be._graphdef, p2))  # an evaluation's (a model): its own version
     assert be.weight_version == 3 and len(a.reloads) == 3
-    be.load_params(p1, version=4)  # ... never taken for a step's
-    assert be.weight_version == 4 and len(a.reloads) == 4
-    assert a.version == f"{be.run_id}:4"
+    step(p1, 3)  # one version after the last sync, but the servers hold the evaluation's
+    assert be.weight_version == 3 and len(a.reloads) == 4
+    assert a.version == f"{be.run_id}:3"
+    be.load_params(p2, version=4)  # told to load: sent, one version after the last
+    assert be.weight_version == 4 and len(a.reloads) == 5
     be.close()
 
 
@@ -387,6 +399,63 @@ def test_launcher_hides_the_cuda_only_packages_on_a_cpu_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "hidden", (out.stdout, out.stderr[-2000:])
+
+
+# what vLLM's architecture inspection does: a fresh interpreter (``python -m
+# vllm.model_executor.models.registry``), and what multiprocessing's spawn does
+_CHILDREN = """
+import importlib.util, multiprocessing, runpy, subprocess, sys
+
+def probe(q):
+    q.put(importlib.util.find_spec("tomllib") is None)
+
+if __name__ == "__main__":
+    runpy.run_path(sys.argv[1], run_name="__launcher__")  # its set-up, not vLLM's server
+    child = "import importlib.util; print(importlib.util.find_spec('tomllib') is None)"
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    print("subprocess", run.stdout.strip())
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=probe, args=(q,))
+    p.start()
+    print("spawn", q.get(timeout=60))
+    p.join()
+"""
+
+
+def test_the_hiding_reaches_every_process_the_server_starts(tmp_path):
+    """The packages are hidden in the fresh interpreters the server starts, too (vLLM's model
+    inspection runs ``python -m vllm.model_executor.models.registry``, which imports
+    transformers and so torchvision: on a fresh machine, with vLLM's caches empty, it killed
+    the server), and a ``sitecustomize`` of the environment's own still runs there."""
+    from jaxrl.rollout.vllm.server import LAUNCHER
+
+    own = tmp_path / "own_site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import sys\nsys.own_site_ran = True\n")  # per process
+    script = tmp_path / "children.py"
+    script.write_text(_CHILDREN)
+    env = {**os.environ, "JAXRL_VLLM_HIDE": "tomllib", "PYTHONPATH": str(own)}
+    out = subprocess.run(
+        [sys.executable, str(script), str(LAUNCHER)], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["subprocess", "True", "spawn", "True"], out.stdout
+    env["JAXRL_VLLM_HIDE"] = ""  # hides nothing
+    out = subprocess.run(
+        [sys.executable, str(script), str(LAUNCHER)], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.stdout.split() == ["subprocess", "False", "spawn", "False"], out.stdout
+    # the environment's own sitecustomize, shadowed by the launcher's, still runs in children
+    child = "import sys; print(getattr(sys, 'own_site_ran', False))"
+    code = f"import runpy, subprocess, sys; runpy.run_path({str(LAUNCHER)!r}); " + (
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, "
+        "text=True).stdout.strip())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "True", (out.stdout, out.stderr[-2000:])
 
 
 def test_async_grpo_with_the_server_honours_max_staleness(tmp_path):

@@ -4,7 +4,8 @@ log-probs of a fixed completion are jaxrl's scorer's on the new weights; near-gr
 the server makes the engine's completions and metrics; a run whose server is killed ends with
 exit 1 and one line within rollout.vllm.timeout + 10 s, leaving no vLLM process.
 
-Skipped when vllm is not installed (CI does not install it: docs/rollout.md, "Tests"). Run:
+The servers start from empty vLLM and XDG caches (a fresh machine's). Skipped when vllm is not
+installed (CI does not install it: docs/rollout.md, "Tests"). Run:
 ``python -m pytest -m vllm tests/test_vllm_server.py -n 0`` (about 5 minutes on 2 cores).
 """
 
@@ -61,6 +62,19 @@ SETS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def empty_caches(tmp_path_factory):
+    """Every server of this module starts from empty caches, as on a fresh machine: vLLM's
+    (``VLLM_CACHE_ROOT``: its model-inspection results among them, whose miss starts the
+    inspection subprocess that once died on the CUDA torchvision) and the XDG cache under it."""
+    root = tmp_path_factory.mktemp("caches")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        mp.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
+        yield root
+    assert (root / "vllm" / "modelinfos").is_dir()  # the inspection ran (and so did its fix)
+
+
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
     """A near-greedy GRPO run on jaxrl's engine (the reference), 3 steps."""
@@ -69,7 +83,7 @@ def engine_run(tmp_path_factory):
     params0 = t.session.policy_params
     dense = t.generator.sampler.config
     exported = export_weights(
-        t.generator.sampler._graphdef, params0, out / "ckpt", dtype="float32",
+        t.session.graphdef, params0, out / "ckpt", dtype="float32",
         eos_ids=[t.tokenizer.eos_id], pad_id=t.tokenizer.pad_id,
     )  # fmt: skip
     rows = [t.step() for _ in range(3)]

@@ -1,32 +1,51 @@
-"""The rollout interface: what trainers, held-out evaluators, episodes and ``jaxrl memory`` ask
-of a generator. :class:`jaxrl.generate.sampler.Sampler` (the continuous-batching engine)
-implements it; another backend (a remote server, a static-batch sampler) plugs in by providing
-the same four members. A backend that compiles per call shape may add ``precompile(prompts,
-*, max_tokens=None, key=None)`` (the engine's: the program a later ``generate`` of these
-prompts runs, compiled ahead on a background thread); :func:`precompile` calls it where it
-exists.
+"""The rollout interface: everything trainers, held-out evaluators, tool episodes, the compile
+counter and ``jaxrl memory`` ask of a generator of completions, declared in one place.
+
+:class:`jaxrl.generate.sampler.Sampler` (the continuous-batching engine) implements all of it;
+``jaxrl.rollout.vllm.VLLMBackend`` (vLLM servers) implements the abstract members and keeps the
+do-nothing defaults where it has nothing (no programs compiled in this process, no sessions).
+Callers read only what is declared here (``tests/test_rollout_interface.py`` enumerates what they
+read and checks it) and never probe a backend for optional members. Backends of a run are built
+by one factory from ``rollout.backend`` (``jaxrl.rollout.backends``); when the trainer's weights
+reach a backend is the trainer's policy (``jaxrl.rollout.weight_sync``), not the backend's: a
+backend loads weights when told.
+
+Memory. ``memory_bytes`` and ``weight_bytes`` count what a backend holds on *jaxrl's* devices
+(the trainer process's), which is what ``jaxrl memory`` plans: the engine's KV caches and weight
+copy; 0 for a backend whose caches and weights live in another process (a vLLM server: its
+memory is vLLM's to reserve, ``--gpu-memory-utilization`` or ``VLLM_CPU_KVCACHE_SPACE``, even
+where it shares the trainer's GPU).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from jaxrl.generate.sampling import SampleResult, SamplingParams
+from jaxrl.models.model_config import ModelConfig
 
-__all__ = ["RolloutBackend", "precompile"]
+if TYPE_CHECKING:
+    from jaxrl.generate.session import EngineSession
+
+__all__ = ["RolloutBackend"]
 
 
-@runtime_checkable
-class RolloutBackend(Protocol):
+class RolloutBackend(abc.ABC):
     """Token-id prompts in; completions with their sampler log-probs and finish reasons out."""
 
+    config: ModelConfig  # the model it generates with (LoRA: the dense one)
+    sampling: SamplingParams  # what a call without ``sampling`` samples with
     max_new_tokens: int  # N: the longest completion a call may ask for
-    weight_version: int  # the version of the weights loaded last (-1: none yet)
+    weight_version: int = -1  # the version of the weights loaded last (-1: none yet)
+    compiles: int = 0  # programs it compiled in this process (the run's ``compiles`` metric)
+    last_compile: str = ""  # the shapes its last compile was for ("" when none)
 
+    @abc.abstractmethod
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -39,27 +58,43 @@ class RolloutBackend(Protocol):
         ``fold_in(key, r)`` (``sampling.token_key``), so it does not depend on the other rows;
         ``max_tokens`` gives each request its own limit. The result holds the tokens, the
         per-token sampler log-probs, the finish reasons and the weight version used."""
-        ...
 
-    def load_params(self, params: Any, *, copy: bool | None = None, version: int | None = None):
+    @abc.abstractmethod
+    def load_params(
+        self, params: Any, *, copy: bool | None = None, version: int | None = None
+    ) -> None:
         """Generate with these weights from now on, as ``version`` (default: the last + 1)."""
-        ...
 
+    @abc.abstractmethod
     def memory_bytes(self, num_requests: int, num_groups: int, longest_prompt: int) -> int:
-        """Bytes on the largest device of the KV caches of a call of ``num_requests`` requests
-        over ``num_groups`` distinct prompts of at most ``longest_prompt`` tokens."""
-        ...
+        """Bytes on jaxrl's largest device of the KV caches of a call of ``num_requests``
+        requests over ``num_groups`` distinct prompts of at most ``longest_prompt`` tokens."""
 
+    def weight_bytes(self) -> int:
+        """Bytes on jaxrl's largest device of the weights it generates with (0: none there)."""
+        return 0
 
-def precompile(
-    backend: RolloutBackend,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_tokens: Sequence[int] | np.ndarray | None = None,
-    key: jax.Array | None = None,
-) -> None:
-    """Have ``backend`` compile ahead what ``generate(prompts, key, max_tokens=...)`` will run,
-    when it compiles per call shape (the engine); nothing for one that does not (a server)."""
-    ahead = getattr(backend, "precompile", None)
-    if ahead is not None:
-        ahead(prompts, max_tokens=max_tokens, key=key)
+    def precompile(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: Sequence[int] | np.ndarray | None = None,
+        key: jax.Array | None = None,
+    ) -> None:
+        """Compile ahead what ``generate(prompts, key, max_tokens=...)`` will run (nothing for a
+        backend that compiles nothing per call shape)."""
+        del prompts, max_tokens, key
+
+    def session(self, slots: int, max_length: int) -> EngineSession | None:
+        """``slots`` slots of ``max_length`` tokens that keep conversations between calls (tool
+        episodes); None: no sessions, callers re-send each conversation."""
+        del slots, max_length
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Its own metrics since the last call (vLLM: sync time, requests per server)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what it holds outside this process (servers it started); safe to repeat."""
+        return None

@@ -53,6 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.data.batching.packing import BucketSpec
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.cache_geometry import (
     CacheGeometry,
     batch_bucket,
@@ -103,7 +104,7 @@ class _EngineCall(NamedTuple):
     program: Hashable  # what picks the compiled program: the static part and every shape
 
 
-class Sampler:
+class Sampler(RolloutBackend):
     """Continuous-batching sampling from a :class:`Transformer`; weights via ``load_params``.
     The engine behind the rollout interface (:class:`jaxrl.generate.backend.RolloutBackend`).
 
@@ -179,7 +180,7 @@ class Sampler:
         self.last_compile = ""  # the shapes the last compile was for (trainers log it)
         self.weights = SamplerWeights(abstract_params, mesh)
         self._precompiled = BackgroundCompiles()  # programs compiled ahead (``precompile``)
-        self.weight_version = -1  # RolloutBackend: the version of the weights loaded last
+        self.weight_version = -1  # the version of the weights loaded last
         options = program_options()
         self._jitted = jax.jit(
             self._program, static_argnames=("shape", "key_impl"), compiler_options=options

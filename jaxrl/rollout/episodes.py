@@ -46,6 +46,7 @@ import numpy as np
 from jaxrl.config import ConfigError
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.generate.backend import RolloutBackend
+from jaxrl.generate.session import EngineSession
 from jaxrl.rollout.tools.toolbox import Toolbox, ToolResult
 
 __all__ = [
@@ -229,11 +230,13 @@ class EpisodeRunner:
     ) -> list[Episode]:
         """Every row's episode, sampled with ``sampler`` (weights already loaded) and
         ``episode_key(key, row, turn)``. A backend with sessions (``Sampler.session``) runs
-        them in its slots (:meth:`run_in_slots`); another re-sends each conversation, one
-        ``generate`` per episode and turn."""
-        if callable(getattr(sampler, "session", None)):
-            return self.run_in_slots(sampler, prompt_ids, prompts, rows, key, sampling)
+        them in its slots (:meth:`run_in_slots`); another (``session`` gives None) re-sends
+        each conversation, one ``generate`` per episode and turn."""
         episodes = self.start(prompt_ids, prompts, rows)
+        longest = max(len(ep.prompt_ids) for ep in episodes)
+        session = sampler.session(len(episodes), longest + self.budget)
+        if session is not None:
+            return self.run_in_slots(session, episodes, key, sampling, sampler.max_new_tokens)
         for turn in range(self.max_turns):
             for r, ep in enumerate(episodes):
                 if not ep.done:
@@ -242,12 +245,11 @@ class EpisodeRunner:
 
     def run_in_slots(
         self,
-        sampler: Any,
-        prompt_ids: Sequence[np.ndarray],
-        prompts: Sequence[Any],
-        rows: Sequence[Mapping[str, Any]],
+        session: EngineSession,
+        episodes: list[Episode],
         key: jax.Array,
-        sampling: Any = None,
+        sampling: Any,
+        max_new_tokens: int,
     ) -> list[Episode]:
         """:meth:`run` in an engine session (``jaxrl/generate/session.py``): episode r lives in
         slot r; turn t of every live episode is one engine call, which appends what the
@@ -255,11 +257,8 @@ class EpisodeRunner:
         the next model turn from it. Turn t of row r draws with ``fold_in(episode_key(key, r,
         t), 0)``, the key request 0 of a ``generate`` call with ``episode_key`` gets, so the
         episodes are those of the re-sending path, token for token (log-probs to float
-        reduction order)."""
-        episodes = self.start(prompt_ids, prompts, rows)
-        longest = max(len(ep.prompt_ids) for ep in episodes)
-        session = sampler.session(len(episodes), longest + self.budget)
-        n = sampler.max_new_tokens
+        reduction order). ``session`` is closed at the end."""
+        n = max_new_tokens
         pending: list[list[int] | None] = [list(ep.prompt_ids) for ep in episodes]
         try:
             for turn in range(self.max_turns):

@@ -1,8 +1,10 @@
 """Rollouts from prompts: weight sync → KV-cache sampler → rewards → advantages → old/ref log-probs.
 
-The generator holds the sampler, the no-grad scorer and the reward functions of a GRPO run. Every
-call takes the parameters explicitly and loads them into the sampler with its one sync function
-(``Sampler.load_params``), so generation always uses the trainer's current weights. With a
+The generator holds the sampler (the rollout backend ``rollout.backend`` names, built by
+``backends.build_backend``), the no-grad scorer and the reward functions of a GRPO run. Every call
+takes the parameters explicitly and loads them into the backend through its sync policy
+(``weight_sync.WeightSync``: every version, or every ``rollout.sync_every`` for vLLM), so
+generation uses the trainer's current weights or, between vLLM syncs, the version it says. With a
 ``mesh``, sampling and scoring split their rows over its batch axes and use the parameters in
 their own sharding. Rewards and advantages are computed on the whole generation batch on the
 host (as TRL's GRPOTrainer).
@@ -21,9 +23,9 @@ from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, GRPOConfig, RolloutConfig
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.generate.backend import RolloutBackend, precompile
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.decode_layout import sampler_mesh
-from jaxrl.generate.sampler import Sampler, SamplingParams
+from jaxrl.generate.sampler import SamplingParams
 from jaxrl.losses.advantages import (
     aggregate_rewards,
     compute_advantages,
@@ -33,6 +35,7 @@ from jaxrl.losses.advantages import (
 from jaxrl.models import lora
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.moe.trace import route_fields
+from jaxrl.rollout.backends import BackendSpec, build_backend, weight_sync
 from jaxrl.rollout.episodes import EpisodeRows, EpisodeRunner, episode_metrics
 from jaxrl.rollout.rewards.compute import (
     RewardFunc,
@@ -143,34 +146,20 @@ class RolloutGenerator:
         sampling = SamplingParams(
             temperature=config.temperature, top_k=config.top_k or 0, top_p=config.top_p
         )
-        self.sampler: RolloutBackend
-        if rollout.backend == "vllm":  # vLLM servers (docs/rollout.md, "vLLM")
-            from jaxrl.rollout.vllm import VLLMBackend
-
-            self.sampler = VLLMBackend(
-                dense,
-                rollout.vllm,
-                max_new_tokens=config.max_completion_length,
-                eos_id=tokenizer.eos_id,
-                pad_id=tokenizer.pad_id,
-                sampling=sampling,
-                max_model_len=row_len,
-                sync_every=rollout.sync_every,
-                log_dir=log_dir,
-            )
-        else:
-            self.sampler = Sampler(
-                dense,
-                max_new_tokens=config.max_completion_length,
-                eos_id=tokenizer.eos_id,
-                pad_id=tokenizer.pad_id,
-                sampling=sampling,
-                mesh=decoding,
-                max_slots=rollout.max_slots,
-                compact_slots=rollout.compact_slots,
-                copy_params=copy_params,
-                scan_layers=rollout.scan_layers,
-            )
+        spec = BackendSpec(
+            config=dense,
+            rollout=rollout,
+            max_new_tokens=config.max_completion_length,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            sampling=sampling,
+            max_model_len=row_len,
+            mesh=decoding,
+            copy_params=copy_params,
+            log_dir=log_dir,
+        )
+        self.sampler: RolloutBackend = build_backend(spec)  # rollout.backend's (backends.py)
+        self.weight_sync = weight_sync(self.sampler, rollout)  # rollout.sync_every
         self.scorer = Scorer(
             graphdef,
             mesh=mesh,
@@ -292,7 +281,8 @@ class RolloutGenerator:
         version = None if trainer_state is None else trainer_state.global_step
         # the one weight sync; the version (optimizer updates taken) tags the samples
         with self._phase("sync"):
-            self.sampler.load_params(self.sampler_params(params), version=version)
+            if self.weight_sync.due(version):  # rollout.sync_every may keep the older weights
+                self.weight_sync.load(self.sampler_params(params), version)
         if self.episodes is not None:  # multi-turn episodes with tools (docs/tools.md)
             with self._phase("sampling"):
                 ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
@@ -341,7 +331,7 @@ class RolloutGenerator:
         :meth:`sample` of these prompt rows (``Sampler.precompile``); tool episodes run
         session programs of their own, so nothing then."""
         if self.episodes is None:
-            precompile(self.sampler, list(prompt_ids))
+            self.sampler.precompile(list(prompt_ids))
 
     def sampler_params(self, params: Any) -> Any:
         """What the sampler loads: ``params``, or a LoRA model merged (``lora.merged_state``)."""
@@ -351,9 +341,7 @@ class RolloutGenerator:
 
     def close(self) -> None:
         """Release what the rollout backend holds outside this process (vLLM servers)."""
-        close = getattr(self.sampler, "close", None)
-        if close is not None:
-            close()
+        self.sampler.close()
 
     def metrics(self, batches: Sequence[RolloutBatch]) -> dict[str, float]:
         """Reward and completion-length metrics over whole generation batches (rows pooled)."""
@@ -374,9 +362,7 @@ class RolloutGenerator:
         out["completions/clipped_ratio"] = float(truncated.mean())
         phases, self._phases = self._phases, {}  # seconds per phase since the last row
         out.update({f"time/{name}_s": seconds for name, seconds in phases.items()})
-        backend_metrics = getattr(self.sampler, "metrics", None)
-        if backend_metrics is not None:  # vLLM: weight-sync time, requests per server
-            out.update(backend_metrics())
+        out.update(self.sampler.metrics())  # vLLM: weight-sync time, requests per server
         stats = [b.episode_stats for b in batches if b.episode_stats is not None]
         if stats:  # tool episodes (external rollouts have none)
             out.update(episode_metrics(stats))

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from jaxrl.data.documents import prompt_ids as prompt_ids_of
 from jaxrl.data.tokenizer import TextTokenizer
-from jaxrl.generate.backend import RolloutBackend, precompile
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.rewards.builtin import exact_answer_reward
@@ -119,7 +119,7 @@ class HeldoutEvaluator:
         """Evaluate ``params`` (an ``nnx.State`` of parameters or a model)."""
         repeated = [p for p in self.prompt_ids for _ in range(self.k)]
         if self.k:  # the sampled call's program compiles while the greedy call runs
-            precompile(self.sampler, repeated, key=self.key)
+            self.sampler.precompile(repeated, key=self.key)
         self.sampler.load_params(params)
         greedy = self._correct(self.prompt_ids, 1, GREEDY)
         sampled = None

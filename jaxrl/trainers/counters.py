@@ -52,15 +52,15 @@ class CompileWatch:
         self._seen: dict[str, int] = {}
 
     def add(self, name: str, program: Any) -> None:
-        """Watch ``program`` (anything with ``compiles``; a backend without it counts 0), once
-        however many names it is added under."""
+        """Watch ``program`` (a train step, a scorer or a rollout backend: each declares
+        ``compiles`` and ``last_compile``), once however many names it is added under."""
         if program is not None and all(p is not program for p in self._programs.values()):
             self._programs[name] = program
             self._seen[name] = self._count(program)
 
     @staticmethod
     def _count(program: Any) -> int:
-        return int(getattr(program, "compiles", 0))
+        return int(program.compiles)
 
     @property
     def total(self) -> int:
@@ -73,7 +73,7 @@ class CompileWatch:
         for name, program in self._programs.items():
             count = self._count(program)
             if count > self._seen[name] and step > 1:
-                shapes = getattr(program, "last_compile", "") or "a new shape"
+                shapes = program.last_compile or "a new shape"
                 lines.append(
                     f"step {step}: compiled the {name} again for {shapes} (a new shape bucket; "
                     f"{count} programs so far)"

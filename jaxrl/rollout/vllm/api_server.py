@@ -10,10 +10,14 @@ Python (``sys.modules[name] = None``: ``find_spec`` answers "not installed", ``i
 ImportError) before vLLM is imported, then runs vLLM's server entry point with this process's
 arguments. On a CUDA build nothing is hidden.
 
-The script's top level runs again in every process vLLM spawns (multiprocessing's spawn start
-method re-runs the main script as ``__mp_main__``; vLLM's CPU engine core is spawned), so the
-packages are hidden there too. ``JAXRL_VLLM_HIDE`` (comma-separated names) overrides the list;
-an empty value hides nothing. docs/rollout.md, "vLLM".
+They are hidden in every Python process of the server's tree, not only this one: vLLM starts
+fresh interpreters of its own (the model-architecture inspection, ``python -m
+vllm.model_executor.models.registry``, on a fresh machine whose vLLM cache is empty; the engine
+core, spawned). This script sets ``JAXRL_VLLM_HIDE`` to the list it resolved and puts
+``startup/`` (whose ``sitecustomize`` hides that list at interpreter start, then runs the
+environment's own ``sitecustomize`` if it has one) first on ``PYTHONPATH``; every process the
+server starts inherits both. ``JAXRL_VLLM_HIDE`` (comma-separated names) set beforehand
+overrides the list; an empty value hides nothing. docs/rollout.md, "vLLM".
 """
 
 import os
@@ -24,6 +28,7 @@ HIDE = ("torchvision", "torchaudio", "torchcodec")
 # this file's folder is not a package root: its siblings must not shadow top-level modules
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+STARTUP = os.path.join(_HERE, "startup")  # first on PYTHONPATH of the server's process tree
 
 
 def hidden_packages() -> list[str]:
@@ -38,8 +43,17 @@ def hidden_packages() -> list[str]:
     return [] if gpu_build else list(HIDE)
 
 
-for _name in hidden_packages():
-    sys.modules.setdefault(_name, None)  # type: ignore[arg-type]
+def hide_in_process_tree(names: list[str]) -> None:
+    """Hide ``names`` here and in every Python process started from here on (module doc)."""
+    for name in names:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    os.environ["JAXRL_VLLM_HIDE"] = ",".join(names)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if STARTUP not in path:
+        os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *path])
+
+
+hide_in_process_tree(hidden_packages())
 
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server.entry import main

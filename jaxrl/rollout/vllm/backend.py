@@ -7,15 +7,16 @@
   that jaxrl starts on 127.0.0.1 from ``rollout.vllm.command`` or the installed ``vllm`` package
   (``server.py``: owned by PID, stopped on every exit path), on the run's own exported weights.
 - **Weights.** ``load_params`` writes the weights in the HF names and layout of jaxrl's exporter
-  (``jaxrl.models.hf.save_pretrained``; LoRA runs pass merged weights) into a fresh directory,
-  renamed into place when complete, and every server reloads them (``client.py``); the version
+  (``weights.export_weights``, the head untied; LoRA runs pass merged weights) into a fresh
+  directory, renamed into place when complete, and every server reloads them (``client.py``),
+  whenever it is called with new arrays; the version
   is stored on the server (``/update_weight_version``), tagged with this backend's run id, and
   read back before every generation, so a server that restarted, was updated by someone else or
   stopped half-way through an update is an error, never a silent source of samples. After each
   sync every server scores a probe sequence, which must match jaxrl's scorer on the weights
-  sent (``rollout.vllm.verify``). Given the
-  same arrays again, nothing is sent. With ``rollout.sync_every = k`` a new version is sent
-  only when the last one is k versions old; samples carry the version that made them.
+  sent (``rollout.vllm.verify``). Given the same arrays again, nothing is sent. Samples carry
+  the version that made them. How often the trainer calls it (``rollout.sync_every``) is the
+  trainer's policy (``jaxrl.rollout.weight_sync``).
 - **Generation.** ``/v1/completions`` with token ids in and out: one request per distinct
   prompt (``n`` = its copies; greedy: one and copies of it), spread round-robin over the
   servers and sent concurrently; the answer's ``token_ids``, ``logprobs.token_logprobs`` and
@@ -51,67 +52,32 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from jaxrl.config.vllm import VLLMConfig
+from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler_weights import sampler_model
 from jaxrl.generate.sampling import SampleResult, SamplingParams, stop_token_ids
-from jaxrl.models.hf import save_pretrained
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.rollout.vllm.client import ServerClient, VLLMError
 from jaxrl.rollout.vllm.server import LocalServer, default_command, free_port
 from jaxrl.rollout.vllm.transfer import WeightTransfer, check_cuda
+from jaxrl.rollout.vllm.weights import export_weights
 from jaxrl.train.score import Scorer
 
-__all__ = ["VLLMBackend", "export_weights"]
+__all__ = ["VLLMBackend"]
 
 MAX_CONCURRENT = 64  # requests in flight per server
 PROBE_TOL = 1e-3  # the weight check's mean |Δ log-prob|, both sides fp32
 
 
-def export_weights(
-    graphdef: Any, params: Any, path: str | os.PathLike[str], *, dtype: str, eos_ids, pad_id
-) -> Path:
-    """Write ``params`` (an ``nnx.State`` or a model) as a HF checkpoint in ``path``, complete or
-    not at all: written into a sibling directory, renamed into place at the end."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(params, nnx.Module):
-        params = nnx.state(params, nnx.Param)
-    model = nnx.merge(graphdef, params)
-    eos = list(eos_ids)
-    generation = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": int(pad_id)}
-    try:
-        save_pretrained(model, tmp, dtype=dtype, generation_config=generation)
-        if model.config.tie_word_embeddings:
-            _untie(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _untie(path: Path) -> None:
-    """Write the tied output head as its own ``lm_head.weight`` (``tie_word_embeddings:
-    false``): vLLM's in-place reload loads the embedding of a tied model but leaves its output
-    head with the old weights (vLLM 0.32), so the servers always run the head untied."""
-    tensors = load_file(str(path / "model.safetensors"))
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-class VLLMBackend:
+class VLLMBackend(RolloutBackend):
     """Generation by vLLM servers behind the rollout interface (module doc).
 
     ``config``: the model the servers run (LoRA: the dense one). ``vllm``: the servers and
     their limits (``rollout.vllm``). ``max_model_len``: the longest prompt + completion a
-    request may need (a server jaxrl starts is sized for it). ``sync_every``: versions between
-    weight syncs. ``log_dir``: where a started server writes its log.
+    request may need (a server jaxrl starts is sized for it). ``log_dir``: where a started
+    server writes its log. When to sync is the trainer's (``jaxrl.rollout.weight_sync``): every
+    ``load_params`` with new arrays is sent.
     """
 
     def __init__(
@@ -124,7 +90,6 @@ class VLLMBackend:
         pad_id: int,
         sampling: SamplingParams | None = None,
         max_model_len: int = 0,
-        sync_every: int = 1,
         log_dir: str | os.PathLike[str] | None = None,
     ):
         check_cuda(vllm.weight_transfer)
@@ -141,7 +106,6 @@ class VLLMBackend:
         self.pad_id = int(pad_id)
         self.sampling = sampling or SamplingParams()
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
-        self.sync_every = int(sync_every)
         self.weight_version = -1
         self.run_id = uuid.uuid4().hex[:12]  # server versions read "<run_id>:<version>"
         self._dir = Path(tempfile.mkdtemp(prefix="jaxrl-vllm-"))
@@ -152,7 +116,6 @@ class VLLMBackend:
         self._checked: set[str] = set()  # servers whose config was checked
         self._max_len: dict[str, int] = {}  # each server's max_model_len (0: not known)
         self._leaves: list[Any] | None = None  # the arrays of the version loaded last
-        self._unversioned = False  # the last load named no version
         self._scorer: Scorer | None = None  # the post-sync weight check's (vllm.verify)
         self._probe = [(7 * k + 3) % config.vocab_size for k in range(8)]
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -166,10 +129,10 @@ class VLLMBackend:
     def load_params(
         self, params: Any, *, copy: bool | None = None, version: int | None = None
     ) -> None:
-        """Send these weights to every server as ``version`` (default: the last + 1); nothing
-        is sent when they are the arrays sent last, or when ``version`` is given and the
-        servers' version (itself given with one) is less than ``sync_every`` older. ``copy``
-        is unused (the servers hold their own copy)."""
+        """Send these weights to every server as ``version`` (default: the last + 1); when they
+        are the arrays sent last nothing is sent, and the servers' weights only take the new
+        version (an evaluation loaded the step's weights first). ``copy`` is unused (the
+        servers hold their own copy)."""
         del copy
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
@@ -181,12 +144,8 @@ class VLLMBackend:
                 tag = self._tag(int(version))
                 self._each(lambda c: c.set_weight_version(tag))
                 self.weight_version = int(version)
-            self._unversioned &= version is None
             return
         v = self.weight_version + 1 if version is None else int(version)
-        current = 0 <= self.weight_version and not self._unversioned
-        if version is not None and current and v - self.weight_version < self.sync_every:
-            return  # rollout.sync_every: the servers keep the version they have
         start = time.perf_counter()
         tag, path = self._tag(v), None
         if not self.clients:  # the first sync starts jaxrl's own server on these weights
@@ -204,8 +163,6 @@ class VLLMBackend:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
         self.weight_version, self._leaves = v, leaves
-        # weights loaded without a version (an evaluation's) are not taken for a step's
-        self._unversioned = version is None
         self.sync_s += time.perf_counter() - start
         self.syncs += 1
 
@@ -301,7 +258,9 @@ class VLLMBackend:
         return [f.result() for f in futures]
 
     def memory_bytes(self, num_requests: int, num_groups: int, longest_prompt: int) -> int:
-        """0: the servers' KV caches are not on jaxrl's devices."""
+        """0, the true count on jaxrl's devices (what the interface counts): the KV caches live
+        in the servers' processes, sized by vLLM itself (``rollout.vllm.kv_cache_gb`` for a
+        server jaxrl starts on CPU, ``--gpu-memory-utilization`` on a GPU), not per call."""
         del num_requests, num_groups, longest_prompt
         return 0
 

@@ -1,9 +1,10 @@
 """GPU weight sync for ``rollout.backend: vllm``: vLLM's own NCCL and CUDA-IPC weight-transfer
 engines, fed with JAX buffers handed over by DLPack (``rollout.vllm.weight_transfer``).
 
-The tensors are those of the disk path (``export_weights``): the HF names, layout and dtype of
-jaxrl's exporter (``jaxrl.models.hf.hf_arrays``), the output head untied. Each is a JAX array on
-one device, handed to torch with ``torch.from_dlpack`` (no copy), and vLLM's trainer-side engine
+The tensors are those of the disk path (``weights.export_weights``): the HF names, layout and
+dtype of jaxrl's exporter (``jaxrl.models.hf.hf_arrays``), the output head untied
+(``weights.untied``). Each is a JAX array on one device, handed to torch with
+``torch.from_dlpack`` (no copy), and vLLM's trainer-side engine
 (``vllm.distributed.weight_transfer``, ``WeightTransferTrainerFactory.trainer_init``) sends it:
 
 - **nccl**: a NCCL group of the trainer (rank 0) and every worker of the server, set up once per
@@ -31,12 +32,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 import jax
-from flax import nnx
 
 from jaxrl.config.base import config_error
-from jaxrl.models.hf import hf_arrays, hf_shapes
+from jaxrl.models.hf import hf_shapes
 from jaxrl.rollout.vllm.client import ServerClient, VLLMError
 from jaxrl.rollout.vllm.server import free_port
+from jaxrl.rollout.vllm.weights import hf_tensors, untied
 
 __all__ = [
     "JaxWeights",
@@ -44,25 +45,9 @@ __all__ = [
     "WeightTransfer",
     "check_cuda",
     "dlpack_tensors",
-    "hf_tensors",
 ]
 
 FIELD = "rollout.vllm.weight_transfer"
-
-
-def hf_tensors(graphdef: Any, params: Any, *, dtype: str) -> Iterator[tuple[str, jax.Array]]:
-    """The tensors ``export_weights`` writes, as JAX arrays: its names, layout and dtype, and
-    a tied output head as its own ``lm_head.weight`` (the servers run it untied)."""
-    if isinstance(params, nnx.Module):
-        params = nnx.state(params, nnx.Param)
-    model = nnx.merge(graphdef, params)
-    embedding = None
-    for name, array in hf_arrays(model, dtype=dtype):
-        if name == "model.embed_tokens.weight":
-            embedding = array
-        yield name, array
-    if model.config.tie_word_embeddings:
-        yield "lm_head.weight", embedding
 
 
 def dlpack_tensors(
@@ -186,11 +171,9 @@ class JaxWeights:
         """(name, torch dtype, shape) of every tensor, in the iteration's order."""
         import torch
 
-        shapes = hf_shapes(self.config)
-        if self.config.tie_word_embeddings:
-            shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+        shapes = untied(hf_shapes(self.config).items(), self.config.tie_word_embeddings)
         dtype = getattr(torch, self.dtype)
-        return [(name, dtype, shape) for name, shape in shapes.items()]
+        return [(name, dtype, shape) for name, shape in shapes]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return dlpack_tensors(self.graphdef, self.params, dtype=self.dtype, device=self.device)
