@@ -17,13 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.config import ALGORITHMS, RunConfig
+from jaxrl.config import RunConfig
 from jaxrl.runtime.mesh import to_host
 from jaxrl.trainers.algorithm import Algorithm
 from jaxrl.trainers.registry import build
 
 __all__ = [
-    "SUPPORTED",
     "TOLERANCE",
     "StepOutcome",
     "compare",
@@ -35,7 +34,6 @@ __all__ = [
     "verdict_lines",
 ]
 
-SUPPORTED = ALGORITHMS  # algorithms whose first step the check can take: all
 # Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
 # sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
 TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}

@@ -126,29 +126,39 @@ class RolloutTrainer(RLStage):
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self.warned_zero_advantage = False
         self.window: Any = None  # the documents of the step being trained (RowDocuments)
+        self.held: RolloutBatch | None = None  # a generation drawn before its micro-step
         self.stage.attach(self.cfg, self.session, self.generator)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self) -> RolloutBatch:
         """Take the next generation (made now, or ahead) and load it into the buffer."""
+        batch = self._take()
+        self._load(batch)
+        return batch
+
+    def _take(self) -> RolloutBatch:
         made = self.pipeline.take(self.session.step)
         self.generation_s += made.seconds
         if made.stats:
             self.sampling_stats = made.stats
-        self.hold(made.batch)
         return made.batch
 
+    def _load(self, batch: RolloutBatch) -> None:
+        self.stage.on_generation(batch)  # the stage's fields first (PPO: values, GAE)
+        self.rollouts.load(batch)
+
     def draw(self) -> RolloutBatch:
-        return self.generate()
+        """Take the next generation now; the next micro-step that loads one loads it."""
+        self.held = self._take()
+        return self.held
 
     def hold(self, drawn: RolloutBatch) -> None:
-        """Load a generation into the buffer (the stage's fields added first: PPO's values)."""
-        self.stage.on_generation(drawn)
-        self.rollouts.load(drawn)
+        self.held = drawn
 
     def _micro_step(self) -> None:
-        if self.rollouts.needs_generation:
-            self.generate()
+        if self.rollouts.needs_generation:  # one drawn (or held) ahead of its micro-step first
+            self._load(self.held if self.held is not None else self._take())
+            self.held = None
         self.rollouts.serve()  # every rank's chunk k % S
 
     # -- training -----------------------------------------------------------------------------
