@@ -1,6 +1,7 @@
 """What every trainer shares around the run ``jaxrl.train.build`` builds (mesh, model, state,
 compiled step): output directory, checkpoints and resuming, metrics, progress, the step planner,
-the loop and the run's end (export, final evaluation, summary).
+the step loop (``Session.loop``, which ``trainers.algorithm.Algorithm.run`` drives through the
+trainer contract) and the run's end (export, final evaluation, summary).
 
 Orchestration only; the numerics live in losses/ and train/ (the objectives in
 ``jaxrl.train.objectives``). With several processes every
