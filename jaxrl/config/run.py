@@ -616,7 +616,7 @@ def _algorithm_section(cls: type) -> Any:
 class RunConfig:
     """A whole run, as ``jaxrl train CONFIG.yaml`` reads it."""
 
-    algorithm: Literal[ALGORITHMS] = "sft"  # which trainer runs (ALGORITHMS)
+    algorithm: Literal[ALGORITHMS] = "sft"  # which trainer runs
     output_dir: str = "runs/default"  # metrics.jsonl, checkpoints and plots go here
     seed: int = 0  # seeds data order, initialisation and sampling
     max_steps: int = 100  # optimizer steps
