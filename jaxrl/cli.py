@@ -108,17 +108,8 @@ def _check(args: argparse.Namespace) -> int:
         return _fail(e, 2)
     import jax
 
-    from jaxrl.trainers import check
-
-    if cfg.algorithm not in check.SUPPORTED:
-        return _fail(
-            ConfigError(
-                f"algorithm={cfg.algorithm!r}: jaxrl check runs {', '.join(check.SUPPORTED)} "
-                "configs"
-            ),
-            2,
-        )
     from jaxrl.config import load_run_config
+    from jaxrl.trainers import check
 
     a_sets, b_sets, line_a, line_b = check.layout_overrides(cfg, jax.device_count())
     with tempfile.TemporaryDirectory(prefix="jaxrl-check-") as tmp:

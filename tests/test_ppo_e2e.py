@@ -13,7 +13,7 @@ import pytest
 
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.runtime.mesh import use_devices
-from jaxrl.trainers.check import _grpo_step, _grpo_trainer, _outcome, compare
+from jaxrl.trainers.check import compare, outcome
 from jaxrl.trainers.ppo import PPOTrainer
 
 SMALL = [
@@ -73,17 +73,18 @@ def _layout_step(name, tmp_path, generation=None):
     sets, devices = LAYOUTS[name]
     cfg = load_run_config("configs/ppo_tiny.yaml", [*SMALL, *sets, f"output_dir={tmp_path / name}"])
     with use_devices(jax.devices()[:devices]):
-        trainer = _grpo_trainer(cfg)
+        trainer = PPOTrainer(cfg)
+        trainer.start(measure=False)  # as jaxrl check: no start evaluation
         _with_value_head(trainer)
         if generation is None:
             ref = trainer.generator.ref_params
             trainer.generator.ref_params = jax.tree.map(lambda x: x * 1.5, ref)
-            generation = copy.deepcopy(trainer.generate())
+            generation = copy.deepcopy(trainer.draw())
         else:
-            trainer.rollouts.load(copy.deepcopy(generation))  # values: this layout's critic
-        outcome = _outcome(trainer, _grpo_step(trainer))
-        trainer.critic.close()
-    return outcome, generation
+            trainer.hold(copy.deepcopy(generation))  # values: this layout's critic
+        result = outcome(trainer, trainer.train_step())
+        trainer.close()
+    return result, generation
 
 
 @pytest.mark.slow

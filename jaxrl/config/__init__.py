@@ -7,6 +7,7 @@ from jaxrl.config.kto import KTOConfig
 from jaxrl.config.loading import anchor_reward_paths, load_run_config
 from jaxrl.config.ppo import PPOConfig
 from jaxrl.config.run import (
+    ALGORITHMS,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -23,6 +24,7 @@ from jaxrl.config.run import (
 from jaxrl.config.sft import SFTConfig
 
 __all__ = [
+    "ALGORITHMS",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",

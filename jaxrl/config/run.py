@@ -570,9 +570,22 @@ def check_max_steps(value: int) -> None:
         raise config_error("max_steps", value, "use a positive number of optimizer steps")
 
 
+# Every ``algorithm:`` and the section of its own stage: its per-rank batch and learning rate
+# (PPO's actor is the grpo section; SFT's batch is global). The one list of names:
+# ``jaxrl.trainers.registry`` maps each to its trainer (tests/test_algorithm.py keeps them in step).
+STAGE_SECTIONS: dict[str, str | None] = {
+    "sft": None,
+    "grpo": "grpo",
+    "dpo": "dpo",
+    "kto": "kto",
+    "ppo": "grpo",
+}
+ALGORITHMS: tuple[str, ...] = tuple(STAGE_SECTIONS)
+
+
 def check_algorithm(value: str) -> None:
     """``algorithm`` must be a known trainer."""
-    require_choice("algorithm", value, ("sft", "grpo", "dpo", "kto", "ppo"))
+    require_choice("algorithm", value, ALGORITHMS)
 
 
 __all__ = [
@@ -589,6 +602,8 @@ __all__ = [
     "RolloutConfig",
     "ScheduleConfig",
     "TaskConfig",
+    "ALGORITHMS",
+    "STAGE_SECTIONS",
     "check_algorithm",
     "check_max_steps",
 ]
@@ -604,7 +619,7 @@ def _algorithm_section(cls: type) -> Any:
 class RunConfig:
     """A whole run, as ``jaxrl train CONFIG.yaml`` reads it."""
 
-    algorithm: Literal["sft", "grpo", "dpo", "kto", "ppo"] = "sft"  # which trainer runs
+    algorithm: Literal[ALGORITHMS] = "sft"  # which trainer runs
     output_dir: str = "runs/default"  # metrics.jsonl, checkpoints and plots go here
     seed: int = 0  # seeds data order, initialisation and sampling
     max_steps: int = 100  # optimizer steps
@@ -680,6 +695,18 @@ class RunConfig:
                 f"{self.schedule.max_tokens}: a document must fit in one micro-batch row; raise "
                 "schedule.max_tokens or lower sft.max_length"
             )
+
+    @property
+    def stage(self) -> GRPOConfig | DPOConfig | KTOConfig | None:
+        """The section of the algorithm's own stage (``STAGE_SECTIONS``): its per-rank batch
+        and learning rate; None for SFT."""
+        name = STAGE_SECTIONS[self.algorithm]
+        return None if name is None else getattr(self, name)
+
+    @property
+    def samples_rollouts(self) -> bool:
+        """GRPO's family (GRPO, PPO): the run samples rollouts (the grpo and rollout sections)."""
+        return isinstance(self.stage, GRPOConfig)
 
     def resolved(self) -> RunConfig:
         """The one resolve step (``load_run_config`` runs it; nothing else fills a config in):

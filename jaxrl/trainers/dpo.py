@@ -35,8 +35,9 @@ from jaxrl.train.ref_cache import (
     tokenizer_fingerprint,
     weight_fingerprint,
 )
+from jaxrl.trainers.algorithm import ReferenceAlgorithm
 from jaxrl.trainers.preamble import Preamble
-from jaxrl.trainers.session import run_reference_stage, with_device_ranks
+from jaxrl.trainers.session import with_device_ranks
 
 
 def orpo_nll_weight(pair_ids: Any, masks: Any) -> float:
@@ -49,7 +50,7 @@ def orpo_nll_weight(pair_ids: Any, masks: Any) -> float:
     return float(ids.size) / max(tokens, 1)
 
 
-class DPOTrainer:
+class DPOTrainer(ReferenceAlgorithm):
     """DPO (and variants) on preference pairs; ``run()`` trains and returns a summary.
 
     Pairs come from ``data.train``/``data.eval`` (TRL's preference format, strings or
@@ -256,18 +257,22 @@ class DPOTrainer:
             "eval/exact_match": scores.exact_match(np.arange(0, scores.logps.size, 2)),
         }
 
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        summary = run_reference_stage(
-            self,
-            "dpo",
-            lambda row: f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}",
-            prepare=self._reference_fields,
-        )
-        return {**summary, "reference_cache": [str(r.path) for r in self.refs.values()]}
+    # -- the contract's hooks (ReferenceAlgorithm's start, host state and summary) ---------
+    description = "dpo"
 
-    def _reference_fields(self) -> None:
-        """The cached reference log-probs as per-document fields of every training batch."""
+    def prepare(self) -> None:
+        """The reference caches, then their log-probs as per-document fields of every training
+        batch."""
+        self.build_references()
         self.doc_fields = {}
         if self.dpo.needs_reference:
             self.doc_fields[REF_FIELD] = self.refs["train"].document_values()
+
+    def info(self, row: dict[str, Any]) -> str:
+        return f"loss {row['loss']:.3f} acc {row['rewards/accuracy']:.2f}"
+
+    def summary(self, summary: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().summary(summary, last),
+            "reference_cache": [str(r.path) for r in self.refs.values()],
+        }

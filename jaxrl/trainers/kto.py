@@ -27,11 +27,12 @@ from jaxrl.losses.dpo import MARGIN_TOLERANCE
 from jaxrl.losses.kto import mismatched_completions, reference_point
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import LABEL_FIELD, REF_FIELD, Z0_FIELD, kto_objective
+from jaxrl.trainers.algorithm import ReferenceAlgorithm
 from jaxrl.trainers.preamble import Preamble
-from jaxrl.trainers.session import run_reference_stage, with_device_ranks
+from jaxrl.trainers.session import with_device_ranks
 
 
-class KTOTrainer:
+class KTOTrainer(ReferenceAlgorithm):
     """KTO on ``data.train`` rows ``{prompt, completion, label}`` (TRL's unpaired format) or
     on the built-in task (pair i → its correct answer, desirable, for even i; its wrong answer,
     undesirable, for odd i); ``run()`` trains and returns a summary."""
@@ -161,11 +162,11 @@ class KTOTrainer:
                 out[f"eval/accuracy_{name}"] = float(np.mean(right[sel]))
         return out
 
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        return run_reference_stage(
-            self, "kto", lambda row: f"loss {row['loss']:.3f} kl {row['kl']:.3f}"
-        )
+    # -- the contract's hooks (ReferenceAlgorithm's start, host state and summary) ---------
+    description = "kto"
+
+    def info(self, row: dict[str, Any]) -> str:
+        return f"loss {row['loss']:.3f} kl {row['kl']:.3f}"
 
 
 __all__ = ["Examples", "KTOTrainer"]

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxrl.config.run import STAGE_SECTIONS
+
 __all__ = ["layout_change_line", "model_change_error", "model_changes"]
 
 SECTIONS = ("mesh", "schedule")
 STEP_SIZE = "schedule.docs_per_step"  # not layout: it sets the documents of a step
-PER_RANK = ("grpo", "dpo", "ppo")  # algorithms whose batch is per data-parallel rank
 
 
 def _flat(d: Any, prefix: str) -> dict[str, Any]:
@@ -87,10 +88,10 @@ def layout_change_line(
             "step, so the resumed steps make the updates the previous layout would have made (up "
             "to floating-point rounding)."
         )
-    algorithm = current.get("algorithm")
-    if algorithm in PER_RANK and any(k in ("mesh.data", "mesh.fsdp") for k in keys):
+    section = STAGE_SECTIONS.get(current.get("algorithm"))  # its batch is per rank; SFT's not
+    if section is not None and any(k in ("mesh.data", "mesh.fsdp") for k in keys):
         notes.append(
-            f"But {algorithm}.per_device_train_batch_size counts per data-parallel rank: if the "
+            f"But {section}.per_device_train_batch_size counts per data-parallel rank: if the "
             f"rank count (mesh.data × mesh.fsdp, now {ranks}) changed, so did the documents per "
             "step."
         )

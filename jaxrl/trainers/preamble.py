@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxrl.config import RunConfig
+from jaxrl.config import GRPOConfig, RunConfig
 from jaxrl.data.datasets import Dataset, Kind, read_dataset
 from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxrl.train.build import build_task
@@ -27,21 +27,15 @@ __all__ = ["Preamble", "run_datasets", "run_tokenizer", "stage_config"]
 
 
 def stage_config(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with the RL stage's optimizer: ``grpo.learning_rate``, ``warmup_steps`` and
-    ``lr_scheduler_type``, or ``dpo.learning_rate``, over ``optimizer``'s (an SFT run, and the
-    SFT warm start, keep ``optimizer``'s)."""
-    stage: dict[str, Any] = {}
-    if cfg.algorithm in ("grpo", "ppo"):  # PPO's actor: the grpo section's
-        g = cfg.grpo
-        stage = {
-            "learning_rate": g.learning_rate,
-            "warmup_steps": g.warmup_steps,
-            "decay": g.lr_scheduler_type,
-        }
-    elif cfg.algorithm == "dpo":
-        stage = {"learning_rate": cfg.dpo.learning_rate}
-    elif cfg.algorithm == "kto":
-        stage = {"learning_rate": cfg.kto.learning_rate}
+    """``cfg`` with the RL stage's optimizer: its section's (``cfg.stage``: grpo for GRPO and
+    PPO's actor, dpo, kto) ``learning_rate`` and, for the GRPO family, ``warmup_steps`` and
+    ``lr_scheduler_type``, over ``optimizer``'s (an SFT run, and the SFT warm start, keep
+    ``optimizer``'s)."""
+    section, stage = cfg.stage, {}
+    if section is not None:
+        stage = {"learning_rate": section.learning_rate}
+    if isinstance(section, GRPOConfig):
+        stage.update(warmup_steps=section.warmup_steps, decay=section.lr_scheduler_type)
     stage = {k: v for k, v in stage.items() if v is not None}
     if not stage:
         return cfg

@@ -1,6 +1,7 @@
 """What every trainer shares around the run ``jaxrl.train.build`` builds (mesh, model, state,
 compiled step): output directory, checkpoints and resuming, metrics, progress, the step planner,
-the loop and the run's end (export, final evaluation, summary).
+the step loop (``Session.loop``, which ``trainers.algorithm.Algorithm.run`` drives through the
+trainer contract) and the run's end (export, final evaluation, summary).
 
 Orchestration only; the numerics live in losses/ and train/ (the objectives in
 ``jaxrl.train.objectives``). With several processes every
@@ -90,7 +91,7 @@ def step_family(cfg: RunConfig, devices: int) -> str:
 def generation_devices(cfg: RunConfig, pool: int) -> int:
     """Devices of a pool of ``pool`` that a GRPO run sets aside for asynchronous generation
     (``rollout``; ``jaxrl.rollout.pipeline.generation_device_count``), 0 for other runs."""
-    if cfg.algorithm not in ("grpo", "ppo"):
+    if not cfg.samples_rollouts:
         return 0
     r = cfg.rollout
     count = generation_device_count(r.max_staleness, r.devices, pool)
@@ -415,11 +416,20 @@ class Session:
         row["elapsed_s"] = round(time.perf_counter() - self.started, 3)
         return row
 
-    def maybe_checkpoint(self, host: Callable[[], dict[str, Any]], *, force: bool = False) -> None:
+    def maybe_checkpoint(
+        self,
+        host: Callable[[], dict[str, Any]],
+        *,
+        force: bool = False,
+        save_state: Callable[[int], None] | None = None,
+    ) -> None:
         """Save a checkpoint when due (``checkpoint.every``) or ``force``d; ``host()`` gives the
-        trainer's host state, asked for only then, saved with the session's counters."""
+        trainer's host state, asked for only then, saved with the session's counters;
+        ``save_state(step)`` first saves the trainer's device state beside it (PPO's critic)."""
         every = self.cfg.checkpoint.every
         if force or (every and self.step % every == 0):
+            if save_state is not None:
+                save_state(self.step)
             state = {**host(), "counters": self.counters.state_dict()}
             self.checkpointer.save(self.step, self.state, state)
 
@@ -429,7 +439,12 @@ class Session:
         return bool(every and self.step % every == 0) or self.step == self.cfg.max_steps
 
     def record(
-        self, row: dict[str, Any], host: Callable[[], dict[str, Any]], *, final: bool = False
+        self,
+        row: dict[str, Any],
+        host: Callable[[], dict[str, Any]],
+        *,
+        final: bool = False,
+        save_state: Callable[[int], None] | None = None,
     ) -> None:
         """Write the step's metrics row, then checkpoint if due (always after the last step, or
         when ``final`` says the run ends here). After ``optimizer.max_nonfinite_steps``
@@ -448,7 +463,8 @@ class Session:
                 f"checkpoint: {kept}. Check the model weights and data for NaN/inf, or lower "
                 "optimizer.learning_rate"
             )
-        self.maybe_checkpoint(host, force=final or self.step == self.cfg.max_steps)
+        force = final or self.step == self.cfg.max_steps
+        self.maybe_checkpoint(host, force=force, save_state=save_state)
 
     def loop(
         self,
@@ -456,16 +472,18 @@ class Session:
         step: Callable[[], dict[str, Any]],
         *,
         host_state: Callable[[], dict[str, Any]],
+        save_state: Callable[[int], None] | None = None,
         evaluate: Callable[[], dict[str, Any]] | None = None,
         info: Callable[[dict[str, Any]], str] = lambda row: f"loss {row['loss']:.3f}",
         stop: Callable[[dict[str, Any]], bool] | None = None,
-        epoch: Callable[[], float] | None = None,
+        epoch: Callable[[], float | None] | None = None,
         first_row: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The trainers' loop: step, evaluate when due, record (and checkpoint), until
-        ``max_steps`` or ``stop(row)``; returns the last row ({} when nothing was left).
-        ``epoch``: passes over the training data so far, logged as ``epoch`` in every row (the
-        data wraps into a new, reshuffled epoch when a step needs more than is left).
+        """The loop ``Algorithm.run`` drives: step, evaluate when due, record (and checkpoint:
+        ``host_state()`` and ``save_state(step)``), until ``max_steps`` or ``stop(row)``;
+        returns the last row ({} when nothing was left). ``epoch``: passes over the training
+        data so far (None: not logged), logged as ``epoch`` in every row (the data wraps into a
+        new, reshuffled epoch when a step needs more than is left).
         ``first_row``: fields added to the run's first row, step 1 (e.g. the data's length
         report); a resumed run has written it already."""
         last: dict[str, Any] = {}
@@ -475,12 +493,12 @@ class Session:
                 row = step()
                 row.update(extra)
                 extra.clear()
-                if epoch is not None:
-                    row["epoch"] = round(epoch(), 6)
+                if epoch is not None and (passes := epoch()) is not None:
+                    row["epoch"] = round(passes, 6)
                 if evaluate is not None and self.eval_due():
                     row.update(evaluate())
                 done = stop is not None and stop(row)
-                self.record(row, host_state, final=done)
+                self.record(row, host_state, final=done, save_state=save_state)
                 advance(info(row))
                 last = row
                 if done:
@@ -572,42 +590,3 @@ class Session:
         self.checkpointer.close()
         if hasattr(self, "writer"):
             self.writer.close()
-
-
-def run_reference_stage(
-    trainer: Any,
-    description: str,
-    info: Callable[[dict[str, Any]], str],
-    prepare: Callable[[], None] | None = None,
-) -> dict[str, Any]:
-    """``run()`` of a trainer that scores a frozen reference first (DPO, KTO): the reference
-    pass, resume or the start evaluation (written as step 0 and kept in the host state as
-    ``start``), ``prepare()`` (what the steps need from the references), the loop over
-    ``trainer.next_batch()`` and the summary (with ``start`` and the data's length report).
-
-    ``trainer`` has ``session``, ``feed``, ``tokenizer``, ``data_report``,
-    ``build_references()``, ``next_batch()`` and ``evaluate()``; its ``initial`` is set."""
-    session = trainer.session
-    start = time.perf_counter()
-    trainer.build_references()
-    host = session.resume({})
-    session.precompile_steps()  # shapes a previous run compiled, while the evaluation runs
-    if host is not None:
-        trainer.feed.load_state_dict(host["feed"])
-        trainer.initial = host.get("start", {})
-    else:
-        trainer.initial = trainer.evaluate()
-        session.writer.write({"step": 0, **trainer.initial})
-    if prepare is not None:
-        prepare()
-    last = session.loop(
-        description,
-        lambda: session.train_on(trainer.next_batch()),
-        first_row=trainer.data_report,  # rows the length limits touched
-        epoch=lambda: trainer.feed.epochs,
-        host_state=lambda: {"feed": trainer.feed.state_dict(), "start": trainer.initial},
-        evaluate=trainer.evaluate,
-        info=info,
-    )
-    summary = session.finish(last, trainer.tokenizer, trainer.evaluate, started=start)
-    return {**summary, "start": trainer.initial, **trainer.data_report}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -14,10 +13,11 @@ from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import sft_documents
 from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.train.objectives import sft_objective
+from jaxrl.trainers.algorithm import Algorithm
 from jaxrl.trainers.preamble import Preamble
 
 
-class SFTTrainer:
+class SFTTrainer(Algorithm):
     """Supervised fine-tuning on a built-in task or on ``data.train``; ``run()`` trains and
     returns a summary.
 
@@ -116,24 +116,22 @@ class SFTTrainer:
         target = self.stop_at_accuracy
         return target is not None and accuracy is not None and accuracy >= target
 
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        session = self.session
-        host = session.resume({})
-        session.precompile_steps()  # shapes a previous run compiled (``Session``)
-        if host is not None:
-            self.feed.load_state_dict(host["feed"])
-        start = time.perf_counter()
-        last = session.loop(
-            "sft",
-            lambda: session.train_on(self.next_batch()),
-            first_row=self.data_report,  # rows the length limits touched
-            epoch=lambda: self.feed.epochs,
-            host_state=lambda: {"feed": self.feed.state_dict()},
-            evaluate=self.evaluate,
-            stop=lambda row: self._reached(row.get("eval/accuracy")),
-        )
-        summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
+    # -- the contract's hooks ------------------------------------------------------------------
+    description = "sft"
+
+    def load_host_state(self, host: dict[str, Any]) -> None:
+        self.feed.load_state_dict(host["feed"])
+
+    def host_state(self) -> dict[str, Any]:
+        return {"feed": self.feed.state_dict()}
+
+    def epoch(self) -> float:
+        return self.feed.epochs
+
+    def stop(self, row: dict[str, Any]) -> bool:
+        return self._reached(row.get("eval/accuracy"))
+
+    def summary(self, summary: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
         return {
             **summary,
             "stopped_at_target": self._reached(last.get("eval/accuracy")),

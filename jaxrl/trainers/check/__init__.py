@@ -1,15 +1,17 @@
 """One optimizer step of a config, as numbers to compare across layouts (``jaxrl check``).
 
-:func:`one_step` builds the config's trainer on the devices in scope
-(``jaxrl.runtime.mesh.use_devices``), takes its first step's batch exactly as ``jaxrl train``
-would, runs one optimizer step and returns the step's loss, gradient norm and the updated
-parameters on the host. Two layouts of the same config (mesh, micro-batch budget) start from
-the same weights (the seed fixes them) and see the same global batch, so their outcomes must
-agree to float rounding: :func:`compare` measures that (docs/algorithms/accumulation.md).
+:func:`one_step` builds the config's trainer (``trainers.registry``) on the devices in scope
+(``jaxrl.runtime.mesh.use_devices``), starts it and takes its first step exactly as ``jaxrl
+train`` would (``Algorithm.start`` and ``train_step``: the trainer contract, nothing private),
+and returns the step's loss, gradient norm and the updated parameters on the host. Two layouts
+of the same config (mesh, micro-batch budget) start from the same weights (the seed fixes them)
+and see the same global batch, so their outcomes must agree to float rounding: :func:`compare`
+measures that (docs/algorithms/accumulation.md).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -17,20 +19,21 @@ import numpy as np
 
 from jaxrl.config import RunConfig
 from jaxrl.runtime.mesh import to_host
+from jaxrl.trainers.algorithm import Algorithm
+from jaxrl.trainers.registry import build
 
 __all__ = [
-    "SUPPORTED",
     "TOLERANCE",
     "StepOutcome",
     "compare",
     "layout_overrides",
     "max_relative_difference",
     "one_step",
+    "outcome",
     "two_layouts",
     "verdict_lines",
 ]
 
-SUPPORTED = ("sft", "dpo", "grpo", "kto", "ppo")  # algorithms whose first step the check can take
 # Relative tolerances of the verdict (docs/algorithms/accumulation.md, "jaxrl check"): fp32
 # sums in another order differ by ~1e-7 relative; a layout-dependent objective by far more.
 TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-5, "params": 1e-5}
@@ -57,83 +60,49 @@ class StepOutcome:
         return float(self.row["grad_norm"])
 
 
-def _trainer(cfg: RunConfig) -> Any:
-    if cfg.algorithm == "dpo":
-        from jaxrl.train.objectives import REF_FIELD
-        from jaxrl.trainers.dpo import DPOTrainer
-
-        trainer = DPOTrainer(cfg)
-        trainer.build_references()  # as DPOTrainer.run does before its first step
-        if trainer.dpo.needs_reference:
-            trainer.doc_fields[REF_FIELD] = trainer.refs["train"].document_values()
-        return trainer
-    if cfg.algorithm == "kto":
-        from jaxrl.trainers.kto import KTOTrainer
-
-        trainer = KTOTrainer(cfg)
-        trainer.build_references()
-        return trainer
-    if cfg.algorithm == "sft":
-        from jaxrl.trainers.sft import SFTTrainer
-
-        return SFTTrainer(cfg)
-    raise NotImplementedError(f"algorithm={cfg.algorithm!r}")
-
-
-def one_step(cfg: RunConfig) -> StepOutcome:
-    """The first optimizer step of an SFT or DPO-family ``cfg`` (no SFT warm start: the caller
-    resolves it)."""
-    trainer = _trainer(cfg)
-    row = trainer.session.train_on(trainer.next_batch())
-    return _outcome(trainer, row)
-
-
-def _outcome(trainer: Any, row: dict[str, Any]) -> StepOutcome:
-    """The row and the updated parameters (PPO: the actor's, then the critic's)."""
-    params = _leaves(to_host(trainer.session.state.params))
-    if hasattr(trainer, "critic"):
-        params += _leaves(to_host(trainer.critic.state.params))
-    return StepOutcome(row, [np.asarray(x, np.float64) for x in params])
-
-
-def _grpo_trainer(cfg: RunConfig) -> Any:
-    """A GRPO (or PPO) trainer past its start (a fresh output_dir: nothing to resume),
-    without the held-out evaluation a run measures first."""
-    from jaxrl.trainers.grpo import GRPOTrainer
-
-    if cfg.algorithm == "ppo":
-        from jaxrl.trainers.ppo import PPOTrainer
-
-        trainer = PPOTrainer(cfg)
-    else:
-        trainer = GRPOTrainer(cfg)
-    trainer.session.resume({})
-    trainer._started = True  # noqa: SLF001 (the check's step needs no starting evaluation)
+def _start_trainer(cfg: RunConfig) -> Algorithm:
+    """The config's trainer past its start (a fresh output_dir: nothing to resume), without the
+    programs compiled ahead and the held-out evaluation a run measures first."""
+    trainer = build(cfg)
+    trainer.start(measure=False)
     return trainer
 
 
+def outcome(trainer: Algorithm, row: dict[str, Any]) -> StepOutcome:
+    """The row and the updated parameters (``Algorithm.parameters``: PPO's actor, then its
+    critic)."""
+    params = [leaf for tree in trainer.parameters() for leaf in _leaves(to_host(tree))]
+    return StepOutcome(row, [np.asarray(x, np.float64) for x in params])
+
+
+def one_step(cfg: RunConfig) -> StepOutcome:
+    """The first optimizer step of ``cfg`` (no SFT warm start: the caller resolves it)."""
+    trainer = _start_trainer(cfg)
+    try:
+        return outcome(trainer, trainer.train_step())
+    finally:
+        trainer.close()
+
+
 def two_layouts(cfg_a: RunConfig, cfg_b: RunConfig) -> tuple[StepOutcome, StepOutcome]:
-    """The first step of the same config in two layouts. GRPO: layout A generates the first
-    generation (its prompts, the policy's samples, the user's reward functions) and both
-    layouts train on that same generation (sampling itself is not part of the update)."""
-    if cfg_a.algorithm not in ("grpo", "ppo"):  # PPO: GRPO's rollouts, each layout's critic
-        return one_step(cfg_a), one_step(cfg_b)
-    import copy
-
-    first = _grpo_trainer(cfg_a)
-    generation = copy.deepcopy(first.generate())  # loaded into A's queue, kept for B
-    a = _outcome(first, _grpo_step(first))
+    """The first step of the same config in two layouts. What a step samples (GRPO: the first
+    generation: its prompts, the policy's samples, the user's reward functions) is drawn by
+    layout A and held by layout B (``Algorithm.draw`` / ``hold``; sampling itself is not part
+    of the update), so both train on the same data; PPO: each layout's critic scores it."""
+    first = _start_trainer(cfg_a)
+    try:
+        drawn = copy.deepcopy(first.draw())  # held by A for its step, kept for B
+        a = outcome(first, first.train_step())
+    finally:
+        first.close()
     del first
-    second = _grpo_trainer(cfg_b)
-    second.rollouts.load(generation)
-    return a, _outcome(second, _grpo_step(second))
-
-
-def _grpo_step(trainer: Any) -> dict[str, Any]:
-    """One optimizer step on the generation in the trainer's buffer (``GRPOTrainer.step``
-    without making a generation: the buffer serves its micro-steps, then the window trains)."""
-    trainer.rule.run_step(trainer.rollouts.serve, lambda: len(trainer.rollouts))
-    return trainer._train_pending()  # noqa: SLF001
+    second = _start_trainer(cfg_b)
+    try:
+        if drawn is not None:
+            second.hold(drawn)
+        return a, outcome(second, second.train_step())
+    finally:
+        second.close()
 
 
 def _leaves(tree: Any) -> list[Any]:

@@ -1,7 +1,8 @@
 """PPO with a learned critic (``algorithm: ppo``; docs/algorithms/ppo.md).
 
-The GRPO trainer's rollouts, schedule, scorer and clipped actor objective (the ``grpo``
-section), plus a critic (``trainers.ppo.critic``). Per generation, before its rows enter the
+GRPO's rollouts, schedule, scorer and clipped actor objective (the ``grpo`` section: a
+``RolloutTrainer``) composed with a critic stage (``CriticStage``, the critic in
+``trainers.ppo.critic``). Per generation, before its rows enter the
 queue: the critic's values V_old (a no-grad pass), the token rewards (the scalar reward on the
 last completion token, −β·KL per token with ``ppo.kl_in_reward``), GAE per document and the
 advantages whitened over the whole generation batch, on the host (``losses.ppo``). Per step:
@@ -11,21 +12,24 @@ the actor's step on the token advantages, then the critic's step on the same pac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxrl.config import ConfigError, GRPOConfig, RunConfig
+from jaxrl.config import ConfigError, RunConfig
+from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.losses.advantages import aggregate_rewards
 from jaxrl.losses.ppo import explained_variance, kl_penalty, ppo_advantages
+from jaxrl.rollout.generator import RolloutGenerator
 from jaxrl.rollout.rewards.compute import RewardFunc
-from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
-from jaxrl.train.objectives import grpo_objective
-from jaxrl.trainers.grpo import GRPOTrainer
+from jaxrl.rollout.rollout_queue import RolloutBatch
+from jaxrl.train.objectives import Objective, grpo_objective
+from jaxrl.trainers.grpo import RolloutTrainer, Stage
 from jaxrl.trainers.ppo.critic import RETURN, VALUE_OLD, CriticRun
+from jaxrl.trainers.session import Session
 
-__all__ = ["PPOTrainer", "check_ppo_settings"]
+__all__ = ["CriticStage", "PPOTrainer", "check_ppo_settings"]
 
 
 def check_ppo_settings(cfg: RunConfig) -> None:
@@ -73,58 +77,37 @@ def value_stats(
     return out
 
 
-class _CriticQueue(RolloutQueue):
-    """The rollout queue, with PPO's advantages added to each generation as it enters."""
+class CriticStage(Stage):
+    """PPO's stage beside the actor: the critic's values and GAE advantages on each generation
+    as it enters the queue, the critic's step after the actor's on the same packed batch, its
+    checkpoints beside the policy's and its export at the end."""
 
-    def __init__(self, config: GRPOConfig, *, seed: int, prepare: Callable[[RolloutBatch], None]):
-        super().__init__(config, seed=seed)
-        self.prepare = prepare
-
-    def load(self, batch: RolloutBatch) -> None:
-        self.prepare(batch)
-        super().load(batch)
-
-    def submit(self, batch: RolloutBatch) -> None:
-        self.prepare(batch)
-        super().submit(batch)
-
-
-class PPOTrainer(GRPOTrainer):
-    """PPO on the GRPO trainer's rollouts with a critic; ``run()`` as GRPO's. The critic's
-    metrics join each step's row: ``value_loss``, ``value/mean``, ``value/clipfrac``,
-    ``value/explained_variance``, ``critic/grad_norm``."""
-
-    def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
-        check_ppo_settings(cfg)
-        super().__init__(cfg, reward_funcs=reward_funcs)
-
-    def _build(self, cfg: RunConfig, reward_funcs: Any, generation: list) -> None:
-        super()._build(cfg, reward_funcs, generation)
-        self.critic = CriticRun.build(self.cfg, self.session, self.scorer.row_len)
-        self.session.programs.add("critic step", self.critic.step_fn)
-        self.session.programs.add("critic values", self.critic.scorer)
-        self.rollouts = _CriticQueue(self.config, seed=self.cfg.seed, prepare=self._advantages)
+    def __init__(self, cfg: RunConfig):
+        self.ppo = cfg.ppo
+        self.kl_in_reward = cfg.ppo.kl_in_reward and cfg.grpo.beta > 0
         self.value_stats: dict[str, float] = {}
 
-    @property
-    def kl_in_reward(self) -> bool:
-        return self.cfg.ppo.kl_in_reward and self.cfg.grpo.beta > 0
-
-    @property
-    def computes_old_logprobs(self) -> bool:  # the KL in the reward: π_old against π_ref
-        return super().computes_old_logprobs or self.kl_in_reward
-
-    def _objective(self) -> Any:
+    def objective(self, cfg: RunConfig) -> Objective:
         """The GRPO family's clipped objective on the token advantages; with the KL in the
         reward the loss has no KL term."""
-        config = self.config
-        if self.cfg.ppo.kl_in_reward:
+        config = cfg.grpo
+        if cfg.ppo.kl_in_reward:
             config = dataclasses.replace(config, beta=0.0)
-        return grpo_objective(config, chunk_size=self.cfg.model.logprob_chunk)
+        return grpo_objective(config, chunk_size=cfg.model.logprob_chunk)
 
-    def _advantages(self, batch: RolloutBatch) -> None:
+    def old_logprobs(self, cfg: RunConfig) -> bool:  # the KL in the reward: π_old against π_ref
+        return super().old_logprobs(cfg) or self.kl_in_reward
+
+    def attach(self, cfg: RunConfig, session: Session, generator: RolloutGenerator) -> None:
+        self.critic = CriticRun.build(cfg, session, cfg.schedule.max_tokens)
+        session.programs.add("critic step", self.critic.step_fn)
+        session.programs.add("critic values", self.critic.scorer)
+        self.generator, self.beta = generator, cfg.grpo.beta
+        self.dtype = cfg.export.dtype or cfg.model.param_dtype  # of the critic's export
+
+    def on_generation(self, batch: RolloutBatch) -> None:
         """V_old, token rewards, GAE and whitening of one generation batch (host, float64)."""
-        p = self.cfg.ppo
+        p = self.ppo
         starts = [int(n) for n in batch.prompt_lengths]
         values = [v[n:] for v, n in zip(self.critic.values(batch.sequences), starts, strict=True)]
         masks = [m[n:] for m, n in zip(batch.loss_masks, starts, strict=True)]
@@ -135,7 +118,7 @@ class PPOTrainer(GRPOTrainer):
             kl = [kl_penalty(old, ref, p.kl_estimator) for old, ref in pairs]
         adv, ret = ppo_advantages(
             aggregate_rewards(batch.rewards, weights), values, masks, gamma=p.gamma,
-            lam=p.gae_lambda, kl=kl, beta=self.config.beta, whiten_advantages=p.whiten_advantages,
+            lam=p.gae_lambda, kl=kl, beta=self.beta, whiten_advantages=p.whiten_advantages,
         )  # fmt: skip
         batch.set_completion_field("token_advantage", adv)
         batch.set_completion_field(VALUE_OLD, values)
@@ -143,35 +126,50 @@ class PPOTrainer(GRPOTrainer):
         batch.advantages = np.asarray([a[0] if len(a) else 0.0 for a in adv], np.float32)
         self.value_stats = value_stats(ret, values, masks, kl)
 
-    def _train_on(self, batch: Any, cause: str) -> dict[str, Any]:
-        """The actor's step, then the critic's on the same packed batch."""
-        row = self.session.train_on(batch, empty_cause=cause)
+    def train_on(self, batch: StepBatch) -> dict[str, Any]:
+        """The critic's step on the actor's packed batch: its metrics and the generation's."""
         critic = self.critic.train_on(batch.arrays, batch.rounds)
-        row["critic/grad_norm"] = critic["grad_norm"]
+        row = {"critic/grad_norm": critic["grad_norm"]}
         row["critic/learning_rate"] = critic["learning_rate"]
         for name in ("value_loss", "value/mean", "value/clipfrac"):
             row[name] = critic[name]
         row.update(self.value_stats)
         return row
 
-    def host_state(self) -> dict[str, Any]:
-        """GRPO's host state; the critic is saved beside the policy's checkpoint (same step)."""
-        self.critic.save(self.session.step)
-        return super().host_state()
+    def parameters(self) -> list[Any]:
+        return [self.critic.state.params]
 
-    def _start(self) -> None:
-        if self._started:
-            return
-        super()._start()
-        if self.session.step:  # resumed: the critic of the same step
-            self.critic.restore(self.session.step)
+    def save(self, step: int) -> None:
+        self.critic.save(step)
 
-    def run(self) -> dict[str, Any]:
-        """GRPO's loop; then the critic is exported to ``<output_dir>/critic/hf``."""
-        try:
-            summary = super().run()
-            dtype = self.cfg.export.dtype or self.cfg.model.param_dtype
-            summary["critic_export"] = str(self.critic.export(dtype))
-        finally:
-            self.critic.close()
-        return summary
+    def restore(self, step: int) -> None:
+        self.critic.restore(step)
+
+    def summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The critic exported to ``<output_dir>/critic/hf``."""
+        return {**summary, "critic_export": str(self.critic.export(self.dtype))}
+
+    def close(self) -> None:
+        self.critic.close()
+
+
+class PPOTrainer(RolloutTrainer):
+    """PPO: GRPO's rollouts with a critic stage (``CriticStage``); ``run()`` as GRPO's. The
+    critic's metrics join each step's row: ``value_loss``, ``value/mean``, ``value/clipfrac``,
+    ``value/explained_variance``, ``critic/grad_norm``."""
+
+    description = "ppo"
+
+    def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
+        check_ppo_settings(cfg)
+        self.stage: CriticStage
+        super().__init__(cfg, reward_funcs=reward_funcs, stage=CriticStage(cfg))
+
+    @property
+    def critic(self) -> CriticRun:
+        """The critic (state, compiled step, value pass, checkpoints)."""
+        return self.stage.critic
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.stage.kl_in_reward

@@ -1,12 +1,14 @@
-"""GRPO trainer (GRPO / GSPO / DAPO / Dr.GRPO): sampler → rewards → row queue → exact engine.
+"""GRPO-family trainers (GRPO / GSPO / DAPO / Dr.GRPO; PPO with its critic stage): sampler →
+rewards → row queue → exact engine.
 
 Per generation (as in TRL): the next prompts in TRL ``RepeatSampler`` order → ``RolloutGenerator``
 (weights synced from the trainer, KV-cache sampling, rewards, advantages on the whole batch, each
 row's document, old / reference log-probs when needed) → the ``RolloutQueue``, which holds every
 row until it is trained on (the generation buffer inside it serves them). Per optimizer step: the
 window's documents (the micro-steps ``MicroStepRule`` says make a step) → ``build_dp_schedule``
-as one step → packed ``[R, M, T]`` batch → the train step with ``grpo_objective``. Generations
-come from the ``RolloutPipeline`` (made when taken, or ahead with ``rollout.max_staleness``)."""
+as one step → packed ``[R, M, T]`` batch → the train step with the stage's objective, then the
+stage's own step (``Stage``). Generations come from the ``RolloutPipeline`` (made when taken, or
+ahead with ``rollout.max_staleness``)."""
 
 from __future__ import annotations
 
@@ -17,58 +19,62 @@ from typing import Any
 import numpy as np
 
 from jaxrl.config import RunConfig
+from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.rollout.buffer import MicroStepRule, PromptSampler
 from jaxrl.rollout.pipeline import RolloutPipeline
 from jaxrl.rollout.rewards.compute import RewardFunc
 from jaxrl.rollout.rollout_queue import RolloutBatch, RolloutQueue
 from jaxrl.rollout.tools.toolbox import toolbox_from_config
 from jaxrl.runtime.mesh import reserve_devices, run_devices
-from jaxrl.train.objectives import grpo_objective
 from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.train.run_io.plots import plot_reward_and_accuracy
+from jaxrl.trainers.algorithm import RLStage, WarmStart
 from jaxrl.trainers.counters import empty_cause, zero_advantage_warning
 from jaxrl.trainers.external_rollouts import external_batch
-from jaxrl.trainers.grpo_rollouts import (
-    DEFAULT_REWARD_FUNCS,
-    GRPOData,
-    Producer,
-    build_rollout_parts,
-    check_rollout_settings,
-    check_shared_prompt,
-    generation_params,
-    load_reward_funcs,
-    needs_old_logprobs,
-    plan_window,
-    precompile_start,
-    shared_prompt_metrics,
-    snapshot,
-)
+from jaxrl.trainers.grpo.builder import build_rollout_parts, precompile_start
+from jaxrl.trainers.grpo.checks import check_rollout_settings, check_shared_prompt
+from jaxrl.trainers.grpo.data import GRPOData
+from jaxrl.trainers.grpo.metrics import shared_prompt_metrics, staleness_metrics
+from jaxrl.trainers.grpo.placement import generation_params, snapshot
+from jaxrl.trainers.grpo.planning import plan_window
+from jaxrl.trainers.grpo.producer import Producer
+from jaxrl.trainers.grpo.rewards import load_reward_funcs
+from jaxrl.trainers.grpo.stage import Stage
 from jaxrl.trainers.preamble import Preamble
 from jaxrl.trainers.session import generation_devices, with_device_ranks
 
-__all__ = ["DEFAULT_REWARD_FUNCS", "PLOT_NAME", "GRPOTrainer", "load_reward_funcs"]
+__all__ = ["PLOT_NAME", "GRPOTrainer", "RolloutTrainer"]
 
 PLOT_NAME = "grpo_progress.png"
 
 
-class GRPOTrainer:
-    """GRPO on a built-in task or on ``data.train`` (TRL's prompt-only format: ``prompt`` as text
-    or messages, every other column passed to the reward functions); ``run()`` trains
-    ``max_steps`` and returns a summary.
+class RolloutTrainer(RLStage):
+    """The GRPO family's trainer: GRPO's rollouts and the policy's step, composed with a
+    ``stage`` (its objective, and what it trains beside the policy); ``run()`` trains
+    ``max_steps`` and returns a summary. ``GRPOTrainer`` and ``PPOTrainer`` are its kinds."""
 
-    ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards``) or the
-    config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.rewards.specs``); when not given,
-    ``grpo.reward_funcs``, and without that the built-in task's ``exact_answer`` and
-    ``format`` (``load_reward_funcs``). Weighted by ``grpo.reward_weights``. The task's
-    ``answer`` is passed as a column.
-    """
+    description = "grpo"
 
-    def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        reward_funcs: Sequence[str | RewardFunc] | None = None,
+        stage: Stage,
+    ):
+        self.stage = stage
         cfg = with_device_ranks(cfg)
         check_rollout_settings(cfg)
         # rollout.max_staleness >= 1: the last devices generate, the others train
         with reserve_devices(generation_devices(cfg, len(run_devices()))) as generation:
             self._build(cfg, reward_funcs, generation)
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, warm_start: WarmStart) -> RolloutTrainer:
+        """The reward functions loaded (user code) and checked before the warm start."""
+        cfg = with_device_ranks(cfg)
+        funcs = load_reward_funcs(cfg.grpo)
+        return cls(warm_start(cfg), reward_funcs=funcs)
 
     def _build(
         self, cfg: RunConfig, reward_funcs: Sequence[str | RewardFunc] | None, generation: list
@@ -85,8 +91,9 @@ class GRPOTrainer:
         builtin = self.cfg.data.train is None  # the task's problems (notebooks, benchmarks)
         self.train_examples = data.examples("train") if builtin else None
         self.eval_examples = data.examples("eval") if builtin else None
-        self.session = pre.session(self._objective())
+        self.session = pre.session(self.stage.objective(self.cfg))
         check_shared_prompt(self.config, self.session.model_config)
+        self.computes_old_logprobs = self.stage.old_logprobs(self.cfg)
         parts = build_rollout_parts(
             self.cfg, self.session, self.tokenizer, data, funcs, toolbox, generation,
             old_logprobs=self.computes_old_logprobs,
@@ -105,7 +112,10 @@ class GRPOTrainer:
         staleness = self.cfg.rollout.max_staleness
         self.pipeline = RolloutPipeline(  # every generation, made now or ahead
             Producer(self.cfg, data, self.generator, self.prompt_sampler),
-            self._snapshot if staleness else lambda: self.session.policy_params,
+            # asynchronous: a copy where generation runs, which later steps leave alone
+            (lambda: snapshot(self.session, self.generation_mesh))
+            if staleness
+            else lambda: self.session.policy_params,
             max_staleness=staleness,
             load_steps=self.rule.load_steps(),
             max_steps=self.cfg.max_steps,
@@ -115,40 +125,51 @@ class GRPOTrainer:
         self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
         self.warned_zero_advantage = False
-        self._started = False
-
-    def _objective(self) -> Any:  # what the step minimises (PPO: its actor's)
-        return grpo_objective(self.config, chunk_size=self.cfg.model.logprob_chunk)
+        self.window: Any = None  # the documents of the step being trained (RowDocuments)
+        self.held: RolloutBatch | None = None  # a generation drawn before its micro-step
+        self.stage.attach(self.cfg, self.session, self.generator)
 
     # -- generation ---------------------------------------------------------------------------
-    @property
-    def computes_old_logprobs(self) -> bool:
-        return needs_old_logprobs(self.cfg)
-
-    def _snapshot(self) -> Any:
-        return snapshot(self.session, self.generation_mesh)
-
     def generate(self) -> RolloutBatch:
         """Take the next generation (made now, or ahead) and load it into the buffer."""
+        batch = self._take()
+        self._load(batch)
+        return batch
+
+    def _take(self) -> RolloutBatch:
         made = self.pipeline.take(self.session.step)
         self.generation_s += made.seconds
         if made.stats:
             self.sampling_stats = made.stats
-        self.rollouts.load(made.batch)
         return made.batch
 
+    def _load(self, batch: RolloutBatch) -> None:
+        self.stage.on_generation(batch)  # the stage's fields first (PPO: values, GAE)
+        self.rollouts.load(batch)
+
+    def draw(self) -> RolloutBatch:
+        """Take the next generation now; the next micro-step that loads one loads it."""
+        self.held = self._take()
+        return self.held
+
+    def hold(self, drawn: RolloutBatch) -> None:
+        self.held = drawn
+
     def _micro_step(self) -> None:
-        if self.rollouts.needs_generation:
-            self.generate()
+        if self.rollouts.needs_generation:  # one drawn (or held) ahead of its micro-step first
+            self._load(self.held if self.held is not None else self._take())
+            self.held = None
         self.rollouts.serve()  # every rank's chunk k % S
 
     # -- training -----------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
         """One optimizer step on the next window (``MicroStepRule``: g micro-steps, or D docs)."""
-        self._start()
+        return self.train_step()
+
+    def next_batch(self) -> StepBatch:
         self.pipeline.launch_due(self.session.step)  # generations made ahead, if any
         self.rule.run_step(self._micro_step, lambda: len(self.rollouts))
-        return self._train_pending()
+        return self._plan_window()
 
     def train_on_rollouts(
         self,
@@ -168,7 +189,7 @@ class GRPOTrainer:
         on-policy (ρ ≡ 1) unless docs_per_step leaves some for a later step. Returns the
         metrics row, also written to metrics.jsonl.
         """
-        self._start()
+        self.start()
         batch = external_batch(
             self.generator,
             generation_params(self.session, self.generation_mesh),
@@ -177,6 +198,7 @@ class GRPOTrainer:
             prompt_tokens, completion_tokens, sampler_logprobs, rewards, truncated,
         )  # fmt: skip
         batch.policy_version = self.session.step  # counted as on-policy (docstring)
+        self.stage.on_generation(batch)
         self.rollouts.submit(batch)
         target = self.cfg.schedule.docs_per_step
         if len(self.rollouts) < target:
@@ -184,48 +206,60 @@ class GRPOTrainer:
                 f"schedule.docs_per_step={target} but only {len(self.rollouts)} rollouts are "
                 "available: submit at least that many (they are kept for the next call)"
             )
-        row = self._train_pending()
+        step_batch = self._plan_window()
+        row = self.train_on(step_batch)
+        row.update(self.after_step(step_batch, row))
         self.session.writer.write(row)
         return row
 
-    def _train_pending(self) -> dict[str, Any]:
-        """Schedule, pack and train on the pending rows (the docs_per_step cut keeps the rest)."""
+    def _plan_window(self) -> StepBatch:
+        """The pending rows' batch: scheduled and packed (the docs_per_step cut keeps the rest
+        for a later step), with the entropy pre-pass's threshold when it is on."""
         c = self.config
-        docs = self.rollouts.window()
+        self.window = docs = self.rollouts.window()
         entropy_prepass = c.top_entropy_quantile < 1.0  # reads every rank's rows
         batch = plan_window(self.session, self.rollouts, docs, all_ranks=entropy_prepass)
-        used, arrays, packed = batch.used, batch.arrays, batch.packed
         if entropy_prepass:  # no-grad pre-pass over the whole step, all ranks
             tau = self.scorer.step_entropy_threshold(
-                self.session.policy_params, arrays, c.top_entropy_quantile
+                self.session.policy_params, batch.arrays, c.top_entropy_quantile
             )
-            arrays["entropy_threshold"] = np.full(packed.num_docs.shape, tau, np.float32)
-        used_ids = np.asarray(used, np.int64)
+            shape = batch.packed.num_docs.shape
+            batch.arrays["entropy_threshold"] = np.full(shape, tau, np.float32)
+        return batch
+
+    def train_on(self, batch: StepBatch) -> dict[str, Any]:
+        """The policy's step, then the stage's on the same packed batch."""
+        used_ids = np.asarray(batch.used, np.int64)
+        cause = empty_cause(self.config, self.window.truncated[used_ids])
         start = time.perf_counter()
-        cause = empty_cause(self.config, docs.truncated[used_ids])
-        row = self._train_on(batch, cause)
+        row = self.session.train_on(batch, empty_cause=cause)
+        row.update(self.stage.train_on(batch))
         row["time/train_s"] = time.perf_counter() - start
-        row.update(shared_prompt_metrics(packed))  # the tokens shared prompts saved, if on
-        row["time/generation_s"], self.generation_s = self.generation_s, 0.0
-        row.update(self.pipeline.metrics())
-        row.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
-        row.update(self.sampling_stats)
-        if used_ids.size:  # updates since the weights that generated each trained row
-            staleness = self.session.step - 1 - docs.versions[used_ids]
-            row["rollout/staleness_mean"] = float(staleness.mean())
-            row["rollout/staleness_max"] = int(staleness.max())
-        zero = self.session.counters.count_zero_advantages(docs.advantages[used_ids])
-        row["zero_advantage_steps"] = self.session.counters.zero_advantage_steps
-        if zero and not self.warned_zero_advantage:
-            self.warned_zero_advantage = True
-            self.session.say([zero_advantage_warning(self.session.step, self.config, row)])
-        self.rollouts.done(docs, batch.returned)
         return row
 
-    def _train_on(self, batch: Any, cause: str) -> dict[str, Any]:  # PPO: + the critic's step
-        return self.session.train_on(batch, empty_cause=cause)
+    def after_step(self, batch: StepBatch, row: dict[str, Any]) -> dict[str, Any]:
+        """The rollout side's metrics of the step; its rows leave the queue (or wait, cut)."""
+        docs, used = self.window, batch.used
+        used_ids = np.asarray(used, np.int64)
+        out = shared_prompt_metrics(batch.packed)  # the tokens shared prompts saved, if on
+        out["time/generation_s"], self.generation_s = self.generation_s, 0.0
+        out.update(self.pipeline.metrics())
+        out.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
+        out.update(self.sampling_stats)
+        out.update(staleness_metrics(docs, used_ids, self.session.step))
+        zero = self.session.counters.count_zero_advantages(docs.advantages[used_ids])
+        out["zero_advantage_steps"] = self.session.counters.zero_advantage_steps
+        if zero and not self.warned_zero_advantage:
+            self.warned_zero_advantage = True
+            warning = zero_advantage_warning(self.session.step, self.config, {**row, **out})
+            self.session.say([warning])
+        self.rollouts.done(docs, batch.returned)
+        return out
 
-    # -- evaluation, state, the loop ----------------------------------------------------------
+    def parameters(self) -> list[Any]:
+        return [self.session.state.params, *self.stage.parameters()]
+
+    # -- evaluation, state, the start and the end ---------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval/accuracy`` (greedy) and ``eval/accuracy_sampled`` (k samples per prompt
         at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
@@ -247,16 +281,7 @@ class GRPOTrainer:
             "sampling_stats": self.sampling_stats,
         }
 
-    def _start(self) -> None:
-        """Resume from the newest checkpoint (or measure the starting accuracy); once."""
-        if self._started:
-            return
-        self._started = True
-        host = self.session.resume({})
-        if host is None:
-            precompile_start(self.session, self.generator, self.data, self.prompt_sampler)
-            self.start_eval = self.evaluate()
-            return
+    def load_host_state(self, host: dict[str, Any]) -> None:
         self.prompt_sampler.load_state_dict(host["prompt_sampler"])
         self.rollouts.load_state_dict(host["rollouts"])
         legacy = {"eval/accuracy": host.get("start_accuracy")}  # checkpoints before eval_sampled
@@ -267,34 +292,57 @@ class GRPOTrainer:
         self.pipeline.load_state_dict(
             host.get("pipeline") or {"launched": done, "taken": done, "ready": []}
         )
+
+    def save_checkpoint(self, step: int) -> None:
+        self.stage.save(step)
+
+    def restore_checkpoint(self, step: int) -> None:
+        self.stage.restore(step)
+
+    def precompile(self) -> None:
         precompile_start(self.session, self.generator, self.data, self.prompt_sampler)
 
-    def run(self) -> dict[str, Any]:
-        """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
-        session = self.session
-        start = time.perf_counter()
-        try:
-            self._start()
-            last = session.loop(
-                "grpo",
-                self.step,
-                first_row=self.data_report,  # rows the length limits touched
-                epoch=lambda: self.pipeline.progress_taken(self.prompt_sampler.epochs),
-                host_state=self.host_state,
-                evaluate=self.evaluate,
-                info=lambda row: f"reward {row['reward']:.3f}",
-            )
-            plot = session.output_dir / PLOT_NAME
-            if session.primary:
-                metrics = read_metrics(session.writer.path)
-                plot_reward_and_accuracy(metrics, plot, start=self.start_eval)
-            summary = session.finish(last, self.tokenizer, self.evaluate, started=start)
-        finally:
-            self.pipeline.close()
-            self.generator.close()  # vLLM servers jaxrl started
-        return {
-            **summary,
-            **{f"{k}_start": v for k, v in self.start_eval.items()},
-            **self.data_report,
-            "plot": str(plot),
-        }
+    def begin(self) -> None:
+        self.start_eval = self.evaluate()
+
+    def epoch(self) -> float:
+        return self.pipeline.progress_taken(self.prompt_sampler.epochs)
+
+    def info(self, row: dict[str, Any]) -> str:
+        return f"reward {row['reward']:.3f}"
+
+    def summary(self, summary: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+        """The summary, the starting metrics and the plot of reward and accuracy."""
+        plot = self.session.output_dir / PLOT_NAME
+        if self.session.primary:
+            metrics = read_metrics(self.session.writer.path)
+            plot_reward_and_accuracy(metrics, plot, start=self.start_eval)
+        return self.stage.summary(
+            {
+                **summary,
+                **{f"{k}_start": v for k, v in self.start_eval.items()},
+                **self.data_report,
+                "plot": str(plot),
+            }
+        )
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.generator.close()  # vLLM servers jaxrl started
+        self.stage.close()
+
+
+class GRPOTrainer(RolloutTrainer):
+    """GRPO on a built-in task or on ``data.train`` (TRL's prompt-only format: ``prompt`` as text
+    or messages, every other column passed to the reward functions); ``run()`` trains
+    ``max_steps`` and returns a summary.
+
+    ``reward_funcs``: callables called as TRL calls them (``jaxrl.rollout.rewards``) or the
+    config entries of ``grpo.reward_funcs`` (``jaxrl.rollout.rewards.specs``); when not given,
+    ``grpo.reward_funcs``, and without that the built-in task's ``exact_answer`` and
+    ``format`` (``load_reward_funcs``). Weighted by ``grpo.reward_weights``. The task's
+    ``answer`` is passed as a column.
+    """
+
+    def __init__(self, cfg: RunConfig, *, reward_funcs: Sequence[str | RewardFunc] | None = None):
+        super().__init__(cfg, reward_funcs=reward_funcs, stage=Stage())
