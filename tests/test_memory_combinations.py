@@ -39,8 +39,8 @@ MESHES = {
     "fsdp8-scan": ["mesh.data=1", "mesh.fsdp=8", *SCANNED],
     "d2f2t2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *SCANNED],
 }
-MOE_MESHES = {
-    **MESHES,
+MOE_MESHES = {  # the MoE block under ZeRO-3 and under expert parallelism (with fsdp, tensor)
+    "fsdp8-scan": MESHES["fsdp8-scan"],
     "d2e4": ["mesh.data=2", "mesh.expert=4", *SCANNED],
     "f2e2t2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", *SCANNED],
 }
@@ -48,13 +48,16 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 
 
 def _layouts() -> list[tuple[str, list[str]]]:
+    """Every precision on every mesh, dense and MoE; LoRA (its frozen base as fsdp shards) in
+    the bf16-compute precisions on ZeRO-3."""
     out = []
     for model, init, meshes in (("dense", DENSE, MESHES), ("moe", MOE, MOE_MESHES)):
         for p, precision in PRECISIONS.items():
             for m, mesh in meshes.items():
                 out.append((f"{model}/{p}/{m}", [init, *precision, *mesh]))
-            for m in ("fsdp8-scan", "d2f2t2"):  # LoRA's frozen base as fsdp shards
-                out.append((f"{model}/{p}/{m}/lora", [init, *precision, *meshes[m], *LORA]))
+        for p in ("fp32+bf16", "bf16"):
+            sets = [init, *PRECISIONS[p], *MESHES["fsdp8-scan"], *LORA]
+            out.append((f"{model}/{p}/fsdp8-scan/lora", sets))
     return out
 
 
