@@ -11,8 +11,7 @@ Experts: the N·k (token, expert) pairs are sorted by expert id and every expert
 its contiguous group with one ``jax.lax.ragged_dot`` per projection (CPU, GPU and TPU). There is
 no capacity: every pair is computed, so a token's output never depends on its batch mates. On the
 CPU the pairs go in chunks (:func:`ragged_dot`): jax lowers ``ragged_dot`` there as a dense
-expansion. The
-outputs are unsorted and summed over k with the routing weights in float32.
+expansion. The outputs are unsorted and summed over k with the routing weights in float32.
 
 Expert parallelism (``expert_shard``): a device holding experts ``[e0, e0 + El)`` counts only
 pairs routed to them; the other pairs sort past the groups, where ``ragged_dot`` writes zeros,
