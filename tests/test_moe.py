@@ -418,3 +418,29 @@ def test_expert_parallel_sampler_equals_expert_1(ckpt, monkeypatch):
                        copy_params=False, scan_layers=True)  # fmt: skip
     in_place.load_params(params)
     assert not in_place.weights.copied
+
+
+def test_cpu_chunked_grouped_matmul_equals_ragged_dot():
+    """On the CPU the grouped matmul goes ``CPU_CHUNK`` sorted pairs at a time (docs/moe.md):
+    the output is ``ragged_dot``'s to the bit (rows past the groups, as on an expert shard,
+    stay zero), the input's gradient too, the kernel's within fp32 summation order."""
+    from jaxrl.models.moe import grouped
+
+    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+    m = 3 * grouped.CPU_CHUNK + 17
+    x, w = jax.random.normal(kx, (m, 16)), jax.random.normal(kw, (5, 16, 8))
+    sizes = jnp.asarray([300, 0, 250, 140, 80], jnp.int32)  # 770 of the pairs are routed here
+    ct = jax.random.normal(kc, (m, 8))
+
+    def run(f):
+        y, vjp = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
+        return (y, *vjp(ct))
+
+    want = jax.jit(lambda: run(jax.lax.ragged_dot))()
+    got = jax.jit(lambda: run(grouped.ragged_dot))()
+    np.testing.assert_array_equal(got[0], want[0])
+    assert not np.any(np.asarray(got[0])[770:])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(grouped.ragged_dot).lower(x, w, sizes).as_text()
+    assert "while" in hlo  # the chunked loop, not one [5, M, 16] expansion

@@ -132,13 +132,16 @@ def embed(table: Any, ids_BT: jax.Array, dtype: Any) -> jax.Array:
     if jax.lax.axis_size(axis) * b * t * value.shape[1] > LOOKUP_WHOLE:
         chunk = rows_per_chunk(axis, value.shape[1], t, LOOKUP_VALUES)
     n = -(-t // chunk)
+    # summed in float32 (exact: one row and zeros): a bf16 reduce-scatter aborts XLA:CPU's
+    # all-reduce-promotion pass (it cannot clone the reducer), so a bf16 master's rows are cast
+    summed = jnp.promote_types(value.dtype, jnp.float32)
     ids_NcBC = jnp.pad(ids_BT, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk).swapaxes(0, 1)
 
     def lookup(ids_BC: jax.Array) -> jax.Array:
         local_RfBC = jax.lax.all_gather(ids_BC, axis, axis=0) - rank * v_local
         inside_RfBC = (local_RfBC >= 0) & (local_RfBC < v_local)
         rows_RfBCD = jnp.take(value, jnp.clip(local_RfBC, 0, v_local - 1), axis=0)
-        rows_RfBCD = jnp.where(inside_RfBC[..., None], rows_RfBCD, 0)
+        rows_RfBCD = jnp.where(inside_RfBC[..., None], rows_RfBCD, 0).astype(summed)
         return jax.lax.psum_scatter(rows_RfBCD, axis, scatter_dimension=0, tiled=True)[0]
 
     x_NcBCD = jax.lax.map(lookup, ids_NcBC) if n > 1 else lookup(ids_NcBC[0])[None]

@@ -11,7 +11,6 @@ attention kernel, layer stack: ``MODEL_SECTION_KEYS``) in both cases.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -200,7 +199,6 @@ def build_run(
             path = cfg.model.lora.adapter_path
             adapters = load_adapters(path, config, state.params, shardings.params)
             state = state.replace(params=adapters)
-    check_cpu_compiler(config, mesh)
     step = TrainStep(
         on_params(objective, graphdef),
         tx,
@@ -215,29 +213,6 @@ def build_run(
         step_constants=load_balance_constants(config),  # MoE aux loss on: a pre-pass
     )
     return RunParts(mesh, config, graphdef, state, shardings, step, frozen, frozen_shardings)
-
-
-CPU_AR_PASS = "all-reduce-promotion"  # XLA's CPU pass that aborts on MoE + LoRA + fsdp in bf16
-
-
-def check_cpu_compiler(config: ModelConfig, mesh: Mesh) -> None:
-    """ConfigError for the one layout XLA's CPU compiler aborts on (the whole process, not an
-    exception): LoRA on a MoE model with ``mesh.fsdp > 1`` and a bfloat16 compute dtype. Its
-    ``all-reduce-promotion`` pass fails with "Invalid binary instruction opcode copy" while
-    rewriting the step's all-reduces; with that pass disabled the step compiles and runs
-    (docs/moe.md). Other backends are not checked."""
-    if not (config.moe_layers and config.lora is not None and jax.default_backend() == "cpu"):
-        return
-    fsdp = dict(mesh.shape).get("fsdp", 1)
-    bf16 = str(config.dtype or config.param_dtype) == "bfloat16"
-    if fsdp > 1 and bf16 and CPU_AR_PASS not in os.environ.get("XLA_FLAGS", ""):
-        raise ConfigError(
-            f"model.lora.rank={config.lora.rank} on a MoE model with mesh.fsdp={fsdp} and "
-            "model.dtype=bfloat16 aborts XLA's CPU compiler (its all-reduce-promotion pass: "
-            "'Invalid binary instruction opcode copy'); on CPU use model.dtype=float32 or "
-            f"mesh.fsdp=1, or start with XLA_FLAGS=--xla_disable_hlo_passes={CPU_AR_PASS} "
-            "(the step then compiles and runs; docs/moe.md)"
-        )
 
 
 def exact_base(cfg: RunConfig, vocab_size: int, mesh: Mesh) -> Any:

@@ -9,8 +9,9 @@ probabilities are gathered at the ids, so the router still gets gradients throug
 
 Experts: the N·k (token, expert) pairs are sorted by expert id and every expert's SwiGLU runs on
 its contiguous group with one ``jax.lax.ragged_dot`` per projection (CPU, GPU and TPU). There is
-no capacity: every pair is computed, so a token's output never depends on its batch mates. The
-outputs are unsorted and summed over k with the routing weights in float32.
+no capacity: every pair is computed, so a token's output never depends on its batch mates. On the
+CPU the pairs go in chunks (:func:`ragged_dot`): jax lowers ``ragged_dot`` there as a dense
+expansion. The outputs are unsorted and summed over k with the routing weights in float32.
 
 Expert parallelism (``expert_shard``): a device holding experts ``[e0, e0 + El)`` counts only
 pairs routed to them; the other pairs sort past the groups, where ``ragged_dot`` writes zeros,
@@ -68,6 +69,76 @@ class ExpertWeights(NamedTuple):
     scaling: float = 0.0
 
 
+CPU_CHUNK = 256  # pairs per grouped matmul on the CPU (its ragged_dot is a dense expansion)
+
+
+def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)``. On the CPU, where jax lowers it as a
+    dense expansion (``x`` masked into ``[G, M, K]``, so a 128-expert layer at 4k-token rows
+    holds tens of GiB), the M sorted pairs go :data:`CPU_CHUNK` at a time (:func:`_chunked`):
+    each pair's row is the same computation, only ``[G, CPU_CHUNK, K]`` is live. Accelerators
+    lower the grouped matmul as it is (``lax.platform_dependent``)."""
+    if x_MK.shape[0] <= CPU_CHUNK:
+        return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+    return jax.lax.platform_dependent(
+        x_MK, w_GKN, group_sizes_G, cpu=_chunked, default=jax.lax.ragged_dot
+    )
+
+
+def _chunk_sizes(group_sizes_G: jax.Array, first: jax.Array, chunk: int) -> jax.Array:
+    """The groups' row counts within the sorted rows ``[first, first + chunk)``."""
+    ends_G = jnp.cumsum(group_sizes_G)
+    starts_G = ends_G - group_sizes_G
+    inside = lambda at: jnp.clip(at - first, 0, chunk)  # noqa: E731
+    return (inside(ends_G) - inside(starts_G)).astype(group_sizes_G.dtype)
+
+
+def _chunks(x_MK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    m, n = x_MK.shape[0], -(-x_MK.shape[0] // CPU_CHUNK)
+    x_NcCK = jnp.pad(x_MK, ((0, n * CPU_CHUNK - m), (0, 0))).reshape(n, CPU_CHUNK, -1)
+    return x_NcCK, jnp.arange(n) * CPU_CHUNK
+
+
+@jax.custom_vjp
+def _chunked(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """``ragged_dot`` a chunk of sorted rows at a time (rows past the groups stay zero)."""
+    x_NcCK, firsts = _chunks(x_MK)
+
+    def one(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        x_CK, first = args
+        return jax.lax.ragged_dot(x_CK, w_GKN, _chunk_sizes(group_sizes_G, first, CPU_CHUNK))
+
+    y_NcCN = jax.lax.map(one, (x_NcCK, firsts))
+    return y_NcCN.reshape(-1, y_NcCN.shape[-1])[: x_MK.shape[0]]
+
+
+def _chunked_fwd(x_MK, w_GKN, group_sizes_G):
+    return _chunked(x_MK, w_GKN, group_sizes_G), (x_MK, w_GKN, group_sizes_G)
+
+
+def _chunked_bwd(residuals, ct_MN):
+    """Each chunk's ``ragged_dot`` transpose; the kernel's cotangent (one rounding per chunk,
+    as the whole ``ragged_dot`` rounds once) summed over the chunks in float32."""
+    x_MK, w_GKN, group_sizes_G = residuals
+    x_NcCK, firsts = _chunks(x_MK)
+    ct_NcCN, _ = _chunks(ct_MN)
+
+    def one(dw_GKN, args):
+        x_CK, ct_CN, first = args
+        sizes = _chunk_sizes(group_sizes_G, first, CPU_CHUNK)
+        _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x_CK, w_GKN)
+        dx_CK, dw = vjp(ct_CN)
+        return dw_GKN + dw.astype(jnp.float32), dx_CK
+
+    zero = jnp.zeros(w_GKN.shape, jnp.float32)
+    dw_GKN, dx_NcCK = jax.lax.scan(one, zero, (x_NcCK, ct_NcCN, firsts))
+    dx_MK = dx_NcCK.reshape(-1, x_MK.shape[-1])[: x_MK.shape[0]]
+    return dx_MK, dw_GKN.astype(w_GKN.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
 def _grouped(
     x_MFi: jax.Array,
     kernel_EFiFo: jax.Array,
@@ -75,12 +146,12 @@ def _grouped(
     scaling: float,
     group_sizes_E: jax.Array,
 ) -> jax.Array:
-    y_MFo = jax.lax.ragged_dot(x_MFi, kernel_EFiFo, group_sizes_E)
+    y_MFo = ragged_dot(x_MFi, kernel_EFiFo, group_sizes_E)
     if lora is None:
         return y_MFo
     a_EFiR, b_ERFo = lora
-    xa_MR = jax.lax.ragged_dot(x_MFi.astype(a_EFiR.dtype), a_EFiR, group_sizes_E)
-    delta_MFo = jax.lax.ragged_dot(xa_MR, b_ERFo, group_sizes_E)
+    xa_MR = ragged_dot(x_MFi.astype(a_EFiR.dtype), a_EFiR, group_sizes_E)
+    delta_MFo = ragged_dot(xa_MR, b_ERFo, group_sizes_E)
     return y_MFo + (delta_MFo * scaling).astype(y_MFo.dtype)
 
 
