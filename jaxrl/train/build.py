@@ -31,6 +31,7 @@ from jaxrl.models.model_config import LoraSpec, ModelConfig
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime.mesh import mesh_from_config
+from jaxrl.runtime.targets import target_platform
 from jaxrl.train.objectives import Objective, load_balance_constants, on_params
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.precision import auto_compute_dtype, auto_matmul_dtype
@@ -171,7 +172,12 @@ class RunParts:
 
 
 def build_run(
-    cfg: RunConfig, vocab_size: int | None, objective: Objective | None, *, abstract: bool = False
+    cfg: RunConfig,
+    vocab_size: int | None,
+    objective: Objective | None,
+    *,
+    abstract: bool = False,
+    mesh: Mesh | None = None,
 ) -> RunParts:
     """The mesh (``mesh_from_config``), model, train state and compiled step of ``cfg``,
     minimising ``objective`` (``jaxrl.train.objectives``; None for a run that is never stepped,
@@ -180,8 +186,10 @@ def build_run(
     ``abstract``: shapes only, for planning (``jaxrl memory``): nothing is allocated, a
     ``model.path`` contributes its config.json alone, and the attention kernel is not checked
     against this backend. ``vocab_size``: the tokenizer's (None: not known, planning only).
+    ``mesh``: the mesh to build on (default ``mesh_from_config``; a target compile's is made
+    of the target's compile-only devices).
     """
-    mesh = mesh_from_config(cfg.mesh)
+    mesh = mesh_from_config(cfg.mesh) if mesh is None else mesh
     tx = make_optimizer(cfg.optimizer, cfg.max_steps)
     frozen = frozen_shardings = None
     if abstract:
@@ -226,7 +234,7 @@ def check_cpu_compiler(config: ModelConfig, mesh: Mesh) -> None:
     ``all-reduce-promotion`` pass fails with "Invalid binary instruction opcode copy" while
     rewriting the step's all-reduces; with that pass disabled the step compiles and runs
     (docs/moe.md). Other backends are not checked."""
-    if not (config.moe_layers and config.lora is not None and jax.default_backend() == "cpu"):
+    if not (config.moe_layers and config.lora is not None and target_platform() == "cpu"):
         return
     fsdp = dict(mesh.shape).get("fsdp", 1)
     bf16 = str(config.dtype or config.param_dtype) == "bfloat16"
