@@ -238,7 +238,9 @@ def _memory_on_target(args: argparse.Namespace) -> int:
 
         target = parse_target(args.topology, slices=args.slices, nodes=args.nodes)
         if args.devices is not None or args.budget is not None:
-            raise ConfigError("--topology sets the devices and their memory: drop --devices/--budget")
+            raise ConfigError(
+                "--topology sets the devices and their memory: drop --devices, --budget"
+            )
         cfg = _load_config(args, distributed=False, devices=target.num_devices)
         from jaxrl.train.run_io.target_plan import DoesNotFit, plan_target
 

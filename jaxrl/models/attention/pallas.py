@@ -100,7 +100,8 @@ def _manual_over_rest(kernel, batch: int, heads: int, kv_heads: int):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel
-    rest = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Manual]
+    types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    rest = [a for a, t in types if t != AxisType.Manual]
     if not rest or len(rest) == len(mesh.axis_names):  # all manual, or XLA partitions it all
         return kernel
     size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))

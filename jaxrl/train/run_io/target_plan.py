@@ -108,9 +108,7 @@ def _analyse(name: str, lowered: Any, target: Target, what: str) -> dict[str, An
         raise ConfigError(f"{name} does not compile for {target.name}: {first}") from None
     compile_s = time.perf_counter() - started
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or lowered.cost_analysis() or {}
-    if isinstance(cost, list):  # older jax: one dict per program
-        cost = cost[0] if cost else {}
+    cost, cost_source = _cost(compiled)
     flops = float(cost.get("flops", 0.0))
     accessed = float(cost.get("bytes accessed", 0.0))
     peak = (
@@ -131,8 +129,27 @@ def _analyse(name: str, lowered: Any, target: Target, what: str) -> dict[str, An
         "flops": flops,
         "bytes_accessed": accessed,
         "roofline_s": max(flops / chip.bf16_flops, accessed / chip.hbm_bandwidth),
+        "cost_source": cost_source,
         "compile_s": round(compile_s, 2),
     }
+
+
+def _cost(compiled: Any) -> tuple[dict[str, float], str]:
+    """``(cost, source)``: the target compiler's own ``cost_analysis`` (libtpu gives one), else
+    XLA's HLO cost analysis run here over the target-optimised per-device module (the CUDA
+    plugin's compile-only executables report none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if cost:
+        return cost, "target compiler"
+    from jax._src.lib import _jax
+
+    module = compiled.runtime_executable().hlo_modules()[0]
+    cpu = jax.local_devices(backend="cpu")[0].client
+    return dict(
+        _jax.hlo_module_cost_analysis(cpu, module)
+    ), "HLO cost analysis of the optimised module"
 
 
 def _verdict(name: str, message: str) -> str:
