@@ -96,7 +96,8 @@ SLICE_SHAPES: dict[str, dict[int, str]] = {  # chips -> topology, the shapes GCE
     "v6e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
             256: "16x16"},
 }  # fmt: skip
-CHIPS_PER_HOST = {"v4": 4, "v5p": 4, "v5e": 8, "v6e": 8}  # the largest single-host slice
+CHIPS_PER_HOST = {"v4": 4, "v5p": 4, "v5e": 4, "v6e": 4}  # hosts of a multi-host slice
+SINGLE_HOST_CHIPS = {"v4": 4, "v5p": 4, "v5e": 8, "v6e": 8}  # the largest one-host slice
 GPU_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default: what JAX preallocates
 GPU_WORKSPACE_BYTES = 1 * GIB  # left to cuBLAS / NCCL / cuDNN workspaces outside XLA's buffers
 
@@ -121,8 +122,10 @@ class Target:
     def hosts(self) -> int:
         if self.platform == "gpu":
             return self.slices
-        per_host = CHIPS_PER_HOST[self.chip.name]
-        return self.slices * max(1, self.devices_per_slice // per_host)
+        chips = self.devices_per_slice
+        if chips <= SINGLE_HOST_CHIPS[self.chip.name]:
+            return self.slices
+        return self.slices * chips // CHIPS_PER_HOST[self.chip.name]
 
     @property
     def compiler(self) -> str:
