@@ -95,8 +95,8 @@ def run_row(row: str, models: dict[str, Path]) -> dict:
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
     wall = time.perf_counter() - started
-    result: dict = {"row": row, "model": model, "config": config, "target": target,
-                    "sets": sets, "what": what, "exit": proc.returncode, "wall_s": round(wall, 1)}  # fmt: skip
+    result: dict = {"row": row, "model": model, "config": config, "target": target}
+    result.update(sets=sets, what=what, exit=proc.returncode, wall_s=round(wall, 1))
     try:
         result["plan"] = json.loads(proc.stdout)
     except json.JSONDecodeError:
