@@ -70,7 +70,8 @@ ROWS: dict[str, tuple[str, str, str, list[str], str]] = {
     ),
     "q72-sft-v5e4": (
         "72B", "configs/sft_qwen.yaml", "v5e:2x2",
-        ["mesh.data=1", "mesh.fsdp=4", "schedule.max_tokens=512", *ZERO3], "SFT (refused)",
+        ["mesh.data=1", "mesh.fsdp=4", "schedule.max_tokens=512", "sft.max_length=512", *ZERO3],
+        "SFT (refused)",
     ),
 }  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""``jaxrl train CONFIG.yaml [--set key=value ...]``, ``jaxrl memory CONFIG.yaml [--json]``
+"""``jaxrl train CONFIG.yaml [--set key=value ...]``, ``jaxrl memory CONFIG.yaml [--json]
+[--topology NAME]``
 and ``jaxrl schedule ...``.
 
 Thin: parse, load the config, call the trainer. jax is imported only after the config is read,
