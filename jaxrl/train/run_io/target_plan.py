@@ -32,10 +32,12 @@ TPU compile over HBM fails in the compiler: :class:`DoesNotFit` carries its one 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -234,13 +236,30 @@ def _sampler_programs(cfg: RunConfig, run: Any, target: Target) -> tuple[list, i
     return programs, int(sampler.weight_bytes()), int(kv)
 
 
+@contextlib.contextmanager
+def _without_persistent_cache() -> Iterator[None]:
+    """The persistent compilation cache off inside the block: a compile-only client cannot
+    load an executable from it ("PjRtCompiler must be constructed with a Client"), and what it
+    would write is of no use to a run. Restored (and re-read lazily) on exit."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
 def plan_target(cfg: RunConfig, target: Target) -> dict[str, Any]:
     """The run ``cfg`` compiled for ``target`` (module doc): a JSON-ready dict with ``target``,
     ``compiler``, ``fits``, ``peak_bytes``, ``device_bytes`` and ``programs``. Raises
     :class:`DoesNotFit` when the target's compiler refuses a program for memory, ConfigError
     when a program does not compile there or the mesh does not match the target."""
     devices = target_devices(target)
-    with compiling_for(target.platform):
+    with compiling_for(target.platform), _without_persistent_cache():
         mesh, dcn_axes = target_mesh(cfg, target, devices)
         run = plan_run(cfg, mesh)
         params_bytes = bytes_per_device(run.state.params, run.shardings.params)
