@@ -104,7 +104,8 @@ def run_row(row: str, models: dict[str, Path]) -> dict:
         result["plan"] = None
     lines = [line for line in proc.stderr.splitlines() if ": does not fit" in line]
     lines = lines or [line for line in proc.stderr.splitlines() if line.startswith("config error")]
-    result["verdict"] = lines[-1] if lines else ""
+    errors = [line for line in proc.stderr.splitlines() if "rror" in line]
+    result["verdict"] = lines[-1] if lines else (errors[-1][:300] if errors else "")
     return result
 
 

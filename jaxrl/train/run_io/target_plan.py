@@ -63,6 +63,7 @@ from jaxrl.runtime.targets import (
     target_devices,
     tpu_hbm_bytes,
 )
+from jaxrl.train.build import fresh_model
 from jaxrl.train.run_io.memory import abstract_batch, plan_run
 from jaxrl.train.score import Scorer, _param_specs
 
@@ -183,7 +184,11 @@ def _train_step(cfg: RunConfig, run: Any, target: Target) -> dict[str, Any]:
 
 
 def _scorer(cfg: RunConfig, run: Any, params: Any, target: Target) -> dict[str, Any]:
-    scorer = Scorer(run.graphdef, mesh=run.mesh, row_len=cfg.schedule.max_tokens)
+    graphdef = run.graphdef
+    if run.frozen is not None:  # LoRA: the frozen base in the dense model (its reference)
+        graphdef = fresh_model(dense_config(run.model_config), cfg.seed)[0]
+        params = avals(run.frozen, run.frozen_shardings)
+    scorer = Scorer(graphdef, mesh=run.mesh, row_len=cfg.schedule.max_tokens)
     t = cfg.schedule.max_tokens
     rows = scorer._call_rows(batch_ranks(run.mesh))
     with placing_abstractly():
@@ -203,7 +208,7 @@ def _scorer(cfg: RunConfig, run: Any, params: Any, target: Target) -> dict[str, 
 
 def _sampler_programs(cfg: RunConfig, run: Any, target: Target) -> tuple[list, int, int]:
     """``(programs, sampler_weight_bytes, kv_cache_bytes)`` of GRPO / PPO's sampler."""
-    r, g = cfg.rollout, cfg.grpo
+    r, g = cfg.rollout, cfg.grpo.for_world_size(batch_ranks(run.mesh))
     dense = dense_config(run.model_config)
     dmesh = sampler_mesh(run.mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(
