@@ -104,7 +104,7 @@ def _check(plan: dict, names: tuple[str, ...], compiler: str) -> None:
 
 
 GRPO_PROGRAMS = ("train_step", "scorer", "weight_reshard", "sampler_prefill_decode")
-TINY_GRPO = ("grpo.generation.size=16", "rollout.max_slots=8")
+TINY_GRPO = ("grpo.generation_batch_size=16", "rollout.max_slots=8")
 
 
 @needs_tpu
@@ -145,7 +145,7 @@ def test_tiny_grpo_and_moe_compile_for_v5p(capsys, config, sets):
 @needs_tpu
 @pytest.mark.slow
 def test_multislice_lays_data_across_slices(capsys):
-    plan = _plan(capsys, "configs/sft_tiny.yaml", "v5e:2x2", "mesh.data=4", "mesh.fsdp=2")
+    plan = _plan(capsys, "configs/sft_tiny.yaml", "v5e:2x2", "mesh.data=2", "mesh.fsdp=2")
     assert plan["dcn_axes"] == []
     code = main(
         ["memory", "configs/sft_tiny.yaml", "--topology", "v5e:2x2", "--slices", "2", "--json"]
