@@ -1,5 +1,5 @@
 """``jaxrl train CONFIG.yaml [--set key=value ...]``, ``jaxrl check CONFIG.yaml``,
-``jaxrl memory CONFIG.yaml [--json]`` and ``jaxrl schedule ...``.
+``jaxrl memory CONFIG.yaml [--json] [--topology NAME]`` and ``jaxrl schedule ...``.
 
 Thin: parse, load the config, call the trainer. jax is imported only after the config is read,
 so the ``mesh`` section can size the CPU host-device count, and the ``distributed`` section start
@@ -191,6 +191,8 @@ def _memory(args: argparse.Namespace) -> int:
 
     if "jax" not in sys.modules:  # host devices stand in for the target unless told otherwise
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.topology is not None:
+        return _memory_on_target(args)
     try:
         if args.devices is not None and args.devices < 1:
             raise ConfigError(f"--devices={args.devices} is invalid: use a positive device count")
@@ -213,6 +215,48 @@ def _memory(args: argparse.Namespace) -> int:
         from jaxrl.train.run_io.memory import print_plan
 
         print_plan(plan, title=args.config)
+    return 0
+
+
+def _memory_on_target(args: argparse.Namespace) -> int:
+    """``jaxrl memory --topology NAME``: every program of the run compiled by the target's own
+    compiler (``jaxrl.train.run_io.target_plan``). Exit 0 when it fits, 2 with one line when
+    it does not (or on a config error), no traceback."""
+    from jaxrl.config import ConfigError
+
+    try:
+        from jaxrl.runtime.targets import parse_target
+
+        target = parse_target(args.topology, slices=args.slices, nodes=args.nodes)
+        if args.devices is not None or args.budget is not None:
+            raise ConfigError(
+                "--topology sets the devices and their memory: drop --devices, --budget"
+            )
+        cfg = _load_config(args, distributed=False, devices=target.num_devices)
+        from jaxrl.train.run_io.target_plan import DoesNotFit, plan_target
+
+        plan = plan_target(cfg, target)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DoesNotFit as e:
+        print(f"{args.topology}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        from jaxrl.train.run_io.target_plan import print_target_plan
+
+        print_target_plan(plan, title=args.config)
+    if not plan["fits"]:
+        peak, have = plan["peak_bytes"], plan["device_bytes"]
+        print(
+            f"{args.topology}: does not fit by {(peak - have) / 2**30:.2f} GiB per device "
+            f"({peak / 2**30:.2f} GiB planned, {have / 2**30:.2f} GiB usable); try more "
+            "mesh.fsdp, a smaller schedule.max_tokens or a larger target",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
@@ -314,6 +358,21 @@ def _main(argv: list[str] | None) -> int:
         help="the device memory in GB (e.g. 80 for an H100, 95 for a TPU v5p chip): says whether "
         "the plan fits and, when not, the largest micro-batch token budget or the fsdp size that "
         "would",
+    )
+    memory.add_argument(
+        "--topology",
+        default=None,
+        metavar="NAME",
+        help="compile every program of the run with the target's own compiler: a TPU topology "
+        "(v5p:2x2x2, v5e:4x4), a booked slice (v5p-16, v5e-16, v6e-8, v4-32) or a GPU node "
+        "(h100:8, h200:8, b200:8, a100-80g:8); needs jaxrl[tpu-plan] / jaxrl[gpu-plan] "
+        "(docs/scale_out.md)",
+    )
+    memory.add_argument(
+        "--slices", type=int, default=1, metavar="N", help="TPU slices (multislice, --topology)"
+    )
+    memory.add_argument(
+        "--nodes", type=int, default=1, metavar="N", help="GPU nodes (--topology h100:8 etc.)"
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=_memory)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jaxrl.generate.sampler_weights import decode_model
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.runtime.errors import ConfigError
-from jaxrl.runtime.mesh import AXES, EXPERT_AXES, EXPERT_AXIS, make_mesh
+from jaxrl.runtime.mesh import AXES, EXPERT_AXES, EXPERT_AXIS
 
 GB = 1e9
 _EXPERT_KERNELS = ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel")
@@ -112,7 +112,7 @@ def decode_mesh(mesh: Mesh, tensor: int, expert: int = 1) -> Mesh:
     if expert == 1:
         if tuple(mesh.shape.get(a, 1) for a in AXES) == (n // tensor, 1, tensor):
             return mesh
-        return make_mesh(n // tensor, 1, tensor, devices=devices)
+        return _in_order(devices, (n // tensor, 1, tensor), AXES)
     if n % (tensor * expert):
         raise ConfigError(
             f"the sampler's decode mesh: tensor={tensor} × expert={expert} does not divide the "
@@ -123,8 +123,16 @@ def decode_mesh(mesh: Mesh, tensor: int, expert: int = 1) -> Mesh:
         return mesh
     # built directly: ``make_mesh`` refuses data × fsdp = 1 with an expert axis (a limit of the
     # train step's batch-manual program, not of the decode program: module doc)
-    auto = (jax.sharding.AxisType.Auto,) * len(EXPERT_AXES)
-    return jax.make_mesh(shape, EXPERT_AXES, devices=devices, axis_types=auto)
+    return _in_order(devices, shape, EXPERT_AXES)
+
+
+def _in_order(devices: list, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    """A mesh of ``devices`` reshaped in their order. Not ``jax.make_mesh``: on a TPU it
+    reorders devices by their physical coordinates, and the weight copy from the trainer's mesh
+    into the decode layout is then refused by ``jit`` ("incompatible devices": its inputs' and
+    outputs' device orders differ; found by compiling for a v5p topology, docs/scale_out.md)."""
+    auto = (jax.sharding.AxisType.Auto,) * len(names)
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), names, axis_types=auto)
 
 
 def sampler_mesh(mesh: Mesh, config: ModelConfig, requested: int, budget_gb: float) -> Mesh:

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl.runtime.targets import target_platform
+
 
 def lm_head(hidden: jax.Array, kernel: jax.Array, *, fp32: bool) -> jax.Array:
     """Logits ``hidden[..., D] @ kernel[D, V]``; fp32 at HIGHEST precision when ``fp32``.
@@ -213,7 +215,7 @@ def needed_chunk(platform: str | None = None) -> int:
     waste less (SmolLM2-135M's GRPO row: forward + backward 4.13-4.15 s against 4.51-4.61 s,
     docs/performance.md); on an accelerator each chunk re-reads the ``[D, V]`` kernel, which
     256 rows keep compute-bound."""
-    return NEEDED_CHUNK_CPU if (platform or jax.default_backend()) == "cpu" else NEEDED_CHUNK
+    return NEEDED_CHUNK_CPU if (platform or target_platform()) == "cpu" else NEEDED_CHUNK
 
 
 def needed_chunks(

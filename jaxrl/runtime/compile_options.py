@@ -18,7 +18,7 @@ import functools
 import os
 from typing import Any
 
-import jax
+from jaxrl.runtime.targets import target_platform
 
 __all__ = ["program_options"]
 
@@ -26,12 +26,20 @@ ENV = "JAXRL_CPU_OPT_LEVEL"
 CPU_LEVEL = 1
 
 
-@functools.cache
 def program_options() -> dict[str, Any]:
-    """``compiler_options`` for ``jax.jit`` of an engine program (module doc)."""
-    if jax.default_backend() != "cpu":
+    """``compiler_options`` for ``jax.jit`` of an engine program (module doc), for the
+    platform programs are built for (``targets.target_platform``: a target compile's)."""
+    return _program_options(target_platform())
+
+
+@functools.cache
+def _program_options(platform: str) -> dict[str, Any]:
+    if platform != "cpu":
         return {}
     level = os.environ.get(ENV, str(CPU_LEVEL)).strip()
     if level not in ("0", "1", "2", "3"):
         raise ValueError(f"{ENV}={level!r}: must be an LLVM optimisation level 0-3 (default 1)")
     return {"xla_backend_optimization_level": int(level)}
+
+
+program_options.cache_clear = _program_options.cache_clear  # type: ignore[attr-defined]

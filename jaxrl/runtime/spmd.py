@@ -49,14 +49,36 @@ def put_rows(host: np.ndarray, mesh: Mesh | None) -> jax.Array | np.ndarray:
     parameters)."""
     if mesh is None:
         return np.asarray(host)
-    return put_global(np.asarray(host), batch_sharding(mesh))
+    return _place(np.asarray(host), batch_sharding(mesh))
 
 
 def put_replicated(host: Any, mesh: Mesh | None) -> jax.Array | np.ndarray:
     """A small host value (scalar, key data) replicated over the mesh."""
     if mesh is None:
         return np.asarray(host)
-    return put_global(np.asarray(host), NamedSharding(mesh, P()))
+    return _place(np.asarray(host), NamedSharding(mesh, P()))
+
+
+_abstract: list[bool] = []  # placing_abstractly() blocks open
+
+
+@contextlib.contextmanager
+def placing_abstractly() -> Iterator[None]:
+    """Inside the block :func:`put_rows` / :func:`put_replicated` place nothing: they return
+    the ``jax.ShapeDtypeStruct`` (shape, dtype, sharding) the array would have, so a program's
+    arguments can be lowered for devices that cannot hold buffers (a target compile's
+    compile-only devices, ``jaxrl memory --topology``)."""
+    _abstract.append(True)
+    try:
+        yield
+    finally:
+        _abstract.pop()
+
+
+def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array | jax.ShapeDtypeStruct:
+    if _abstract:
+        return jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)
+    return put_global(host, sharding)
 
 
 @contextlib.contextmanager

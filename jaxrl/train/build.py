@@ -170,7 +170,12 @@ class RunParts:
 
 
 def build_run(
-    cfg: RunConfig, vocab_size: int | None, objective: Objective | None, *, abstract: bool = False
+    cfg: RunConfig,
+    vocab_size: int | None,
+    objective: Objective | None,
+    *,
+    abstract: bool = False,
+    mesh: Mesh | None = None,
 ) -> RunParts:
     """The mesh (``mesh_from_config``), model, train state and compiled step of ``cfg``,
     minimising ``objective`` (``jaxrl.train.objectives``; None for a run that is never stepped,
@@ -179,8 +184,10 @@ def build_run(
     ``abstract``: shapes only, for planning (``jaxrl memory``): nothing is allocated, a
     ``model.path`` contributes its config.json alone, and the attention kernel is not checked
     against this backend. ``vocab_size``: the tokenizer's (None: not known, planning only).
+    ``mesh``: the mesh to build on (default ``mesh_from_config``; a target compile's is made
+    of the target's compile-only devices).
     """
-    mesh = mesh_from_config(cfg.mesh)
+    mesh = mesh_from_config(cfg.mesh) if mesh is None else mesh
     tx = make_optimizer(cfg.optimizer, cfg.max_steps)
     frozen = frozen_shardings = None
     if abstract:

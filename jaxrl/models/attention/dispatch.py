@@ -16,6 +16,7 @@ from jaxrl.models.attention import pallas as pallas_attention
 from jaxrl.models.attention.dense import attention
 from jaxrl.models.attention.flash import flash_attention
 from jaxrl.models.model_config import ATTENTION_IMPLS
+from jaxrl.runtime.targets import target_platform
 
 _NEEDS_BACKEND = {"splash": "tpu", "pallas_gpu": "gpu"}
 AttentionFn = Callable[..., jax.Array]
@@ -32,7 +33,7 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
         raise ValueError(
             f"model.attention_impl={impl!r} is invalid: use one of {', '.join(ATTENTION_IMPLS)}"
         )
-    backend = backend or jax.default_backend()
+    backend = backend or target_platform()  # a target compile's platform (runtime/targets)
     if impl == "auto":
         return {"tpu": "splash", "gpu": "pallas_gpu"}.get(backend, "flash")
     needs = _NEEDS_BACKEND.get(impl)

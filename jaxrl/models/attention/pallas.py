@@ -22,6 +22,8 @@ path for parents is future work (docs/attention.md).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,7 @@ def _with_fallback(kernel, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
             f"and L={k.shape[1]}; the KV-cache path uses attention_fn(..., self_attention=False)"
         )
     ok = index_causal_matches(q_seg, kv_seg, q_pos, kv_pos)
+    kernel = _manual_over_rest(kernel, q.shape[0], q.shape[2], k.shape[2])
     out = lax.cond(
         ok,
         lambda q, k, v: kernel(q, k, v, q_seg.astype(jnp.int32)),
@@ -80,6 +83,42 @@ def _with_fallback(kernel, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
         v,
     )
     return jnp.where((q_seg != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _manual_over_rest(kernel, batch: int, heads: int, kv_heads: int):
+    """``kernel(q, k, v, seg)`` made manual over the mesh axes the caller leaves automatic.
+
+    A Mosaic (TPU Pallas) kernel cannot be partitioned by XLA: inside the train step's or the
+    scorer's ``shard_map`` (manual over the batch axes) the ``tensor`` axis is still automatic,
+    and lowering for a TPU refuses the call ("Mosaic kernels cannot be automatically
+    partitioned"). So the call runs in a nested ``shard_map`` over those axes: heads split over
+    ``tensor`` (where both head counts divide), rows over a batch axis left automatic, anything
+    else replicated. Outside a mesh, or with every axis manual, ``kernel`` itself."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return kernel
+    types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    rest = [a for a, t in types if t != AxisType.Manual]
+    if not rest or len(rest) == len(mesh.axis_names):  # all manual, or XLA partitions it all
+        return kernel
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    head_axis = "tensor" if "tensor" in rest and heads % size["tensor"] == 0 else None
+    if head_axis and kv_heads % size[head_axis]:
+        head_axis = None
+    rows = [a for a in ("data", "fsdp") if a in rest and size[a] > 1]
+    row_axes = tuple(rows) if rows and batch % math.prod(size[a] for a in rows) == 0 else None
+    qkv = P(row_axes, None, head_axis, None)
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(qkv, qkv, qkv, P(row_axes, None)),
+        out_specs=qkv,
+        axis_names=set(rest),
+        check_vma=False,
+    )
 
 
 def _flash_for_parents(kernel_fn):

@@ -101,12 +101,12 @@ _FLOAT_FIELDS = ("loss_mask",)
 _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def plan_run(cfg: RunConfig) -> RunParts:
+def plan_run(cfg: RunConfig, mesh: Any = None) -> RunParts:
     """The run the trainers would build (``build_run``), on abstract values, with the SFT
     objective, ``model.dtype: auto`` read as an accelerator's (bfloat16). The vocabulary is
     ``model.path``'s config.json, else ``model.init.vocab_size``
     when given, else the built-in task's character tokenizer, as the trainers size it. A bad
-    ``model`` section is a ``ConfigError`` naming it."""
+    ``model`` section is a ``ConfigError`` naming it. ``mesh``: build on it (``build_run``)."""
     m = cfg.model
     if m.dtype == AUTO:  # a plan is for the accelerator the run targets, where auto is bf16
         m = dataclasses.replace(m, dtype=auto_compute_dtype(AUTO, "gpu"))
@@ -116,7 +116,7 @@ def plan_run(cfg: RunConfig) -> RunParts:
         vocab_size = build_task(cfg).tokenizer().vocab_size
     objective = sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk)
     try:
-        return build_run(cfg, vocab_size, objective, abstract=True)
+        return build_run(cfg, vocab_size, objective, abstract=True, mesh=mesh)
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
