@@ -97,10 +97,10 @@ def test_the_loop_uses_declared_members_only():
     assert used <= _declared(), used - _declared()
 
 
-# Below trainers/, one module still reads algorithm names: the memory planner (train/run_io), a
-# layer the contract cannot reach; RunConfig.samples_rollouts is what it can use instead.
+# Layers below trainers/ ask the config what an algorithm does (RunConfig.samples_rollouts,
+# .trains_critic, .stage), never its name.
 NAME_COMPARE = re.compile(r"algorithm (==|!=|in|not in) |== \"(grpo|ppo|dpo|kto|sft)\"")
-ALLOWED = {"config", "train/run_io/memory.py"}  # config: validation and the names' one list
+ALLOWED = {"config"}  # config: validation and the names' one list
 
 
 def test_no_code_compares_algorithm_names_outside_config_and_the_registry():

@@ -581,6 +581,7 @@ STAGE_SECTIONS: dict[str, str | None] = {
     "ppo": "grpo",
 }
 ALGORITHMS: tuple[str, ...] = tuple(STAGE_SECTIONS)
+CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)  # the algorithms that train a value model too
 
 
 def check_algorithm(value: str) -> None:
@@ -707,6 +708,11 @@ class RunConfig:
     def samples_rollouts(self) -> bool:
         """GRPO's family (GRPO, PPO): the run samples rollouts (the grpo and rollout sections)."""
         return isinstance(self.stage, GRPOConfig)
+
+    @property
+    def trains_critic(self) -> bool:
+        """PPO: a value model is trained beside the policy (docs/algorithms/ppo.md)."""
+        return self.algorithm in CRITIC_ALGORITHMS
 
     def resolved(self) -> RunConfig:
         """The one resolve step (``load_run_config`` runs it; nothing else fills a config in):

@@ -189,7 +189,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
     compute_copy_bytes = sampler_copy + reference_copy
     # PPO's critic: a second Transformer (plus a d → 1 value head) trained by its own AdamW in
     # the policy's layout: once more the policy's master weights, moments and gradients
-    critic_bytes = params_bytes + optimizer_bytes + grads_bytes if cfg.algorithm == "ppo" else 0
+    critic_bytes = params_bytes + optimizer_bytes + grads_bytes if cfg.trains_critic else 0
     params_bytes += frozen_bytes
     kv_cache_bytes = 0 if decode is None else decode["kv_cache_bytes"]
 
@@ -319,7 +319,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     whole model is ``weight_bytes``; a MoE model's experts split over the decode mesh's
     ``expert`` axis, ``expert_parallel``) and its KV caches for the configured generation batch.
     ``(None, None)`` for other algorithms."""
-    if cfg.algorithm not in ("grpo", "ppo"):  # PPO samples with GRPO's sampler
+    if not cfg.samples_rollouts:  # PPO samples with GRPO's sampler
         return None, None
     r, g = cfg.rollout, cfg.grpo
     dense = dense_config(config)
@@ -382,18 +382,18 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
                 f"mesh.{axis}=-1 took the devices this process sees; `jaxrl memory --devices N` "
                 "plans it for a target of N devices"
             )
-    if cfg.algorithm != "sft":
+    if cfg.stage is not None:  # every algorithm but SFT
         notes.append(
             f"{cfg.algorithm} is planned with the SFT loss: the same forward, backward and "
             "optimizer step; its extra per-token / per-document fp32 fields are not counted"
         )
-    if cfg.algorithm == "ppo":
+    if cfg.trains_critic:
         notes.append(
             "ppo: the critic row is the policy's master weights, moments and gradients once "
             "more (docs/algorithms/ppo.md); its value pass and step reuse the temporaries of "
             "the policy's, which run before or after them"
         )
-    if cfg.algorithm in ("grpo", "ppo"):
+    if cfg.samples_rollouts:
         notes.append(
             f"{cfg.algorithm}: kv_cache_bytes sizes the prompts at the bucket of "
             "grpo.max_prompt_length; rollout.max_slots shrinks the decode cache"

@@ -273,7 +273,7 @@ def plan_target(cfg: RunConfig, target: Target) -> dict[str, Any]:
         params = avals(run.state.params, run.shardings.params)
         programs.append(_scorer(cfg, run, params, target))
         sampler_bytes = kv_bytes = 0
-        if cfg.algorithm in ("grpo", "ppo"):
+        if cfg.samples_rollouts:
             extra, sampler_bytes, kv_bytes = _sampler_programs(cfg, run, target)
             programs += extra
             in_place = (
