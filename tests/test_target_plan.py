@@ -18,7 +18,9 @@ from jaxrl.config import ConfigError
 from jaxrl.runtime.targets import GIB, gpu_budget_bytes, hbm_from_message, parse_target
 
 HAS_TPU = importlib.util.find_spec("libtpu") is not None
-HAS_GPU = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+HAS_GPU = importlib.util.find_spec("jax_plugins") is not None and (
+    importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+)
 needs_tpu = pytest.mark.skipif(
     not HAS_TPU, reason="libtpu not installed: pip install jaxrl[tpu-plan]"
 )

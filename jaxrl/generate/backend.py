@@ -85,6 +85,14 @@ class RolloutBackend(abc.ABC):
         backend that compiles nothing per call shape)."""
         del prompts, max_tokens, key
 
+    def lower(self, prompts: Sequence[Sequence[int]], trainer_params: Any = None) -> dict[str, Any]:
+        """The programs a generation over ``prompts`` runs on jaxrl's devices, lowered and not
+        run, by name (``jaxrl memory --topology`` compiles them for the target's chips);
+        ``trainer_params``: avals of the trainer's parameters, for the weight copy a sync runs.
+        Empty for a backend that runs no programs on jaxrl's devices."""
+        del prompts, trainer_params
+        return {}
+
     def session(self, slots: int, max_length: int) -> EngineSession | None:
         """``slots`` slots of ``max_length`` tokens that keep conversations between calls (tool
         episodes); None: no sessions, callers re-send each conversation."""

@@ -79,7 +79,7 @@ from jaxrl.models.slot_kv_cache import DECODE_BLOCK, SlotKVCache
 from jaxrl.runtime.background_compile import BackgroundCompiles
 from jaxrl.runtime.compile_options import program_options
 from jaxrl.runtime.mesh import to_host
-from jaxrl.runtime.spmd import on_mesh, put_replicated, put_rows, row_ranks
+from jaxrl.runtime.spmd import on_mesh, placing_abstractly, put_replicated, put_rows, row_ranks
 
 __all__ = [
     "SampleResult",
@@ -332,6 +332,25 @@ class Sampler(RolloutBackend):
                 ).compile()
 
         self._precompiled.start(call.program, compile_program)
+
+    def lower(self, prompts: Sequence[Sequence[int]], trainer_params: Any = None) -> dict[str, Any]:
+        """The programs a generation over ``prompts`` runs, lowered and not run, by name:
+        ``weight_reshard`` (the cast copy of ``trainer_params``, avals of the trainer's
+        parameters, into the decode layout; only when given) and ``sampler_prefill_decode``
+        (prefill and the decode loop, on the weights as a load leaves them). For a target
+        compile (``jaxrl memory --topology``): arguments are placed abstractly, so the mesh may
+        be of compile-only devices."""
+        lowered = {}
+        if trainer_params is not None:
+            lowered["weight_reshard"] = self.weights.lower_copy(trainer_params)
+        with placing_abstractly():
+            call = self._call(prompts, jax.random.key(0), None, None)
+        with on_mesh(self.mesh):
+            lowered["sampler_prefill_decode"] = self._jitted.lower(
+                self.weights.abstract_loaded(), *call.args, shape=call.shape,
+                key_impl=call.key_impl,
+            )  # fmt: skip
+        return lowered
 
     def _call(
         self,

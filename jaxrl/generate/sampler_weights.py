@@ -210,6 +210,12 @@ class SamplerWeights:
             for x, t in zip(jax.tree.leaves(params), targets, strict=True)
         )
 
+    def lower_copy(self, params: Any) -> Any:
+        """The weight copy :meth:`load` runs, lowered for ``params`` (avals of the trainer's
+        parameters) without running it: a target compile's view of one weight sync."""
+        sources, plan = self._plan(params)
+        return self._copy.lower(sources, plan)
+
     def abstract_loaded(self) -> Any:
         """What :meth:`get` will return after a load, as avals: the decode layout's shardings
         with a mesh; without one the shardings are the loaded arrays' own, so left open."""

@@ -221,22 +221,17 @@ def _sampler_programs(cfg: RunConfig, run: Any, target: Target) -> tuple[list, i
     vocab = dense.vocab_size
     prompts = [[1 + q % (vocab - 1)] + [1] * (prompt - 1) for q in range(groups)]
     prompts = [p for p in prompts for _ in range(max(requests // groups, 1))]
+    trainer = None if run.frozen is not None else avals(run.state.params, run.shardings.params)
+    lowered = sampler.lower(prompts, trainer)  # LoRA merges its adapters first: no reshard
     programs = []
-    if run.frozen is None:  # LoRA merges its adapters first: a different program
-        sources, plan = sampler.weights._plan(avals(run.state.params, run.shardings.params))
-        lowered = sampler.weights._copy.lower(sources, plan)
+    if "weight_reshard" in lowered:
         what = "trainer weights cast into the decode layout (one per weight sync)"
-        programs.append(_analyse("weight_reshard", lowered, target, what))
-    with placing_abstractly():
-        call = sampler._call(prompts, jax.random.key(0), None, None)
-    params = sampler.weights.abstract_loaded()
-    with on_mesh(dmesh):
-        lowered = sampler._jitted.lower(
-            params, *call.args, shape=call.shape, key_impl=call.key_impl
-        )
+        programs.append(_analyse("weight_reshard", lowered["weight_reshard"], target, what))
     layout = " x ".join(f"{a}={s}" for a, s in dmesh.shape.items())
     what = f"prefill {groups} prompts x {prompt} + decode loop, {requests} requests ({layout})"
-    programs.append(_analyse("sampler_prefill_decode", lowered, target, what))
+    programs.append(
+        _analyse("sampler_prefill_decode", lowered["sampler_prefill_decode"], target, what)
+    )
     kv = sampler.memory_bytes(requests, groups, prompt)
     return programs, int(sampler.weight_bytes()), int(kv)
 
