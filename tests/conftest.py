@@ -59,3 +59,36 @@ def pytest_collection_modifyitems(items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (item.path not in slow_files, order[id(item)]))
+
+
+# JAXRL_TEST_COMPILE_LOG=<dir>: each worker writes, per test, the seconds XLA spent compiling
+# (backend compiles only: a persistent-cache hit costs none) and how many programs it compiled,
+# to <dir>/<worker>.jsonl. Where a cold suite's time goes: benchmarks/README.md ("test suite").
+_COMPILE_LOG = os.environ.get("JAXRL_TEST_COMPILE_LOG")
+if _COMPILE_LOG:
+    import json
+    import time
+
+    _compiles: dict[str, list[float]] = {}
+    _current = ["<collection>"]
+
+    def _on_duration(event: str, duration: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            _compiles.setdefault(_current[0], []).append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _current[0] = item.nodeid
+        start = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            times = _compiles.pop(item.nodeid, [])
+            record = {"test": item.nodeid, "wall": time.perf_counter() - start}
+            record |= {"compile_s": sum(times), "programs": len(times)}
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            os.makedirs(_COMPILE_LOG, exist_ok=True)
+            with open(os.path.join(_COMPILE_LOG, f"{worker}.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")

@@ -7,6 +7,7 @@ import warnings
 import jax.numpy as jnp
 import pytest
 
+from jaxrl.config import load_run_config
 from jaxrl.config.base import ConfigError, from_dict, to_dict
 from jaxrl.config.grpo import GRPOConfig
 from jaxrl.losses import policy
@@ -320,3 +321,11 @@ def test_use_bias_correction_kl_default_and_kl_in_reward_conflict():
     with pytest.raises(ConfigError, match="use_bias_correction_kl=True.*kl_in_reward"):
         cfg(beta=0.04, advantage_estimator="reinforce_pp", kl_in_reward=True,
             use_bias_correction_kl=True)  # fmt: skip
+
+
+def test_stop_on_zero_spread_needs_a_step_count():
+    with pytest.raises(ConfigError, match="grpo.stop_on_zero_spread"):
+        load_run_config("configs/grpo_tiny.yaml", ["grpo.stop_on_zero_spread=true",
+                                                   "grpo.zero_spread_steps=0"])  # fmt: skip
+    with pytest.raises(ConfigError, match="grpo.zero_spread_steps"):
+        load_run_config("configs/grpo_tiny.yaml", ["grpo.zero_spread_steps=-1"])

@@ -201,21 +201,18 @@ def test_an_all_truncated_step_is_counted_and_warned(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_zero_advantage_steps_are_counted_and_warned(tmp_path, capsys):
+def test_zero_advantage_steps_are_counted_warned_and_end_the_run_when_asked(tmp_path, capsys):
     """A random model earns no exact-answer reward: every group's rewards are equal, so every
-    advantage is 0."""
-    rows = _grpo(
-        tmp_path,
-        "zero",
-        "max_steps=2",
-        "grpo.max_completion_length=4",
-        "grpo.reward_funcs=[exact_answer]",
-        "grpo.reward_weights=null",
-    )
+    advantage is 0. After grpo.zero_spread_steps such steps in a row the run warns once, and
+    with grpo.stop_on_zero_spread it ends there (max_steps=4 is not reached)."""
+    sets = ["grpo.max_completion_length=4", "grpo.reward_funcs=[exact_answer]"]
+    sets += ["grpo.reward_weights=null", "grpo.zero_spread_steps=2"]
+    rows = _grpo(tmp_path, "zero", "max_steps=4", "grpo.stop_on_zero_spread=true", *sets)
     assert all(r["frac_reward_zero_std"] == 1.0 for r in rows)
-    assert [r["zero_advantage_steps"] for r in rows] == [1, 2]
+    assert [r["zero_advantage_steps"] for r in rows] == [1, 2]  # ended at step 2 of 4
     err = capsys.readouterr().err
-    assert err.count("every completion's advantage is 0") == 1
+    assert err.count("no policy gradient for 2 steps in a row") == 1
+    assert err.count("stopped at step 2: 2 steps in a row without a policy gradient") == 1
     assert math.isfinite(rows[-1]["loss"])
 
 

@@ -227,6 +227,10 @@ class GRPOConfig:
     dynamic_sampling: bool = False  # DAPO: drop prompt groups whose rewards all agree and keep
     # generating until the generation batch is full of groups with a learning signal
     max_dynamic_sampling_rounds: int = 8  # generations one batch may take before the run stops
+    zero_spread_steps: int = 5  # N: after N steps in a row whose groups all had equal rewards
+    # (no policy gradient) the run warns once, naming the likely causes; 0 = never
+    stop_on_zero_spread: bool = False  # end the run there instead (its own message and
+    # summary key stopped_zero_spread), not spend its remaining steps on no gradient
     top_entropy_quantile: float = 1.0  # q: keep the top-q entropy tokens in the policy loss
     tools: tuple[str | Callable[..., Any], ...] | None = None  # tool functions the policy may call
     # ("pkg.mod:fn", "file.py:fn"): multi-turn episodes (docs/tools.md); None = single turn
@@ -345,6 +349,18 @@ class GRPOConfig:
     def _check_ranges(self) -> None:
         """Rule 7: counts, probabilities, widths and the stage's schedule."""
         _positive_int("max_dynamic_sampling_rounds", self.max_dynamic_sampling_rounds)
+        require(
+            self.zero_spread_steps >= 0,
+            "zero_spread_steps",
+            self.zero_spread_steps,
+            "use 0 (never warn) or a positive number of consecutive steps",
+        )
+        require(
+            not self.stop_on_zero_spread or self.zero_spread_steps > 0,
+            "stop_on_zero_spread",
+            self.stop_on_zero_spread,
+            "set grpo.zero_spread_steps to the number of steps without signal that ends the run",
+        )
         require(
             self.importance_sampling_cap > 1,
             "importance_sampling_cap",

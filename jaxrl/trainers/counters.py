@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CompileWatch", "HostCounters", "empty_cause", "zero_advantage_warning"]
+__all__ = [
+    "CompileWatch",
+    "HostCounters",
+    "empty_cause",
+    "zero_advantage_warning",
+    "zero_spread_stop_line",
+]
 
 
 @dataclasses.dataclass
@@ -23,12 +29,14 @@ class HostCounters:
     nonfinite_in_row: int = 0  # ... in a row, up to this step (optimizer.max_nonfinite_steps)
     empty_steps: int = 0  # steps with no loss token (or a zero denominator): no gradient
     zero_advantage_steps: int = 0  # GRPO steps whose advantages were all 0: no policy gradient
+    zero_advantage_in_row: int = 0  # ... in a row, up to this step (grpo.zero_spread_steps)
 
     def count_zero_advantages(self, advantages: np.ndarray) -> bool:
         """Count a step whose advantages are all zero (every group's rewards were equal, so
         the policy gradient is zero); whether it was one."""
         zero = bool(advantages.size > 0 and not np.any(advantages))
         self.zero_advantage_steps += zero
+        self.zero_advantage_in_row = self.zero_advantage_in_row + 1 if zero else 0
         return zero
 
     def state_dict(self) -> dict[str, int]:
@@ -95,15 +103,28 @@ def empty_cause(config: Any, truncated: np.ndarray) -> str:
 
 
 def zero_advantage_warning(step: int, config: Any, row: dict[str, Any]) -> str:
-    """The warning, once a run, of a step whose advantages were all 0 (``zero_advantage_steps``
-    counts them)."""
+    """The warning, once a run, when ``config.zero_spread_steps`` steps in a row had every
+    completion's advantage 0 (``zero_advantage_steps`` counts such steps): the run has stopped
+    learning."""
+    n = config.zero_spread_steps
     rewards = f" (reward {row['reward']:g})" if "reward" in row else ""
+    what = "the run ends here" if config.stop_on_zero_spread else "the run goes on"
     return (
-        f"warning: step {step}: every completion's advantage is 0, "
-        f"because the rewards within each group of {config.num_generations} "
-        f"were all equal{rewards}, so the policy gradient is zero "
-        "(zero_advantage_steps counts such steps). The rewards give this model no "
-        "signal: check that it can earn them (e.g. that it writes the answer format "
-        "the reward functions parse; state the format in the prompt), or raise "
-        "grpo.num_generations or grpo.temperature"
+        f"warning: step {step}: no policy gradient for {n} step{'s' if n > 1 else ''} in a row: "
+        f"the rewards within each group of {config.num_generations} were all equal{rewards}, "
+        "so every advantage is 0 (zero_advantage_steps counts such steps). Likely causes: the "
+        "completions' format collapsed (the reward functions no longer parse them: look at "
+        "the logged samples and the tool-call rate), or the rewards are never (or always) "
+        "earned (state the answer format in the prompt, warm-start with SFT, raise "
+        "grpo.num_generations or grpo.temperature); "
+        f"{what} (grpo.stop_on_zero_spread, grpo.zero_spread_steps)"
+    )
+
+
+def zero_spread_stop_line(step: int, config: Any) -> str:
+    """The line a run ended by ``grpo.stop_on_zero_spread`` prints last."""
+    return (
+        f"stopped at step {step}: {config.zero_spread_steps} steps in a row without a policy "
+        "gradient (every group's rewards were equal; grpo.stop_on_zero_spread=true). The "
+        "checkpoint and metrics up to this step are kept"
     )

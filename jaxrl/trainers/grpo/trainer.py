@@ -29,7 +29,7 @@ from jaxrl.runtime.mesh import reserve_devices, run_devices
 from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.train.run_io.plots import plot_reward_and_accuracy
 from jaxrl.trainers.algorithm import RLStage, WarmStart
-from jaxrl.trainers.counters import empty_cause, zero_advantage_warning
+from jaxrl.trainers.counters import empty_cause, zero_advantage_warning, zero_spread_stop_line
 from jaxrl.trainers.external_rollouts import external_batch
 from jaxrl.trainers.grpo.builder import build_rollout_parts, precompile_start
 from jaxrl.trainers.grpo.checks import check_rollout_settings, check_shared_prompt
@@ -247,9 +247,10 @@ class RolloutTrainer(RLStage):
         out.update(self.generator.metrics(self.rollouts.batches_of(docs, used)))
         out.update(self.sampling_stats)
         out.update(staleness_metrics(docs, used_ids, self.session.step))
-        zero = self.session.counters.count_zero_advantages(docs.advantages[used_ids])
-        out["zero_advantage_steps"] = self.session.counters.zero_advantage_steps
-        if zero and not self.warned_zero_advantage:
+        counters = self.session.counters
+        counters.count_zero_advantages(docs.advantages[used_ids])
+        out["zero_advantage_steps"] = counters.zero_advantage_steps
+        if self.no_signal() and not self.warned_zero_advantage:
             self.warned_zero_advantage = True
             warning = zero_advantage_warning(self.session.step, self.config, {**row, **out})
             self.session.say([warning])
@@ -311,6 +312,19 @@ class RolloutTrainer(RLStage):
     def info(self, row: dict[str, Any]) -> str:
         return f"reward {row['reward']:.3f}"
 
+    def no_signal(self) -> bool:
+        """``grpo.zero_spread_steps`` steps in a row (this one the last) had no policy
+        gradient: every group's rewards were equal."""
+        n = self.config.zero_spread_steps
+        return n > 0 and self.session.counters.zero_advantage_in_row >= n
+
+    def stop(self, row: dict[str, Any]) -> bool:
+        """``grpo.stop_on_zero_spread``: end the run once it has stopped learning."""
+        if self.config.stop_on_zero_spread and self.no_signal():
+            self.session.say([zero_spread_stop_line(self.session.step, self.config)])
+            return True
+        return False
+
     def summary(self, summary: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
         """The summary, the starting metrics and the plot of reward and accuracy."""
         plot = self.session.output_dir / PLOT_NAME
@@ -323,6 +337,7 @@ class RolloutTrainer(RLStage):
                 **{f"{k}_start": v for k, v in self.start_eval.items()},
                 **self.data_report,
                 "plot": str(plot),
+                "stopped_zero_spread": self.config.stop_on_zero_spread and self.no_signal(),
             }
         )
 
