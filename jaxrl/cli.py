@@ -171,10 +171,11 @@ def _disk_full_message(err: OSError, output_dir: str) -> str:
 def _interrupted(output_dir: str) -> str:
     """What Ctrl-C leaves behind: the newest committed checkpoint (orbax commits a step by
     renaming its directory to the bare step number) and how to go on."""
-    directory = os.path.join(output_dir, "checkpoints")
-    steps = (
-        [int(n) for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(directory) else []
-    )
+    from jaxrl.runtime import storage
+
+    directory = storage.path(output_dir) / "checkpoints"  # a local path or a URL
+    names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    steps = [int(n) for n in names if n.isdigit()]
     if not steps:
         return (
             f"interrupted before the first checkpoint in {directory}: nothing to resume "

@@ -16,13 +16,13 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -35,6 +35,7 @@ from jaxrl.models.adapters.peft import save_adapters
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
+from jaxrl.runtime import storage
 from jaxrl.runtime.compile_cache import (
     cache_counts,
     enable_compile_cache,
@@ -111,7 +112,7 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: epath.Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -130,9 +131,12 @@ def lost_updates_warning(params: Any, learning_rate: float) -> str:
     )
 
 
-def make_output_dir(path: Path) -> None:
+def make_output_dir(path: epath.Path) -> None:
     """Create the run directory, or raise a ``ConfigError`` naming ``output_dir`` when a file
-    stands where it (or one of its parents) should be, or it cannot be written."""
+    stands where it (or one of its parents) should be, or it cannot be written. A URL needs no
+    directory (an object store has none)."""
+    if storage.is_remote(path):
+        return
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -158,7 +162,7 @@ class Session:
         self.cfg = cfg
         self.vocab_size = vocab_size
         enable_compile_cache(cfg.compile_cache)  # before anything compiles
-        self.output_dir = Path(cfg.output_dir)
+        self.output_dir = storage.path(cfg.output_dir)  # a local path or a URL (gs://...)
         self.primary = is_primary()
         previous = self.output_dir / "config.json"  # the last run's, before it is replaced
         self.previous_config = _read_json(previous) if previous.is_file() else None
@@ -288,7 +292,7 @@ class Session:
         incompatible checkpoint leaves the previous run's file, which the error compares to)."""
         if self.primary:
             text = json.dumps(to_dict(self.cfg), indent=2)
-            (self.output_dir / "config.json").write_text(text)
+            storage.write_text(self.output_dir / "config.json", text)
 
     def _metrics_writer(self, resume_step: int | None) -> MetricsWriter:
         """metrics.jsonl (and the TensorBoard / W&B sinks of ``logging``) from ``resume_step``."""
@@ -525,7 +529,7 @@ class Session:
 
             yield advance
 
-    def export(self, tokenizer: TextTokenizer) -> Path:
+    def export(self, tokenizer: TextTokenizer) -> epath.Path:
         """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``
         (parameters gathered by every process, written by process 0).
 
@@ -539,6 +543,7 @@ class Session:
         model (``W + scaling · A B``, a quantised base dequantised) as
         ``hf``, with ``W`` and every untouched weight read again in their original precision
         (``train.build.exact_base``), so ``hf`` is PEFT's merge of the base and ``adapter``.
+        With a URL output_dir the files are written locally and uploaded (``storage.staged``).
         """
         path = self.output_dir / "hf"
         source = self.cfg.model.path
@@ -547,19 +552,21 @@ class Session:
         model = self.model
         if self.frozen is not None:  # LoRA: the adapters alone (PEFT), then the merged model
             if not model.config.moe_layers:  # PEFT has no per-expert adapters: merged only
-                save_adapters(model, self.output_dir / "adapter", base_model=source)
+                with storage.staged(self.output_dir / "adapter") as adapter:
+                    save_adapters(model, adapter, base_model=source)
             # onto the base as read, not the compute-dtype copy the steps used
             exact = exact_base(self.cfg, self.vocab_size, self.mesh)
             model = nnx.merge(self.graphdef, lora.join(self.state.params, exact))
             model = lora.merge(model, jnp.float32)
-        save_pretrained(
-            model,
-            path,
-            dtype=dtype or self.cfg.model.param_dtype,
-            generation_config=tokenizer.generation_config(base),
-        )
-        if self.primary:
-            tokenizer.save(path)
+        with storage.staged(path) as local:
+            save_pretrained(
+                model,
+                local,
+                dtype=dtype or self.cfg.model.param_dtype,
+                generation_config=tokenizer.generation_config(base),
+            )
+            if self.primary:
+                tokenizer.save(local)
         barrier("export")  # other processes may read the export next (e.g. after a warm start)
         return path
 
