@@ -35,7 +35,7 @@ from jaxrl.models.adapters.peft import save_adapters
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
-from jaxrl.runtime import storage
+from jaxrl.runtime import launch, storage
 from jaxrl.runtime.compile_cache import (
     cache_counts,
     enable_compile_cache,
@@ -69,6 +69,7 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     when the mesh does not fit the devices or the sections' batches do not fit the ranks.
     Resolved once: a config whose sections know their world size (a fixed mesh, resolved when
     the config was loaded, or an earlier call) comes back as it is, devices untouched."""
+    launch.join(cfg.distributed, cfg.mesh)  # the Python API starts the job as the CLI does
     sections = (cfg.grpo, cfg.dpo, cfg.kto)
     if all(section.world_size is not None for section in sections):
         return cfg
@@ -161,6 +162,7 @@ class Session:
         a session that never trains (e.g. one that only exports)."""
         self.cfg = cfg
         self.vocab_size = vocab_size
+        launch.join(cfg.distributed, cfg.mesh)  # the distributed section, from Python too
         enable_compile_cache(cfg.compile_cache)  # before anything compiles
         self.output_dir = storage.path(cfg.output_dir)  # a local path or a URL (gs://...)
         self.primary = is_primary()
