@@ -1,7 +1,9 @@
 """One process of a multi-process pod test (``test_pod_launch.py``): ``python
 tests/pod_worker.py MODE PROCESS_ID NUM_PROCESSES PORT OUT_DIR [--set key=value ...]``.
 
-MODE ``cli`` starts the way ``jaxrl train`` does (the CLI's config loader sizes the CPU host
+MODE ``rewards`` joins the job and scores a generation batch with reward functions that read
+their host (``score_once``), computes the advantages, and writes them. MODE ``cli`` starts the
+way ``jaxrl train`` does (the CLI's config loader sizes the CPU host
 devices and calls ``jax.distributed.initialize`` from the ``distributed`` section); ``api`` the
 way a script does (jax imported first, the config loaded, a trainer's first step
 ``with_device_ranks``, which joins the job). Both then build the run's mesh and write what it
@@ -18,8 +20,50 @@ import sys
 CONFIG = "configs/grpo_tiny.yaml"
 
 
+def rewards(pid: str, count: str, port: str, out: str) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(count), process_id=int(pid))
+    from jaxrl.losses.advantages import compute_advantages
+    from jaxrl.rollout.rewards.compute import score_once
+
+    calls = []
+
+    def host_reward(completions, **kwargs):  # differs per host: must not reach the advantages
+        calls.append(len(completions))
+        return [float(jax.process_index()) + 0.1 * i for i in range(len(completions))]
+
+    def noisy(completions, **kwargs):  # non-deterministic: a different draw on every host
+        return list(np.random.default_rng().normal(size=len(completions)))
+
+    prompts = [f"p{i // 4}" for i in range(8)]  # 2 groups of 4 generations
+    got = score_once([host_reward, noisy], prompts, [f"c{i}" for i in range(8)])
+    advantages = compute_advantages(got, 4)
+    failed = ""
+    try:
+        score_once([lambda completions, **kw: 1 / 0], prompts, prompts)  # raises on process 0
+    except Exception as e:
+        failed = f"{type(e).__name__}: {e}"
+    result = {
+        "rewards": got.tolist(),
+        "advantages": np.asarray(advantages).tolist(),
+        "calls": calls,
+        "failed": failed,
+    }
+    with open(os.path.join(out, f"rewards_{pid}.json"), "w") as f:
+        json.dump(result, f)
+    jax.distributed.shutdown()
+
+
 def main() -> None:
     mode, pid, count, port, out = sys.argv[1:6]
+    if mode == "rewards":
+        rewards(pid, count, port, out)
+        return
     sets = [
         "mesh.data=2",
         "mesh.fsdp=2",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -217,6 +217,34 @@ def barrier(name: str) -> None:
     """Wait until every process reaches ``name`` (no-op with one process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def from_primary(compute: Callable[[], np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """Process 0's ``compute()`` (a float64 array of ``shape``) on every process, computed once:
+    the other processes do not call it and receive its bits (NaN and all; float64 travels as
+    int32 pairs, since jax without x64 would round it). When process 0's call raises, it raises
+    there and every other process raises ``RuntimeError`` naming process 0's log, instead of
+    waiting forever."""
+    if jax.process_count() == 1:
+        return np.asarray(compute(), np.float64).reshape(shape)
+    size = math.prod(shape)
+    payload = np.zeros(1 + 2 * size, np.int32)
+    error: Exception | None = None
+    if jax.process_index() == 0:
+        try:
+            value = np.ascontiguousarray(np.asarray(compute(), np.float64).reshape(shape))
+            payload[0], payload[1:] = 1, value.reshape(-1).view(np.int32)
+        except Exception as e:  # sent as a flag; raised here after the broadcast
+            error = e
+    got = np.asarray(multihost_utils.broadcast_one_to_all(payload))
+    if error is not None:
+        raise error
+    if not got[0]:
+        raise RuntimeError(
+            f"process 0 failed computing what every process needs (this is process "
+            f"{jax.process_index()} of {jax.process_count()}): see process 0's error"
+        )
+    return np.ascontiguousarray(got[1:]).view(np.float64).reshape(shape)
 
 
 def agreed(flag: bool) -> bool:
