@@ -61,8 +61,9 @@ def _fail(e: BaseException, code: int, hint: str = "") -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Run a config. Exit 0; 2 for usage errors (config, model directory, data); 1 for runtime
-    failures (non-finite training, no usable checkpoint, I/O); 130 on Ctrl-C. One line each,
-    no traceback unless ``--debug`` or ``JAXRL_DEBUG=1``."""
+    failures (non-finite training, no usable checkpoint, I/O); 130 on Ctrl-C; 75
+    (``PREEMPTED_EXIT``) after a SIGTERM, with a checkpoint saved at the step every process
+    stopped at. One line each, no traceback unless ``--debug`` or ``JAXRL_DEBUG=1``."""
     from jaxrl.config import ConfigError
 
     try:
@@ -71,11 +72,15 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(e, 2)
     from jaxrl.runtime.mesh import is_primary
     from jaxrl.train.run_io.metrics import json_safe
+    from jaxrl.train.run_io.preemption import Preempted
     from jaxrl.trainers import run
 
     hint = DEBUG_HINT
     try:
         summary = run(cfg)
+    except Preempted as e:  # SIGTERM: saved at an agreed step (docs/troubleshooting.md)
+        print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print(_interrupted(cfg.output_dir), file=sys.stderr)
         return 130

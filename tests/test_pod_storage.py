@@ -1,11 +1,14 @@
-"""Storage URLs (docs/tpu_pod.md): a GRPO run with ``output_dir: gs://...`` against a GCS
-emulator writes its checkpoints, metrics, plot and ``hf/`` export there, resumes from them, and
-``model.path: gs://.../hf`` reads the export back; local writes stay atomic."""
+"""Storage URLs and preemption (docs/tpu_pod.md): a GRPO run with ``output_dir: gs://...``
+against a GCS emulator writes its checkpoints, metrics, plot and ``hf/`` export there; SIGTERM
+stops it at a saved step with the preemption code; the same command resumes from the bucket as
+if never stopped; ``model.path: gs://.../hf`` reads the export back; local writes stay
+atomic."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ from test_scale_out import JOBS
 
 from jaxrl.cli import main
 from jaxrl.runtime import storage
-from jaxrl.train.run_io.metrics import read_metrics
+from jaxrl.train.run_io.checkpoint import Checkpointer, verify_checksums
+from jaxrl.train.run_io.metrics import read_metrics, reproducible
+from jaxrl.train.run_io.preemption import PREEMPTED_EXIT, preempted_line
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +47,46 @@ def test_storage_writes_and_lists_a_bucket(gcs, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_run_on_gcs_resumes_and_exports(gcs, tmp_path):
-    """grpo_tiny (scaled down) with output_dir on the emulator: 2 steps, then resumed for a
-    third; every file lands in the bucket; the export loads with transformers and as model.path
-    straight from gs://."""
+def test_grpo_run_on_gcs_preempted_resumes_and_exports(gcs, tmp_path, monkeypatch, capsys):
+    """grpo_tiny (scaled down) with output_dir on the emulator, sent SIGTERM while it writes
+    step 2's checkpoint: the save completes, the run stops at step 2 with the preemption line
+    and code, both checkpoints are intact; the same command resumes from the bucket and its
+    metrics equal an uninterrupted local run's; every file lands in the bucket; the export loads
+    with transformers and as model.path straight from gs://."""
     config, sets = JOBS["grpo"]
     url = f"gs://{BUCKET}/grpo_run"
     common = [*sets, "checkpoint.every=1", "checkpoint.keep=2", "logging.eval_every=0"]
 
-    def train(steps, *extra):
-        args = ["train", config, "--set", f"output_dir={url}", "--set", "logging.progress=false"]
-        for o in [*common, f"max_steps={steps}", *extra]:
+    def train(out):
+        args = ["train", config, "--set", f"output_dir={out}", "--set", "logging.progress=false"]
+        for o in common:
             args += ["--set", o]
-        assert main(args) == 0
+        return main(args)
 
-    train(2)
+    assert train(tmp_path / "local") == 0  # the uninterrupted reference
+    want = [reproducible(r) for r in read_metrics(tmp_path / "local" / "metrics.jsonl")]
+    save = Checkpointer.save
+
+    def save_then_terminate(self, step, state, host):
+        if step == 2:  # the notice lands mid-save: the handler only sets a flag
+            os.kill(os.getpid(), signal.SIGTERM)
+        save(self, step, state, host)
+
+    monkeypatch.setattr(Checkpointer, "save", save_then_terminate)
+    capsys.readouterr()
+    assert train(url) == PREEMPTED_EXIT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == preempted_line(2)
+    monkeypatch.setattr(Checkpointer, "save", save)
     run = storage.path(url)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2"]
-    assert (run / "checkpoints" / "2" / "jaxrl_checksums.json").is_file()
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2]
+    for step in (1, 2):  # both whole: verified against the checksums written after the save
+        verify_checksums(run / "checkpoints" / str(step))
     assert not os.path.exists("gs:")  # nothing went to a local directory named after the URL
-    train(3)  # the same command with one more step resumes from the bucket's step 2
-    rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert train(url) == 0  # the same command resumes from the bucket's step 2
+    assert "resumed from step 2" in capsys.readouterr().err
+    got = [reproducible(r) for r in read_metrics(run / "metrics.jsonl")]
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got == want  # bit for bit, as an uninterrupted run
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]  # keep=2
     names = {name for name, _ in storage.files(run)}
     assert {"config.json", "grpo_progress.png", "hf/config.json", "hf/tokenizer.json"} <= names

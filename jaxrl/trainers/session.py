@@ -55,6 +55,7 @@ from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import AUTO, auto_dtype_note, compute_copy, lost_update_fraction
 from jaxrl.train.run_io.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.run_io.metrics import MetricsWriter, to_python
+from jaxrl.train.run_io.preemption import Preempted, PreemptionWatch
 from jaxrl.trainers.counters import CompileWatch, HostCounters
 from jaxrl.trainers.layout_change import layout_change_line, model_change_error, model_changes
 
@@ -190,6 +191,8 @@ class Session:
         self.step_family = step_family(cfg, len(self.mesh.devices.flat))  # remembered shapes
         self._remembered = 0  # the step's signatures already added to them
         self.warned_empty = False
+        self.preemption = PreemptionWatch()  # SIGTERM: save at an agreed step and stop
+        self._saved_step: int | None = None  # the step the newest checkpoint holds
         self.started = time.perf_counter()
 
     def _refuse_another_model(self) -> None:
@@ -438,6 +441,7 @@ class Session:
                 save_state(self.step)
             state = {**host(), "counters": self.counters.state_dict()}
             self.checkpointer.save(self.step, self.state, state)
+            self._saved_step = self.step
 
     def eval_due(self) -> bool:
         """Evaluate after this step: every ``logging.eval_every`` steps and after the last."""
@@ -509,7 +513,20 @@ class Session:
                 last = row
                 if done:
                     break
+                self._stop_if_preempted(host_state, save_state)
         return last
+
+    def _stop_if_preempted(
+        self, host: Callable[[], dict[str, Any]], save_state: Callable[[int], None] | None
+    ) -> None:
+        """After a step: when a preemption notice came (``PreemptionWatch.due``: the same step
+        on every process), save this step unless just saved, close, and raise ``Preempted``."""
+        if self.step >= self.cfg.max_steps or not self.preemption.due(self.step):
+            return
+        if self._saved_step != self.step:
+            self.maybe_checkpoint(host, force=True, save_state=save_state)
+        self.close()
+        raise Preempted(self.step)
 
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Any]:
@@ -596,6 +613,7 @@ class Session:
         }
 
     def close(self) -> None:
+        self.preemption.close()
         self.checkpointer.close()
         if hasattr(self, "writer"):
             self.writer.close()
