@@ -233,12 +233,14 @@ def _memory_on_target(args: argparse.Namespace) -> int:
     try:
         from jaxrl.runtime.targets import parse_target
 
-        target = parse_target(args.topology, slices=args.slices, nodes=args.nodes)
+        target = parse_target(args.topology, slices=args.slices or 1, nodes=args.nodes)
         if args.devices is not None or args.budget is not None:
             raise ConfigError(
                 "--topology sets the devices and their memory: drop --devices, --budget"
             )
         cfg = _load_config(args, distributed=False, devices=target.num_devices)
+        if args.slices is None and cfg.mesh.slices > 1:  # the config's multislice job
+            target = parse_target(args.topology, slices=cfg.mesh.slices, nodes=args.nodes)
         from jaxrl.train.run_io.target_plan import DoesNotFit, plan_target
 
         plan = plan_target(cfg, target)
@@ -375,7 +377,11 @@ def _main(argv: list[str] | None) -> int:
         "(docs/scale_out.md)",
     )
     memory.add_argument(
-        "--slices", type=int, default=1, metavar="N", help="TPU slices (multislice, --topology)"
+        "--slices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="TPU slices (multislice, --topology; default: the config's mesh.slices)",
     )
     memory.add_argument(
         "--nodes", type=int, default=1, metavar="N", help="GPU nodes (--topology h100:8 etc.)"

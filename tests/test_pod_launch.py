@@ -5,6 +5,7 @@ is refused in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -98,3 +99,40 @@ def test_cli_and_python_api_join_the_same_job_and_mesh(tmp_path):
     assert {p for _, p in want["devices"]} == {0, 1}  # the mesh spans both processes
     for name, value in got.items():
         assert value == want, name
+
+
+def test_mesh_slices_lay_only_the_data_axis_across_slices():
+    import jax
+    import numpy as np
+
+    from jaxrl.runtime.mesh import make_mesh, mesh_from_config
+
+    devices = jax.devices()[:8]
+    mesh = make_mesh(4, 2, 1, slices=2, devices=devices)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    first, second = {d.id for d in devices[:4]}, {d.id for d in devices[4:]}
+    assert set(ids[:2].flat) == first and set(ids[2:].flat) == second  # data crosses slices
+    assert all({*ids[d].flat} <= first or {*ids[d].flat} <= second for d in range(4))  # fsdp not
+    cfg = load_run_config("configs/grpo_tiny.yaml", ["mesh.data=4", "mesh.fsdp=2", "mesh.slices=2"])
+    assert mesh_from_config(cfg.mesh, devices=devices).devices.tolist() == mesh.devices.tolist()
+    with pytest.raises(ConfigError, match="mesh.data=3 is invalid: with mesh.slices=2"):
+        load_run_config("configs/grpo_tiny.yaml", ["mesh.data=3", "mesh.slices=2"])
+    with pytest.raises(ConfigError, match="must be a multiple of mesh.slices"):
+        make_mesh(1, 8, 1, slices=2, devices=devices)  # fsdp may not cross the DCN
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu (the TPU compiler) not installed"
+)
+def test_memory_plans_the_configs_multislice_job(capsys):
+    from jaxrl.cli import main
+
+    code = main(
+        ["memory", "configs/sft_tiny.yaml", "--topology", "v5p:2x2x2", "--slices", "2"]
+        + ["--set", "mesh.data=4", "--set", "mesh.fsdp=4"]
+    )
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    text = " ".join(out.out.split())  # the console wraps long lines
+    assert "16 x TPU v5" in text and "across the DCN: data" in text, text
