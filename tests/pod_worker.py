@@ -103,3 +103,15 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def length_reward(completions, trainer_state=None, **kwargs):
+    """A deterministic reward for the preemption test (``grpo.reward_funcs``), which sends this
+    process SIGTERM while step ``$JAXRL_TEST_SIGTERM_AT`` is generated, when that is set (only
+    process 0 calls reward functions: the others are not signalled)."""
+    import signal
+
+    at = os.environ.get("JAXRL_TEST_SIGTERM_AT")
+    if at is not None and trainer_state is not None and trainer_state.global_step + 1 == int(at):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [float(len(c) % 3) for c in completions]
