@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 BUCKET = "jaxrl-test"
 
@@ -19,6 +20,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _download_with_generation() -> None:
+    """Make the emulator's media downloads carry ``x-goog-generation`` as GCS's do: tensorstore
+    (orbax's OCDBT manifest reads) takes an object's generation from that header and fails
+    with "Malformed StorageGeneration" without it."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    original = objects.download
+    if getattr(original, "with_generation", False):
+        return
+
+    def download(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(NotFound, KeyError):
+            obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            response["x-goog-generation"] = str(obj["generation"])
+            response["x-goog-metageneration"] = str(obj["metageneration"])
+        return original(request, response, storage, *args, **kwargs)
+
+    download.with_generation = True
+    objects.download = download  # objects.get (alt=media) looks it up by name
+    for _, methods in server.HANDLERS:
+        for method, handler in list(methods.items()):
+            if handler is original:
+                methods[method] = download
+
+
 @contextlib.contextmanager
 def gcs_emulator() -> Iterator[str]:
     """Serve an empty in-memory GCS with bucket ``BUCKET``; yields ``STORAGE_EMULATOR_HOST``."""
@@ -27,6 +55,7 @@ def gcs_emulator() -> Iterator[str]:
     # the emulator logs every 404 (each existence check) as an error; a client closing its
     # connection early prints a BrokenPipe traceback: neither is a failure
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    _download_with_generation()
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
