@@ -157,30 +157,35 @@ def _cache_root() -> str:
 
 def local(p: str | os.PathLike) -> str:
     """A local path holding ``p``'s bytes: ``p`` itself when local; for a URL, a copy of the
-    file or directory (every file under it) downloaded into ``~/.cache/jaxrl/storage/`` once
-    per process and URL, for libraries that read only local files."""
+    file or directory (every file under it) in ``~/.cache/jaxrl/storage/``, for libraries that
+    read only local files. The copy is named by the URL and its files' names and sizes, so it
+    is downloaded once per host (processes sharing a host share it; a changed source is
+    downloaded again), into a temporary name renamed when whole."""
     source = path(p)
     if not is_remote(source):
         return os.fspath(source)
-    key = hashlib.sha256(os.fspath(source).encode()).hexdigest()[:16]
-    target = os.path.join(_cache_root(), f"{key}-{os.getpid()}", source.name)
-    if os.path.exists(target):
-        return target
     if not source.exists():
         raise FileNotFoundError(f"{os.fspath(source)} does not exist")
-    staging = f"{target}.partial"
+    listing = files(source) if source.is_dir() else [("", source)]
+    key = hashlib.sha256(os.fspath(source).encode())
+    for name, file in listing:
+        key.update(f"{name}\0{file.stat().length}\0".encode())
+    target = os.path.join(_cache_root(), key.hexdigest()[:16], source.name)
+    if os.path.exists(target):
+        return target
+    staging = f"{target}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    if source.is_dir():
-        for name, file in files(source):
-            dest = os.path.join(staging, name)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with open(dest, "wb") as f:
-                f.write(file.read_bytes())
-    else:
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-        with open(staging, "wb") as f:
-            f.write(source.read_bytes())
-    os.replace(staging, target)  # a copy cut short is never taken for a whole one
+    for name, file in listing:
+        dest = os.path.join(staging, name) if name else staging
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with file.open("rb") as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 22)  # streamed: weights may exceed memory
+    try:
+        os.replace(staging, target)  # a copy cut short is never taken for a whole one
+    except OSError:  # another process of this host renamed its copy first
+        if not os.path.exists(target):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
