@@ -61,8 +61,9 @@ def _fail(e: BaseException, code: int, hint: str = "") -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Run a config. Exit 0; 2 for usage errors (config, model directory, data); 1 for runtime
-    failures (non-finite training, no usable checkpoint, I/O); 130 on Ctrl-C. One line each,
-    no traceback unless ``--debug`` or ``JAXRL_DEBUG=1``."""
+    failures (non-finite training, no usable checkpoint, I/O); 130 on Ctrl-C; 75
+    (``PREEMPTED_EXIT``) after a SIGTERM, with a checkpoint saved at the step every process
+    stopped at. One line each, no traceback unless ``--debug`` or ``JAXRL_DEBUG=1``."""
     from jaxrl.config import ConfigError
 
     try:
@@ -71,11 +72,15 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(e, 2)
     from jaxrl.runtime.mesh import is_primary
     from jaxrl.train.run_io.metrics import json_safe
+    from jaxrl.train.run_io.preemption import Preempted
     from jaxrl.trainers import run
 
     hint = DEBUG_HINT
     try:
         summary = run(cfg)
+    except Preempted as e:  # SIGTERM: saved at an agreed step (docs/troubleshooting.md)
+        print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print(_interrupted(cfg.output_dir), file=sys.stderr)
         return 130
@@ -171,10 +176,11 @@ def _disk_full_message(err: OSError, output_dir: str) -> str:
 def _interrupted(output_dir: str) -> str:
     """What Ctrl-C leaves behind: the newest committed checkpoint (orbax commits a step by
     renaming its directory to the bare step number) and how to go on."""
-    directory = os.path.join(output_dir, "checkpoints")
-    steps = (
-        [int(n) for n in os.listdir(directory) if n.isdigit()] if os.path.isdir(directory) else []
-    )
+    from jaxrl.runtime import storage
+
+    directory = storage.path(output_dir) / "checkpoints"  # a local path or a URL
+    names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    steps = [int(n) for n in names if n.isdigit()]
     if not steps:
         return (
             f"interrupted before the first checkpoint in {directory}: nothing to resume "
@@ -227,12 +233,14 @@ def _memory_on_target(args: argparse.Namespace) -> int:
     try:
         from jaxrl.runtime.targets import parse_target
 
-        target = parse_target(args.topology, slices=args.slices, nodes=args.nodes)
+        target = parse_target(args.topology, slices=args.slices or 1, nodes=args.nodes)
         if args.devices is not None or args.budget is not None:
             raise ConfigError(
                 "--topology sets the devices and their memory: drop --devices, --budget"
             )
         cfg = _load_config(args, distributed=False, devices=target.num_devices)
+        if args.slices is None and cfg.mesh.slices > 1:  # the config's multislice job
+            target = parse_target(args.topology, slices=cfg.mesh.slices, nodes=args.nodes)
         from jaxrl.train.run_io.target_plan import DoesNotFit, plan_target
 
         plan = plan_target(cfg, target)
@@ -369,7 +377,11 @@ def _main(argv: list[str] | None) -> int:
         "(docs/scale_out.md)",
     )
     memory.add_argument(
-        "--slices", type=int, default=1, metavar="N", help="TPU slices (multislice, --topology)"
+        "--slices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="TPU slices (multislice, --topology; default: the config's mesh.slices)",
     )
     memory.add_argument(
         "--nodes", type=int, default=1, metavar="N", help="GPU nodes (--topology h100:8 etc.)"

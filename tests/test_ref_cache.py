@@ -294,13 +294,13 @@ def test_simpo_builds_no_cache(tmp_path):
 
 def test_non_primary_process_loads_the_file_without_writing(tmp_path, monkeypatch):
     built = load_or_build(tmp_path, IDENTITY, 5, _filler([]))  # process 0's file
-    stamp = built.path.stat().st_mtime_ns
+    stamp = os.stat(built.path).st_mtime_ns
     monkeypatch.setattr(ref_cache, "is_primary", lambda: False)
     saves, calls = [], []
     monkeypatch.setattr(ReferenceCache, "save", lambda self, d: saves.append(d))
     hit = load_or_build(tmp_path, IDENTITY, 5, _filler(calls))
     assert calls == [] and saves == []  # neither computed nor written
-    assert built.path.stat().st_mtime_ns == stamp
+    assert os.stat(built.path).st_mtime_ns == stamp
     np.testing.assert_array_equal(hit.chosen, built.chosen)
     np.testing.assert_array_equal(hit.rejected, built.rejected)
 

@@ -51,8 +51,22 @@ class MeshConfig:
     fsdp: int = 1  # fully sharded data parallel: parameters split, batch split too
     tensor: int = 1  # tensor parallel: heads / MLP / vocabulary split, batch replicated
     expert: int = 1  # expert parallel (MoE models): experts split, batch replicated; no -1
+    slices: int = 1  # TPU slices (multislice): only the data axis crosses them (the DCN)
 
     def __post_init__(self):
+        require(
+            isinstance(self.slices, int) and not isinstance(self.slices, bool) and self.slices >= 1,
+            "mesh.slices",
+            self.slices,
+            "use the number of TPU slices (1: one slice); the data axis is laid across them",
+        )
+        require(
+            self.data == -1 or self.data % self.slices == 0,
+            "mesh.data",
+            self.data,
+            f"with mesh.slices={self.slices} the data axis crosses the slices, so it must be a "
+            f"multiple of {self.slices}",
+        )
         require(
             isinstance(self.expert, int) and not isinstance(self.expert, bool) and self.expert >= 1,
             "mesh.expert",

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxrl.runtime import storage
+
 Kind = Literal["grpo", "sft", "dpo"]
 KINDS: tuple[str, ...] = ("grpo", "sft", "dpo")
 MAX_DEPTH = 32  # deepest nesting of lists/objects a row may have
@@ -190,7 +192,7 @@ def read_rows(source: str | Path, *, split: str = "train") -> tuple[list[Any], l
     """``(rows, where, split)``: every row of a file, a ``save_to_disk`` directory (a
     ``DatasetDict``'s ``split``) or a hub dataset, with its location. ``split`` comes back as
     "" for a file (files have no splits). Raises ``DataError``; an empty source is one."""
-    path = Path(source)
+    path = Path(storage.local(source)) if storage.is_remote(source) else Path(source)
     if path.is_dir():
         rows, where = _read_disk(path, split)
     elif path.is_file():

@@ -24,6 +24,7 @@ from jaxrl.data.chat_template import (
     assistant_mask,
     compile_template,
 )
+from jaxrl.runtime import storage
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 # the named special tokens transformers passes to chat templates (``special_tokens_map``)
@@ -298,7 +299,7 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     """The tokenizer of a local HF directory (nothing is downloaded): ``tokenizer.json``,
     special tokens (strings or ``AddedToken`` dicts) from ``tokenizer_config.json`` (and the
     legacy ``special_tokens_map.json``), ``add_bos_token``, and the chat template(s)."""
-    d = Path(directory)
+    d = Path(storage.local(directory))  # a URL (gs://...): its local copy
     path = d / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(

@@ -33,6 +33,7 @@ from safetensors.numpy import save_file
 from jaxrl.models.model_config import ModelConfig, RopeScaling
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
+from jaxrl.runtime import storage
 from jaxrl.runtime.mesh import is_primary, to_host
 
 ARCHITECTURES = {
@@ -341,8 +342,9 @@ def from_pretrained(
 
 def read_config(path: str | os.PathLike[str], **settings: Any) -> ModelConfig:
     """The ``ModelConfig`` of a local HF directory: its config.json (``config_from_hf``) with
-    the run ``settings``; no weight is read."""
-    root = Path(path)
+    the run ``settings``; no weight is read. ``path`` may be a URL (``gs://...``: read from a
+    local copy, ``jaxrl.runtime.storage.local``)."""
+    root = Path(storage.local(path))
     if not root.is_dir():
         raise FileNotFoundError(
             f"{root}: not a directory; expected a local Hugging Face model directory with "
@@ -362,7 +364,7 @@ def load_pretrained(
 ) -> Transformer:
     """The weights of a local HF directory in a model of ``config`` (``read_config`` of the same
     directory), each tensor placed on its shards when ``mesh`` is given."""
-    root = Path(path)
+    root = Path(storage.local(path))  # a URL: its local copy (safetensors maps local files)
     with contextlib.ExitStack() as stack:
         # name -> open file; tensors are read one at a time, as the state is filled.
         tensors = {
@@ -550,7 +552,7 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 def checkpoint_dtype(path: str | os.PathLike[str]) -> str | None:
     """The dtype a HF directory's config.json gives its weights (``torch_dtype``, or
     transformers v5's ``dtype``), when it is one ``save_pretrained`` writes; else None."""
-    file = Path(path) / "config.json"
+    file = Path(storage.local(path)) / "config.json"
     hf = _read_json(file) if file.is_file() else {}
     value = str(hf.get("torch_dtype") or hf.get("dtype") or "").removeprefix("torch.")
     return value if value in SAVE_DTYPES else None
@@ -560,7 +562,7 @@ def read_generation_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A HF directory's generation settings: its generation_config.json without transformers'
     bookkeeping (``transformers_version``, ``_``-prefixed keys), or else the special token ids
     its config.json names; ``{}`` when it has neither."""
-    root = Path(path)
+    root = Path(storage.local(path))
     file = root / "generation_config.json"
     if file.is_file():
         data = _read_json(file)

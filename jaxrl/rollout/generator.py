@@ -42,7 +42,7 @@ from jaxrl.rollout.rewards.compute import (
     TrainingProgress,
     reward_inputs,
     reward_names,
-    score_completions,
+    score_once,
 )
 from jaxrl.rollout.rollout_queue import RolloutBatch
 from jaxrl.train.forward import ROUTE_REPLAY
@@ -287,7 +287,7 @@ class RolloutGenerator:
             with self._phase("sampling"):
                 ep = self.episodes.sample(self.sampler, prompt_ids, prompts, columns, key)
             with self._phase("rewards"):
-                rewards_BW = score_completions(
+                rewards_BW = score_once(  # process 0 scores, every process gets them
                     self.reward_funcs,
                     list(prompts),
                     ep.reward_completions,
@@ -307,7 +307,7 @@ class RolloutGenerator:
             reward_prompts, texts = reward_inputs(
                 prompts, [self.tokenizer.decode(x) for x in completions]
             )
-            rewards_BW = score_completions(
+            rewards_BW = score_once(  # process 0 scores, every process gets them
                 self.reward_funcs,
                 reward_prompts,
                 texts,

@@ -77,3 +77,40 @@ def initialize(distributed: Any) -> None:
         if getattr(distributed, name) is not None
     }
     jax.distributed.initialize(**kwargs)
+
+
+def join(distributed: Any, mesh: Any) -> None:
+    """What a trainer built from Python (a notebook, a script on a pod host) does before it
+    touches a device, as ``jaxrl train`` does before it loads jax: start the multi-process job
+    the ``distributed`` section describes (``initialize``), or, with no such section, refuse in
+    one line a mesh that needs more devices than this process sees (on a pod host each process
+    sees only its own chips until the job is joined). Raises ``ConfigError``."""
+    import jax
+    from jax._src import xla_bridge
+
+    from jaxrl.runtime.errors import ConfigError
+
+    if distributed.enabled:
+        if jax.distributed.is_initialized():
+            return
+        if xla_bridge.backends_are_initialized():
+            raise ConfigError(
+                "the distributed section asks for a multi-process job, but jax already started "
+                "in this process as a single process (something asked for devices or ran a "
+                "computation first): build the trainer before any jax computation, or call "
+                "jaxrl.runtime.launch.initialize(cfg.distributed) first"
+            )
+        initialize(distributed)
+        return
+    if jax.process_count() > 1 or -1 in mesh.sizes:
+        return  # a job joined already, or a mesh sized to whatever devices there are
+    need, have = mesh.fixed_devices, len(jax.devices())
+    if need > have:
+        raise ConfigError(
+            f"mesh data={mesh.data} x fsdp={mesh.fsdp} x tensor={mesh.tensor} x "
+            f"expert={mesh.expert} needs {need} devices but this process sees {have} and the "
+            "config has no distributed section: on a TPU pod or GPU cluster set "
+            "distributed.auto=true (or coordinator_address, num_processes and process_id) so "
+            "every host's process joins one job; on CPU, XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={need} before jax starts"
+        )

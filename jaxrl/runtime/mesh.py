@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -141,23 +141,57 @@ def make_mesh(
     tensor: int = 1,
     *,
     expert: int = 1,
+    slices: int = 1,
     devices: Sequence[Any] | None = None,
 ) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default :func:`run_devices`);
-    ``(data, fsdp, expert, tensor)`` when ``expert > 1``."""
+    ``(data, fsdp, expert, tensor)`` when ``expert > 1``; with ``slices > 1`` (multislice)
+    the data axis is laid across the slices, every other axis within one (:func:`slice_grid`)."""
     devices = run_devices((data, fsdp, tensor, expert)) if devices is None else list(devices)
     shape = resolve_shape(data, fsdp, tensor, len(devices), expert=expert)
     names = AXES
     if expert > 1:
         shape, names = (shape[0], shape[1], expert, shape[2]), EXPERT_AXES
     auto = (jax.sharding.AxisType.Auto,) * len(names)  # XLA partitions; no sharding in types
+    if slices > 1:
+        return Mesh(slice_grid(shape, devices, slices), names, axis_types=auto)
     return jax.make_mesh(shape, names, devices=devices, axis_types=auto)
+
+
+def slice_grid(shape: Sequence[int], devices: Sequence[Any], slices: int) -> np.ndarray:
+    """``devices`` as an array of ``shape`` (data axis first) whose data axis crosses
+    ``slices`` slices and whose other axes (fsdp's all-gathers, tensor's all-reduces) stay
+    inside one, on the fast ICI; only the data axis's gradient all-reduce crosses the slower
+    data-centre network (DCN). Devices that know their slice (``slice_index``: a TPU
+    multislice job) go through ``mesh_utils.create_hybrid_device_mesh``; others (CPU, GPU)
+    are taken as ``slices`` consecutive blocks of devices, one per slice."""
+    shape = tuple(shape)
+    if slices < 1 or len(devices) % slices or shape[0] % slices:
+        raise ConfigError(
+            f"mesh.slices={slices} is invalid for a mesh of {shape} over {len(devices)} "
+            f"devices: the data axis ({shape[0]}) is the one that crosses slices, so it must "
+            f"be a multiple of mesh.slices; set mesh.data (e.g. mesh.data={slices})"
+        )
+    ici = (shape[0] // slices, *shape[1:])
+    dcn = (slices,) + (1,) * (len(shape) - 1)
+    if all(getattr(d, "slice_index", None) is not None for d in devices):
+        from jax.experimental import mesh_utils
+
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, list(devices), allow_split_physical_axes=True
+        )
+    per = len(devices) // slices
+    blocks = [list(devices[i * per : (i + 1) * per]) for i in range(slices)]
+    return np.concatenate([np.asarray(b, dtype=object).reshape(ici) for b in blocks], axis=0)
 
 
 def mesh_from_config(mesh_cfg: Any, *, devices: Sequence[Any] | None = None) -> Mesh:
     """The mesh a ``MeshConfig`` (``mesh`` section) describes."""
     expert = getattr(mesh_cfg, "expert", 1)
-    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, expert=expert, devices=devices)
+    slices = getattr(mesh_cfg, "slices", 1)
+    return make_mesh(
+        mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, expert=expert, slices=slices, devices=devices
+    )
 
 
 def batch_ranks(mesh: Mesh) -> int:
@@ -217,6 +251,34 @@ def barrier(name: str) -> None:
     """Wait until every process reaches ``name`` (no-op with one process)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def from_primary(compute: Callable[[], np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """Process 0's ``compute()`` (a float64 array of ``shape``) on every process, computed once:
+    the other processes do not call it and receive its bits (NaN and all; float64 travels as
+    int32 pairs, since jax without x64 would round it). When process 0's call raises, it raises
+    there and every other process raises ``RuntimeError`` naming process 0's log, instead of
+    waiting forever."""
+    if jax.process_count() == 1:
+        return np.asarray(compute(), np.float64).reshape(shape)
+    size = math.prod(shape)
+    payload = np.zeros(1 + 2 * size, np.int32)
+    error: Exception | None = None
+    if jax.process_index() == 0:
+        try:
+            value = np.ascontiguousarray(np.asarray(compute(), np.float64).reshape(shape))
+            payload[0], payload[1:] = 1, value.reshape(-1).view(np.int32)
+        except Exception as e:  # sent as a flag; raised here after the broadcast
+            error = e
+    got = np.asarray(multihost_utils.broadcast_one_to_all(payload))
+    if error is not None:
+        raise error
+    if not got[0]:
+        raise RuntimeError(
+            f"process 0 failed computing what every process needs (this is process "
+            f"{jax.process_index()} of {jax.process_count()}): see process 0's error"
+        )
+    return np.ascontiguousarray(got[1:]).view(np.float64).reshape(shape)
 
 
 def agreed(flag: bool) -> bool:

@@ -20,20 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxrl.data.batching.packing import PackedBatch, pack_micro_batches, pick_bucket
 from jaxrl.data.batching.preference import PairDocuments, pair_micro_batches
 from jaxrl.data.tokenizer import TextTokenizer
+from jaxrl.runtime import storage
 from jaxrl.runtime.mesh import barrier, is_primary, to_host
 from jaxrl.train.score import DocumentScores, Scorer
 
@@ -96,7 +98,8 @@ def tokenizer_fingerprint(tok: TextTokenizer) -> str:
         tok.save(d)
         for name in sorted(os.listdir(d)):
             h.update(name.encode())
-            h.update((Path(d) / name).read_bytes())
+            with open(os.path.join(d, name), "rb") as f:
+                h.update(f.read())
     return h.hexdigest()
 
 
@@ -109,7 +112,7 @@ class ReferenceCache:
         rejected: np.ndarray,
         identity: CacheIdentity | None = None,
         *,
-        path: Path | None = None,
+        path: epath.Path | None = None,
     ):
         if chosen.shape != rejected.shape or chosen.ndim != 1:
             raise ValueError(f"chosen {chosen.shape} and rejected {rejected.shape} must be [N]")
@@ -186,37 +189,29 @@ class ReferenceCache:
         return out
 
     # -- files ------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        """Atomically write ``<directory>/<hash16>.npz`` (temp file + ``os.replace``)."""
+    def save(self, directory: str | os.PathLike) -> epath.Path:
+        """Atomically write ``<directory>/<hash16>.npz`` (temp file + ``os.replace``, or one
+        upload to a URL: ``jaxrl.runtime.storage``)."""
         if self.identity is None:
             raise ReferenceCacheError("a cache without an identity cannot be saved")
         self.check_complete()
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         target = cache_path(directory, self.identity)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{self.identity.key}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    chosen=self.chosen,
-                    rejected=self.rejected,
-                    identity=np.asarray(self.identity.canonical_json()),
-                )
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        data = io.BytesIO()
+        np.savez(
+            data,
+            chosen=self.chosen,
+            rejected=self.rejected,
+            identity=np.asarray(self.identity.canonical_json()),
+        )
+        storage.write_bytes(target, data.getvalue())
         self.path = target
         return target
 
     @classmethod
-    def load(cls, path: str | Path, identity: CacheIdentity) -> ReferenceCache:
+    def load(cls, path: str | os.PathLike, identity: CacheIdentity) -> ReferenceCache:
         """Read a cache file and check it was written for ``identity`` and is complete."""
-        path = Path(path)
-        with np.load(path, allow_pickle=False) as f:
+        path = storage.path(path)
+        with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as f:
             stored = str(f["identity"])
             chosen, rejected = f["chosen"], f["rejected"]
         if stored != identity.canonical_json():
@@ -239,13 +234,13 @@ class ReferenceCache:
         return cache
 
 
-def cache_path(directory: str | Path, identity: CacheIdentity) -> Path:
-    """``<directory>/<hash16>.npz``."""
-    return Path(directory) / f"{identity.key}.npz"
+def cache_path(directory: str | os.PathLike, identity: CacheIdentity) -> epath.Path:
+    """``<directory>/<hash16>.npz`` (a local path or a URL)."""
+    return storage.path(directory) / f"{identity.key}.npz"
 
 
 def load_or_build(
-    directory: str | Path,
+    directory: str | os.PathLike,
     identity: CacheIdentity,
     num_rows: int,
     fill: Callable[[ReferenceCache], None],
@@ -280,7 +275,7 @@ def load_or_build(
     return cache
 
 
-def _primary_sees(target: Path) -> bool:
+def _primary_sees(target: epath.Path) -> bool:
     """Whether process 0 finds ``target`` (the same answer on every process)."""
     exists = target.is_file()
     if jax.process_count() > 1:

@@ -24,6 +24,7 @@ from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.data.documents import dpo_documents
 from jaxrl.data.feed import DocumentFeed
 from jaxrl.data.tasks import TASK_SOURCE
+from jaxrl.runtime import storage
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import NLL_WEIGHT_FIELD, REF_FIELD, dpo_objective
 from jaxrl.train.ref_cache import (
@@ -84,7 +85,8 @@ class DPOTrainer(ReferenceAlgorithm):
                 "lower the batch size or add data"
             )
         self.feed = DocumentFeed(self.train.num_pairs, seed=cfg.seed)
-        self.cache_dir = Path(dpo.reference_cache_dir or Path(cfg.output_dir) / "ref_cache")
+        cache_dir = dpo.reference_cache_dir or storage.path(cfg.output_dir) / "ref_cache"
+        self.cache_dir = storage.path(cache_dir)  # a local path or a URL
         self.refs: dict[str, ReferenceCache] = {}
         self.doc_fields: dict[str, Any] = {}  # per-document fields of the training pairs
         self.initial: dict[str, Any] = {}  # the starting model's held-out numbers

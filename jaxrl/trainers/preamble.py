@@ -12,12 +12,12 @@ path and one length policy (docs/data.md).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from jaxrl.config import GRPOConfig, RunConfig
 from jaxrl.data.datasets import Dataset, Kind, read_dataset
 from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
+from jaxrl.runtime import storage
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import Objective
 from jaxrl.train.score import Scorer
@@ -49,7 +49,7 @@ def run_tokenizer(cfg: RunConfig) -> TextTokenizer:
     path = cfg.model.path
     if cfg.data.train is not None:
         return load_tokenizer(path)
-    if path is not None and (Path(path) / "tokenizer.json").is_file():
+    if path is not None and (storage.path(path) / "tokenizer.json").is_file():  # or a URL
         return load_tokenizer(path)
     return build_task(cfg).tokenizer()
 

@@ -16,13 +16,13 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -35,6 +35,7 @@ from jaxrl.models.adapters.peft import save_adapters
 from jaxrl.models.hf import checkpoint_dtype, read_generation_config, save_pretrained
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.pipeline import generation_device_count
+from jaxrl.runtime import launch, storage
 from jaxrl.runtime.compile_cache import (
     cache_counts,
     enable_compile_cache,
@@ -54,6 +55,7 @@ from jaxrl.train.objectives import Objective
 from jaxrl.train.precision import AUTO, auto_dtype_note, compute_copy, lost_update_fraction
 from jaxrl.train.run_io.checkpoint import Checkpointer, nonfinite_leaves
 from jaxrl.train.run_io.metrics import MetricsWriter, to_python
+from jaxrl.train.run_io.preemption import Preempted, PreemptionWatch
 from jaxrl.trainers.counters import CompileWatch, HostCounters
 from jaxrl.trainers.layout_change import layout_change_line, model_change_error, model_changes
 
@@ -68,6 +70,7 @@ def with_device_ranks(cfg: RunConfig) -> RunConfig:
     when the mesh does not fit the devices or the sections' batches do not fit the ranks.
     Resolved once: a config whose sections know their world size (a fixed mesh, resolved when
     the config was loaded, or an earlier call) comes back as it is, devices untouched."""
+    launch.join(cfg.distributed, cfg.mesh)  # the Python API starts the job as the CLI does
     sections = (cfg.grpo, cfg.dpo, cfg.kto)
     if all(section.world_size is not None for section in sections):
         return cfg
@@ -111,7 +114,7 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: epath.Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -130,9 +133,12 @@ def lost_updates_warning(params: Any, learning_rate: float) -> str:
     )
 
 
-def make_output_dir(path: Path) -> None:
+def make_output_dir(path: epath.Path) -> None:
     """Create the run directory, or raise a ``ConfigError`` naming ``output_dir`` when a file
-    stands where it (or one of its parents) should be, or it cannot be written."""
+    stands where it (or one of its parents) should be, or it cannot be written. A URL needs no
+    directory (an object store has none)."""
+    if storage.is_remote(path):
+        return
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -157,8 +163,9 @@ class Session:
         a session that never trains (e.g. one that only exports)."""
         self.cfg = cfg
         self.vocab_size = vocab_size
+        launch.join(cfg.distributed, cfg.mesh)  # the distributed section, from Python too
         enable_compile_cache(cfg.compile_cache)  # before anything compiles
-        self.output_dir = Path(cfg.output_dir)
+        self.output_dir = storage.path(cfg.output_dir)  # a local path or a URL (gs://...)
         self.primary = is_primary()
         previous = self.output_dir / "config.json"  # the last run's, before it is replaced
         self.previous_config = _read_json(previous) if previous.is_file() else None
@@ -184,6 +191,8 @@ class Session:
         self.step_family = step_family(cfg, len(self.mesh.devices.flat))  # remembered shapes
         self._remembered = 0  # the step's signatures already added to them
         self.warned_empty = False
+        self.preemption = PreemptionWatch()  # SIGTERM: save at an agreed step and stop
+        self._saved_step: int | None = None  # the step the newest checkpoint holds
         self.started = time.perf_counter()
 
     def _refuse_another_model(self) -> None:
@@ -288,7 +297,7 @@ class Session:
         incompatible checkpoint leaves the previous run's file, which the error compares to)."""
         if self.primary:
             text = json.dumps(to_dict(self.cfg), indent=2)
-            (self.output_dir / "config.json").write_text(text)
+            storage.write_text(self.output_dir / "config.json", text)
 
     def _metrics_writer(self, resume_step: int | None) -> MetricsWriter:
         """metrics.jsonl (and the TensorBoard / W&B sinks of ``logging``) from ``resume_step``."""
@@ -432,6 +441,7 @@ class Session:
                 save_state(self.step)
             state = {**host(), "counters": self.counters.state_dict()}
             self.checkpointer.save(self.step, self.state, state)
+            self._saved_step = self.step
 
     def eval_due(self) -> bool:
         """Evaluate after this step: every ``logging.eval_every`` steps and after the last."""
@@ -503,7 +513,20 @@ class Session:
                 last = row
                 if done:
                     break
+                self._stop_if_preempted(host_state, save_state)
         return last
+
+    def _stop_if_preempted(
+        self, host: Callable[[], dict[str, Any]], save_state: Callable[[int], None] | None
+    ) -> None:
+        """After a step: when a preemption notice came (``PreemptionWatch.due``: the same step
+        on every process), save this step unless just saved, close, and raise ``Preempted``."""
+        if self.step >= self.cfg.max_steps or not self.preemption.due(self.step):
+            return
+        if self._saved_step != self.step:
+            self.maybe_checkpoint(host, force=True, save_state=save_state)
+        self.close()
+        raise Preempted(self.step)
 
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Any]:
@@ -525,7 +548,7 @@ class Session:
 
             yield advance
 
-    def export(self, tokenizer: TextTokenizer) -> Path:
+    def export(self, tokenizer: TextTokenizer) -> epath.Path:
         """Write the current model and its tokenizer as an HF directory ``<output_dir>/hf``
         (parameters gathered by every process, written by process 0).
 
@@ -539,6 +562,7 @@ class Session:
         model (``W + scaling · A B``, a quantised base dequantised) as
         ``hf``, with ``W`` and every untouched weight read again in their original precision
         (``train.build.exact_base``), so ``hf`` is PEFT's merge of the base and ``adapter``.
+        With a URL output_dir the files are written locally and uploaded (``storage.staged``).
         """
         path = self.output_dir / "hf"
         source = self.cfg.model.path
@@ -547,19 +571,21 @@ class Session:
         model = self.model
         if self.frozen is not None:  # LoRA: the adapters alone (PEFT), then the merged model
             if not model.config.moe_layers:  # PEFT has no per-expert adapters: merged only
-                save_adapters(model, self.output_dir / "adapter", base_model=source)
+                with storage.staged(self.output_dir / "adapter") as adapter:
+                    save_adapters(model, adapter, base_model=source)
             # onto the base as read, not the compute-dtype copy the steps used
             exact = exact_base(self.cfg, self.vocab_size, self.mesh)
             model = nnx.merge(self.graphdef, lora.join(self.state.params, exact))
             model = lora.merge(model, jnp.float32)
-        save_pretrained(
-            model,
-            path,
-            dtype=dtype or self.cfg.model.param_dtype,
-            generation_config=tokenizer.generation_config(base),
-        )
-        if self.primary:
-            tokenizer.save(path)
+        with storage.staged(path) as local:
+            save_pretrained(
+                model,
+                local,
+                dtype=dtype or self.cfg.model.param_dtype,
+                generation_config=tokenizer.generation_config(base),
+            )
+            if self.primary:
+                tokenizer.save(local)
         barrier("export")  # other processes may read the export next (e.g. after a warm start)
         return path
 
@@ -587,6 +613,7 @@ class Session:
         }
 
     def close(self) -> None:
+        self.preemption.close()
         self.checkpointer.close()
         if hasattr(self, "writer"):
             self.writer.close()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 from jaxrl.config import RunConfig
 from jaxrl.config.run import LoraSection
+from jaxrl.runtime import storage
 
 SUMMARY = "warm_start.json"
 
@@ -30,7 +30,7 @@ def warm_start(cfg: RunConfig) -> RunConfig:
     from jaxrl.runtime.mesh import agreed, is_primary
     from jaxrl.trainers.sft import SFTTrainer
 
-    sft_dir = Path(cfg.output_dir) / "sft"
+    sft_dir = storage.path(cfg.output_dir) / "sft"  # a local path or a URL
     export = sft_dir / "hf"
     if not agreed((export / "config.json").is_file()):  # process 0 decides for every process
         sft_cfg = dataclasses.replace(
@@ -54,14 +54,14 @@ def warm_start(cfg: RunConfig) -> RunConfig:
         summary = SFTTrainer(sft_cfg, stop_at_accuracy=target).run()
         summary["target"] = cfg.sft_warmup_target
         if is_primary():
-            (sft_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+            storage.write_text(sft_dir / SUMMARY, json.dumps(summary, indent=2))
         if target is not None and is_primary():
             print(_target_line(summary, cfg.sft_warmup_steps, sft_dir / SUMMARY), flush=True)
     model = dataclasses.replace(cfg.model, path=str(export), init={})
     return dataclasses.replace(cfg, model=model, sft_warmup_steps=0, sft_warmup_target=0.0)
 
 
-def _target_line(summary: dict, cap: int, record: Path) -> str:
+def _target_line(summary: dict, cap: int, record: object) -> str:
     """One line on whether the warm start reached ``summary["target"]``: the progress bar ends at
     the stop step, short of its cap, and says nothing of why."""
     accuracy, target, step = summary["eval/accuracy"], summary["target"], summary["steps"]

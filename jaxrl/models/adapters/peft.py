@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 from jaxrl.models.adapters.lora_layer import ADAPTERS
 from jaxrl.models.adapters.quantize import KERNELS
 from jaxrl.models.model_config import ALL_LINEAR, LORA_TARGETS, LoraSpec, ModelConfig
+from jaxrl.runtime import storage
 from jaxrl.runtime.mesh import is_primary, to_host
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -116,7 +117,7 @@ def save_adapters(
 
 def read_lora_spec(path: str | os.PathLike[str], *, quantize: str = "none") -> LoraSpec:
     """The ``LoraSpec`` of a PEFT adapter directory (``ValueError`` naming what is unsupported)."""
-    file = Path(path) / CONFIG_FILE
+    file = Path(storage.local(path)) / CONFIG_FILE  # a URL: its local copy
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: a PEFT adapter directory needs it")
     cfg = json.loads(file.read_text())
@@ -147,7 +148,7 @@ def load_adapters(
     """``adapters`` (the ``nnx.LoRAParam`` state of a model of ``config``) with the values of
     the PEFT directory ``path``, in ``adapters``' dtypes (and ``shardings``, a matching tree of
     NamedShardings, when given)."""
-    file = Path(path) / WEIGHTS_FILE
+    file = Path(storage.local(path)) / WEIGHTS_FILE
     with safe_open(str(file), "np") as f:
         names = set(f.keys())  # noqa: SIM118 - safe_open is not a Mapping
         values: dict[tuple[Any, ...], np.ndarray] = {}

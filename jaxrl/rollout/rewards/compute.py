@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl.runtime.mesh import from_primary
 from jaxrl.runtime.timeout import CallTimeoutError, call_with_deadline
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -58,6 +59,7 @@ __all__ = [
     "reward_name",
     "reward_names",
     "score_completions",
+    "score_once",
 ]
 
 
@@ -143,6 +145,25 @@ def _as_float(value: Any, name: str, row: int) -> float:
     value = float(value)
     check_reward(value, f"reward function {name!r} returned {value:g} for row {row}")
     return value
+
+
+def score_once(
+    funcs: Sequence[RewardFunc],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    **kwargs: Any,
+) -> np.ndarray:
+    """:func:`score_completions` computed once per completion whatever the process count:
+    process 0 calls the reward functions on the whole generation batch, as a one-process run
+    does, and broadcasts the rewards (``jaxrl.runtime.mesh.from_primary``). Every process trains
+    on the same rewards, so on the same advantages, even when a function is non-deterministic
+    or reads its host (docs/rewards.md, "Several processes"); an LLM judge or a sandbox runs
+    once, not once per host."""
+    return from_primary(
+        lambda: score_completions(funcs, prompts, completions, columns, **kwargs),
+        (len(completions), len(funcs)),
+    )
 
 
 def score_completions(

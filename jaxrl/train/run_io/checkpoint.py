@@ -7,6 +7,10 @@ never listed as steps. Orbax keeps no checksums, so after the commit process 0 w
 temporary name and renamed); ``restore`` verifies it first, so flipped or truncated bytes are
 caught before any value is read. A step committed without the file (a crash between the commit
 and the checksums, or an older jaxrl) is restored unverified; the finiteness check still runs.
+
+The directory may be a storage URL (``gs://bucket/run/checkpoints``: ``jaxrl.runtime.storage``);
+there orbax commits a step by writing its ``commit_success.txt`` last instead of renaming, and
+a step without it is likewise never listed.
 """
 
 from __future__ import annotations
@@ -14,19 +18,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxrl.runtime import storage
 
 
 class Checkpointer:
     """Save/restore ``(TrainState, host JSON)`` pairs under ``<output_dir>/checkpoints``."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 2):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
+        self.directory = storage.absolute(directory)  # a local path or a URL (gs://...)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -92,26 +98,26 @@ class ChecksumError(ValueError):
     """A checkpoint's files differ from the checksums written when it was saved."""
 
 
-def _digests(step_dir: Path) -> dict[str, list]:
+def _digests(step_dir: epath.Path) -> dict[str, list]:
     out = {}
-    for f in sorted(step_dir.rglob("*")):
-        if f.is_file() and f.name != CHECKSUMS:
-            with f.open("rb") as fh:
-                out[str(f.relative_to(step_dir))] = [
-                    hashlib.file_digest(fh, "sha256").hexdigest(),
-                    f.stat().st_size,
-                ]
+    for name, f in storage.files(step_dir):
+        if f.name != CHECKSUMS and not f.name.startswith(f".{CHECKSUMS}"):
+            digest, size = hashlib.sha256(), 0
+            with f.open("rb") as fh:  # streamed: a step's files may be larger than memory
+                while chunk := fh.read(1 << 22):
+                    digest.update(chunk)
+                    size += len(chunk)
+            out[name] = [digest.hexdigest(), size]
     return out
 
 
-def write_checksums(step_dir: Path) -> None:
-    """Record SHA-256 and size of every file of a committed step (atomically: temp + rename)."""
-    tmp = step_dir / f".{CHECKSUMS}.tmp"
-    tmp.write_text(json.dumps(_digests(step_dir), indent=0))
-    os.replace(tmp, step_dir / CHECKSUMS)
+def write_checksums(step_dir: epath.Path) -> None:
+    """Record SHA-256 and size of every file of a committed step (atomically: temp + rename
+    locally, one upload on an object store)."""
+    storage.write_text(step_dir / CHECKSUMS, json.dumps(_digests(step_dir), indent=0))
 
 
-def verify_checksums(step_dir: Path) -> None:
+def verify_checksums(step_dir: epath.Path) -> None:
     """Raise ``ChecksumError`` naming the first file whose bytes or size changed, or that is
     missing; a step without a checksum file passes (see the module docstring)."""
     path = step_dir / CHECKSUMS

@@ -18,10 +18,13 @@ are left out.
 from __future__ import annotations
 
 import numbers
+import os
+import tempfile
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
+
+from jaxrl.runtime import storage
 
 __all__ = ["TensorBoardSink", "WandbSink", "scalars"]
 
@@ -39,19 +42,29 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Event files under ``directory``, rewritten from ``rows`` when opened."""
+    """Event files under ``directory``, rewritten from ``rows`` when opened. For a URL
+    (``gs://...``: TensorBoard without TensorFlow writes only local files) they are written in
+    a local temporary directory and uploaded after every flush."""
 
-    def __init__(self, directory: str | Path, rows: Iterable[dict[str, Any]] = ()):
+    def __init__(self, directory: str | os.PathLike, rows: Iterable[dict[str, Any]] = ()):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self.directory = Path(directory)
+        self.directory = storage.path(directory)
+        self._remote = storage.is_remote(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         for old in self.directory.glob(EVENT_GLOB):
             old.unlink()
-        self._writer = EventFileWriter(str(self.directory))
+        self._local = tempfile.mkdtemp(prefix="jaxrl-tb-") if self._remote else None
+        self._writer = EventFileWriter(self._local or os.fspath(self.directory))
         for row in rows:
             self.write(row, flush=False)
+        self._flush()
+
+    def _flush(self) -> None:
         self._writer.flush()
+        if self._local is not None:  # one upload per file (each atomic)
+            for name, file in storage.files(self._local):
+                storage.write_bytes(self.directory / name, file.read_bytes())
 
     def write(self, row: dict[str, Any], *, flush: bool = True) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2
@@ -71,9 +84,10 @@ class TensorBoardSink:
         )
         self._writer.add_event(event)
         if flush:  # one row per optimizer step: cheap, and nothing is lost if the run dies
-            self._writer.flush()
+            self._flush()
 
     def close(self) -> None:
+        self._flush()
         self._writer.close()
 
 
@@ -83,14 +97,16 @@ class WandbSink:
     def __init__(
         self,
         project: str,
-        output_dir: str | Path,
+        output_dir: str | os.PathLike,
         config: dict[str, Any],
         rows: Iterable[dict[str, Any]] = (),
     ):
         import wandb
 
         self._wandb = wandb
-        self._run = wandb.init(project=project, dir=str(output_dir), config=config)
+        # W&B keeps its run files locally (a URL output_dir: the working directory's)
+        local = None if storage.is_remote(output_dir) else os.fspath(output_dir)
+        self._run = wandb.init(project=project, dir=local, config=config)
         for row in rows:
             self.write(row)
 

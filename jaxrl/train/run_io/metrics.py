@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+import os
 from typing import Any
 
 import numpy as np
+
+from jaxrl.runtime import storage
 
 
 def to_python(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -35,7 +37,7 @@ class MetricsWriter:
 
     def __init__(
         self,
-        output_dir: str | Path,
+        output_dir: str | os.PathLike,
         *,
         resume_step: int | None = None,
         enabled: bool = True,
@@ -43,7 +45,7 @@ class MetricsWriter:
         wandb: str | None = None,
         run_config: dict[str, Any] | None = None,
     ):
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = storage.path(output_dir) / "metrics.jsonl"  # local, or a URL
         self.enabled = enabled  # False on every process but 0: nothing is written
         self.sinks: list[Any] = []
         if not enabled:
@@ -54,7 +56,7 @@ class MetricsWriter:
             rows = []
         else:
             rows = [r for r in rows if r.get("step", 0) <= resume_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        storage.write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
         from jaxrl.train.run_io.log_sinks import TensorBoardSink, WandbSink
 
         if tensorboard:
@@ -65,8 +67,7 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
+        storage.append_text(self.path, json.dumps(json_safe(row), allow_nan=False) + "\n")
         for sink in self.sinks:
             sink.write(row)
 
@@ -100,6 +101,7 @@ def reproducible(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in RUN_DEPENDENT and not k.startswith("time/")}
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file (a local path or a URL)."""
+    text = storage.path(path).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
+
+from etils import epath
+
+from jaxrl.runtime import storage
 
 # held-out metrics drawn on the accuracy panel, with their legend labels
 EVAL_CURVES = {
@@ -15,11 +20,11 @@ EVAL_CURVES = {
 
 def plot_reward_and_accuracy(
     rows: Sequence[dict[str, Any]],
-    path: str | Path,
+    path: str | os.PathLike,
     *,
     start: Mapping[str, float] | None = None,
     title: str = "GRPO",
-) -> Path:
+) -> epath.Path:
     """Mean reward per optimizer step, and held-out accuracies at eval steps, side by side.
 
     ``start`` (held-out metrics before the first step, keyed like the rows) is drawn at step 0.
@@ -46,7 +51,7 @@ def plot_reward_and_accuracy(
     for ax in (ax_r, ax_a):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)  # Figure uses the Agg canvas for PNG: no display needed
-    return out
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)  # the Agg canvas for PNG: no display needed
+    storage.write_bytes(path, png.getvalue())  # a local path or a URL, atomically
+    return storage.path(path)

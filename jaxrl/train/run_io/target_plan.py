@@ -52,7 +52,7 @@ from jaxrl.generate.sampler_weights import reads_trainer_arrays
 from jaxrl.models.attention.dispatch import resolve_attention_impl
 from jaxrl.models.lora import dense_config
 from jaxrl.models.sharding import avals, bytes_per_device
-from jaxrl.runtime.mesh import AXES, EXPERT_AXES, batch_ranks, replicated, resolve_shape
+from jaxrl.runtime.mesh import AXES, EXPERT_AXES, batch_ranks, replicated, resolve_shape, slice_grid
 from jaxrl.runtime.spmd import on_mesh, placing_abstractly
 from jaxrl.runtime.targets import (
     GIB,
@@ -90,12 +90,8 @@ def target_mesh(cfg: RunConfig, target: Target, devices: list[Any]) -> tuple[Mes
             f"--slices={target.slices}: the data axis ({data}) is what crosses slices, so it "
             f"must be a multiple of {target.slices}; set mesh.data"
         )
-    from jax.experimental import mesh_utils
-
-    ici = (data // target.slices, *shape[1:])
-    dcn = (target.slices,) + (1,) * (len(shape) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
-    return Mesh(grid, names, axis_types=auto), ["data"]
+    # the run's own layout (mesh.slices): the hybrid ICI x DCN mesh of the slices' devices
+    return Mesh(slice_grid(shape, devices, target.slices), names, axis_types=auto), ["data"]
 
 
 def _analyse(name: str, lowered: Any, target: Target, what: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from jaxrl.rollout.rewards.builtin import ExactAnswer, exact_answer_reward
 from jaxrl.rollout.rewards.compute import RewardFunc
 from jaxrl.rollout.tool_eval import EpisodeEvaluator
 from jaxrl.rollout.tools.toolbox import Toolbox
+from jaxrl.runtime import storage
 from jaxrl.runtime.mesh import make_mesh, replicated
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.grpo.data import GRPOData
@@ -89,7 +90,7 @@ def build_rollout_parts(
         # synchronous: the sampler reads the trainer's weights in place (no copy) when
         # they are in the compute dtype; generation overlapping training needs its copy
         copy_params=cfg.rollout.max_staleness > 0,
-        log_dir=cfg.output_dir,
+        log_dir=None if storage.is_remote(cfg.output_dir) else cfg.output_dir,  # a local log
     )
     scorer = generator.scorer
     if generation:

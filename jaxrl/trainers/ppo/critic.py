@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from jaxrl.config import ConfigError, PPOConfig, RunConfig
@@ -27,6 +28,7 @@ from jaxrl.losses.ppo import value_loss_terms
 from jaxrl.models.hf import load_pretrained, save_pretrained
 from jaxrl.models.lora import dense_config
 from jaxrl.models.transformer import Transformer
+from jaxrl.runtime import storage
 from jaxrl.train.objectives import on_params
 from jaxrl.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl.train.run_io.checkpoint import Checkpointer
@@ -97,7 +99,7 @@ class CriticRun:
     step_fn: TrainStep
     scorer: Scorer
     checkpointer: Checkpointer
-    output_dir: Path
+    output_dir: epath.Path
 
     @classmethod
     def build(cls, cfg: RunConfig, session: Any, row_len: int) -> CriticRun:
@@ -124,7 +126,7 @@ class CriticRun:
             master_rounding=cfg.optimizer.master_rounding,
         )
         scorer = Scorer(graphdef, mesh=mesh, row_len=row_len, row_scores=_value_scores)
-        out = Path(cfg.output_dir)
+        out = storage.path(cfg.output_dir)  # a local path or a URL
         keeper = Checkpointer(out / "critic" / "checkpoints", keep=cfg.checkpoint.keep)
         return cls(graphdef, state, step, scorer, keeper, out)
 
@@ -151,15 +153,16 @@ class CriticRun:
         state, _ = self.checkpointer.restore(self.state, step)
         self.state = self.step_fn.place(state)
 
-    def export(self, dtype: str) -> Path:
+    def export(self, dtype: str) -> epath.Path:
         """``<output_dir>/critic/hf``: the backbone as an HF directory plus ``value_head.npz``
         (what ``ppo.critic_path`` reads)."""
         path = self.output_dir / "critic" / "hf"
         model = nnx.merge(self.graphdef, self.state.params)
-        save_pretrained(model.backbone, path, dtype=dtype)
-        if jax.process_index() == 0:
-            head = jax.device_get((model.value_kernel[...], model.value_bias[...]))
-            np.savez(path / VALUE_HEAD_FILE, kernel=head[0], bias=head[1])
+        head = jax.device_get((model.value_kernel[...], model.value_bias[...]))
+        with storage.staged(path) as local:  # a URL: written locally, then uploaded
+            save_pretrained(model.backbone, local, dtype=dtype)
+            if jax.process_index() == 0:
+                np.savez(Path(local) / VALUE_HEAD_FILE, kernel=head[0], bias=head[1])
         return path
 
     def close(self) -> None:
@@ -176,7 +179,7 @@ def read_critic(path: str, config: Any, mesh: Any) -> tuple[Transformer, Any, An
             f"ppo.critic_path={path!r} is invalid: {e}; name an HF directory with the policy's "
             "architecture (e.g. a jaxrl PPO run's <output_dir>/critic/hf)"
         ) from None
-    head = Path(path) / VALUE_HEAD_FILE
+    head = Path(storage.local(path)) / VALUE_HEAD_FILE
     if not head.is_file():
         return backbone, None, None
     with np.load(head) as f:
