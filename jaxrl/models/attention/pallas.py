@@ -14,10 +14,13 @@ call runs the dense reference instead (``lax.cond``: one branch executes), so re
 depend on the layout. Padding queries (segment 0), which the kernels let see padding, are
 zeroed afterwards, as the rule wants (their gradient is zero too).
 
-Known limit: parent segments (``q_parent_BT``, shared-prompt packing) are not a mask JAX's
+Known limits: parent segments (``q_parent_BT``, shared-prompt packing) are not a mask JAX's
 kernels can express (they only compare segment ids for equality), so a call with parents runs
 the blockwise ``flash`` implementation (``flash.py``) instead, on any backend; a Pallas fast
-path for parents is future work (docs/attention.md).
+path for parents is future work (docs/attention.md). The score variants (a custom ``scale``,
+Gemma 2's ``softcap``, a sliding ``window``) also run ``flash`` for now: splash has a
+``LocalMask`` and a logit soft-cap, but a window by index equals the window by position only
+for consecutive positions, which the fallback test does not check yet (docs/models.md).
 """
 
 from __future__ import annotations
@@ -129,10 +132,12 @@ def _flash_for_parents(kernel_fn):
     def run(
         q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL,
         *, block_size: int = 128, interpret: bool = False, q_parent_BT: jax.Array | None = None,
+        scale: float | None = None, softcap: float | None = None, window: int | None = None,
     ) -> jax.Array:  # fmt: skip
         args = (q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL)
-        if q_parent_BT is not None:
-            return flash_attention(*args, block_size=block_size, q_parent_BT=q_parent_BT)
+        variant = dict(scale=scale, softcap=softcap, window=window)
+        if q_parent_BT is not None or any(v is not None for v in variant.values()):
+            return flash_attention(*args, block_size=block_size, q_parent_BT=q_parent_BT, **variant)
         return kernel_fn(*args, block_size=block_size, interpret=interpret)
 
     run.__name__, run.__qualname__, run.__doc__ = (
