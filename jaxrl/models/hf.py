@@ -270,7 +270,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         if config.model_type in GEMMA_TYPES:
             hf.update(
                 hidden_activation=config.hidden_act,
-                query_pre_attn_scalar=config.query_pre_attn_scalar,
+                query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar),
                 attn_logit_softcapping=config.attn_logit_softcapping,
                 final_logit_softcapping=config.final_logit_softcapping,
                 layer_types=types or [FULL] * config.num_hidden_layers,
@@ -300,6 +300,11 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
                 output_router_logits=config.router_aux_loss_coef > 0,
             )
     return hf
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """``x`` as an int when it is one (transformers' Gemma configs type the field int)."""
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 @dataclasses.dataclass(frozen=True)
