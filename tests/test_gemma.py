@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
 import torch
 import transformers
@@ -22,7 +23,15 @@ from flax import nnx
 from hf_fixtures import hf_logits, random_hf_model
 
 from jaxrl.generate.sampler import Sampler, SamplingParams
-from jaxrl.models import ModelConfig, from_pretrained, save_pretrained
+from jaxrl.models import (
+    LoraSpec,
+    ModelConfig,
+    from_pretrained,
+    save_adapters,
+    save_pretrained,
+    with_adapters,
+)
+from jaxrl.models import lora as L
 from jaxrl.models.attention.dense import attention
 from jaxrl.models.attention.flash import flash_attention
 from jaxrl.models.head import token_logprobs
@@ -173,6 +182,28 @@ def test_engine_greedy_equals_transformers_generate_past_the_window(checkpoints)
             )[0, len(prompt) :].numpy()  # fmt: skip
         assert len(want) == n and len(set(want.tolist())) > 3  # not a degenerate repeat
         np.testing.assert_array_equal(result.tokens[row, : result.lengths[row]], want)
+
+
+@pytest.mark.slow
+def test_lora_on_gemma3_loads_into_peft_with_equal_logits(checkpoints, tmp_path):
+    """Adapters on all seven projections (Gemma's target modules are Llama's names): PEFT
+    loads the exported adapter onto the transformers model and gives jaxrl's logits."""
+    path, _ = checkpoints["gemma3"]
+    dense = from_pretrained(path, attention_impl="xla")
+    model = with_adapters(dense, LoraSpec(rank=4, alpha=8.0))
+    adapters, frozen = L.split_adapters(model)
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    leaves = [0.05 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+    model = nnx.merge(nnx.graphdef(model), jax.tree.unflatten(treedef, leaves), frozen)
+    ids = np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 12))
+    seg = jnp.ones(ids.shape, jnp.int32)
+    ours = _forward(model, ids, seg)
+    assert np.abs(ours - _forward(dense, ids, seg)).max() > 0.1  # the adapters matter
+    save_adapters(model, tmp_path / "adapter", base_model=str(path))
+    base = transformers.AutoModelForCausalLM.from_pretrained(path).eval()  # PEFT edits it
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(hf_logits(loaded, ids), ours, atol=TOL, rtol=0)
 
 
 def test_flash_and_decode_match_dense_with_softcap_scale_and_window():
