@@ -280,14 +280,6 @@ class ModelConfig:
             _fail("sliding_window", None, f"layer_types has {SLIDING} layers: set the window")
         if self.layer_types is None and window is not None:
             object.__setattr__(self, "layer_types", (SLIDING,) * self.num_hidden_layers)
-        kinds = {(self.layer_window(i), self.layer_rope(i)) for i in range(self.num_hidden_layers)}
-        if self.scan_layers and len(kinds) > 1:
-            _fail(
-                "scan_layers",
-                True,
-                "a scanned stack needs every layer alike, and this model interleaves local "
-                "(sliding window) and global layers; set scan_layers: false",
-            )
         gemma = self.model_type in GEMMA_TYPES
         if gemma and self.hidden_act != "gelu_pytorch_tanh":
             _fail("hidden_act", self.hidden_act, f"{self.model_type} uses gelu_pytorch_tanh")
@@ -310,6 +302,13 @@ class ModelConfig:
         if self.rope_local_base_freq is not None and self.layer_window(i) is not None:
             return self.rope_local_base_freq, None
         return self.rope_theta, self.rope_scaling  # type: ignore[return-value]
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same window and RoPE (a scanned stack of interleaved
+        local and global layers reads them per layer from tables: ``transformer.Attention``)."""
+        kinds = {(self.layer_window(i), self.layer_rope(i)) for i in range(self.num_hidden_layers)}
+        return len(kinds) == 1
 
     @property
     def attention_scale(self) -> float:

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl.models import fsdp
@@ -150,8 +151,13 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, **_norm_kwargs(config, "head_dim"))
             self.k_norm = RMSNorm(dh, **_norm_kwargs(config, "head_dim"))
         self.config = config
-        self.rope_theta, self.rope_scaling = config.layer_rope(layer)  # static, per layer
-        variant = dict(window=config.layer_window(layer), softcap=config.attn_logit_softcapping)
+        # a scanned stack of interleaved local and global layers holds one Attention for every
+        # layer: it reads its window and RoPE frequencies from per-layer tables at the scan's
+        # (traced) layer index; otherwise both are this layer's, static
+        self.per_layer = config.scan_layers and not config.uniform_layers
+        self.rope_theta, self.rope_scaling = config.layer_rope(0 if self.per_layer else layer)
+        window = None if self.per_layer else config.layer_window(layer)
+        variant = dict(window=window, softcap=config.attn_logit_softcapping)
         if config.query_pre_attn_scalar is not None:
             variant["scale"] = config.attention_scale
         # the score variants this layer passes to attention (none: the plain program)
@@ -164,13 +170,15 @@ class Attention(nnx.Module):
         positions_BT: jax.Array,
         cache: LayerKV | None = None,
         parent_ids_BT: jax.Array | None = None,
+        layer: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, LayerKV]:
         """Attention output [B, T, D]; with a ``cache``, also the cache holding these keys.
 
         With a cache the T new keys/values are written at the cache's index and the queries
         attend to all L cached slots (this step's included) under the same visibility rule.
         ``parent_ids_BT`` (self-attention only): each token's parent segment, which it also
-        sees (shared-prompt packing, ``attention/dense.py``); None: no parents.
+        sees (shared-prompt packing, ``attention/dense.py``); None: no parents. ``layer``: this
+        layer's index (needed, traced, by a scanned stack of interleaved layers).
         """
         cfg, dt = self.config, x_BTD.dtype
         mm = cfg.matmul_dtype
@@ -186,8 +194,15 @@ class Attention(nnx.Module):
             v_BTKDh = v_BTKDh + weight(self.v_bias, dt)[None, None]
         if cfg.qk_norm:
             q_BTHDh, k_BTKDh = self.q_norm(q_BTHDh), self.k_norm(k_BTKDh)
-        scaling = self.rope_scaling.to_hf() if self.rope_scaling is not None else None
-        inv_freq = rope_inv_freq(cfg.head_dim, self.rope_theta, scaling)
+        variant = dict(self.variant)
+        if self.per_layer:
+            if layer is None:
+                raise ValueError("Attention: a scanned stack of interleaved layers needs `layer`")
+            inv_freq, variant["window"] = _layer_tables(cfg)
+            inv_freq, variant["window"] = inv_freq[layer], variant["window"][layer]
+        else:
+            scaling = self.rope_scaling.to_hf() if self.rope_scaling is not None else None
+            inv_freq = rope_inv_freq(cfg.head_dim, self.rope_theta, scaling)
         q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
         k_BTKDh = apply_rope(k_BTKDh, positions_BT, inv_freq)
         attention = attention_fn(
@@ -204,14 +219,13 @@ class Attention(nnx.Module):
                 positions_BT,
                 positions_BT,
                 **parent,
-                **dict(self.variant),
+                **variant,
             )
         else:  # the cache writes the new keys and attends (kv_cache.py, slot_kv_cache.py)
             if parent_ids_BT is not None:
                 raise ValueError("Attention: parent_ids need self-attention, not a KV cache")
             out_BTHDh, cache = cache.attend(
-                q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention,
-                **dict(self.variant),
+                q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention, **variant
             )  # fmt: skip
         b, t, h, dh = out_BTHDh.shape
         o_kernel_HDhD = _kernel(self.o_kernel, dt, mm)
@@ -223,6 +237,20 @@ class Attention(nnx.Module):
             self.scaling,
         )
         return out_BTD if cache is None else (out_BTD, cache)
+
+
+NO_WINDOW = 1 << 30  # a global layer's entry in the window table: sees the whole document
+
+
+def _layer_tables(config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Per-layer RoPE inverse frequencies ``[Nl, Dh/2]`` and windows ``[Nl]`` (``NO_WINDOW`` on
+    global layers) of a scanned stack of interleaved layers."""
+    inv_freq, windows = [], []
+    for i in range(config.num_hidden_layers):
+        theta, scaling = config.layer_rope(i)
+        inv_freq.append(rope_inv_freq(config.head_dim, theta, scaling and scaling.to_hf()))
+        windows.append(config.layer_window(i) or NO_WINDOW)
+    return jnp.asarray(np.stack(inv_freq)), jnp.asarray(windows, jnp.int32)
 
 
 class MLP(nnx.Module):
@@ -288,14 +316,15 @@ class Block(nnx.Module):
         positions_BT: jax.Array,
         cache: LayerKV | None = None,
         parent_ids_BT: jax.Array | None = None,
+        layer: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, LayerKV]:
-        """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention)."""
+        """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention;
+        ``layer``: the block's index, which a scanned interleaved stack needs)."""
+        x_norm = self.input_norm(x_BTD)
         if cache is None:
-            attn_BTD = self.attn(
-                self.input_norm(x_BTD), segment_ids_BT, positions_BT, None, parent_ids_BT
-            )
+            attn_BTD = self.attn(x_norm, segment_ids_BT, positions_BT, None, parent_ids_BT, layer)
         else:
-            attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
+            attn_BTD, cache = self.attn(x_norm, segment_ids_BT, positions_BT, cache, None, layer)
         x_BTD = x_BTD + self._out(attn_BTD, "attn_out_norm")
         x_BTD = x_BTD + self._out(self._mlp(self.post_attn_norm(x_BTD))[0], "mlp_out_norm")
         return x_BTD if cache is None else (x_BTD, cache)
@@ -377,7 +406,9 @@ class Transformer(nnx.Module):
         extra = () if parent_ids is None else (_parents(parent_ids, input_ids_BT),)
         x_BTD = run_blocks(
             self.layers,
-            lambda block, x_BTD, _, seg_BT, pos_BT, *par: block(x_BTD, seg_BT, pos_BT, None, *par),
+            lambda block, x_BTD, i, seg_BT, pos_BT, *par: block(
+                x_BTD, seg_BT, pos_BT, None, *(par or (None,)), layer=i
+            ),
             self._embed(input_ids_BT),
             segment_ids_BT,
             positions_BT,
@@ -502,7 +533,7 @@ class Transformer(nnx.Module):
 
         def step(block, carry, i, seg_BT, pos_BT):
             x_BTD, cache = carry
-            x_BTD, kv = block(x_BTD, seg_BT, pos_BT, cache.layer(i))
+            x_BTD, kv = block(x_BTD, seg_BT, pos_BT, cache.layer(i), layer=i)
             return x_BTD, cache.store(kv)
 
         x_BTD, cache = run_blocks(

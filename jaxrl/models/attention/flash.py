@@ -101,7 +101,7 @@ def block_visibility(
     block_q: int,
     block_kv: int,
     q_parent_BT: jax.Array | None = None,
-    window: int | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Which (query block, key block) pairs flash attention visits: bool [B, T/bq, L/bk].
 
@@ -246,12 +246,12 @@ def _block_inputs(n, pairs, operands, block_q, block_kv, window=None):
 
 @dataclasses.dataclass(frozen=True)
 class _Variant:
-    """The score variants of ``attention.dense.attention`` (static): ``scale`` (None:
-    ``1/sqrt(Dh)``), ``softcap`` and sliding ``window`` (None: off)."""
+    """The static score variants of ``attention.dense.attention``: ``scale`` (None:
+    ``1/sqrt(Dh)``) and ``softcap`` (None: off). The sliding window travels with the token
+    metadata (``meta``): a scanned layer stack reads it per layer, traced."""
 
     scale: float | None = None
     softcap: float | None = None
-    window: int | None = None
 
     def factor(self, head_dim: int) -> np.float32:
         return np.float32(head_dim**-0.5 if self.scale is None else self.scale)
@@ -274,7 +274,7 @@ class _SoftmaxStats:
     acc: jax.Array | None  # [B, T, K, Hg, Dh] running sum of p · v (one pass); None: two passes
 
 
-def _forward(operands, pairs, block_q, block_kv, variant):
+def _forward(operands, pairs, window, block_q, block_kv, variant):
     """Forward: ``(out [B, T, K, Hg, Dh] in q's dtype, lse [B, T, K, Hg] f32)``.
 
     float32 operands: one pass of online softmax (running max ``m`` and sum ``l``, rescaled
@@ -294,7 +294,7 @@ def _forward(operands, pairs, block_q, block_kv, variant):
 
     def online(n, stats: _SoftmaxStats) -> _SoftmaxStats:
         m, denom = stats.m, stats.denom
-        q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv, variant.window)
+        q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv, window)
         s_BKHgTL = jnp.where(vis, _scores(q, k, variant), _MASKED)
         m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, Hg]
         m_new = jnp.maximum(m_old, jnp.moveaxis(jnp.max(s_BKHgTL, axis=-1), 3, 1))
@@ -323,9 +323,7 @@ def _forward(operands, pairs, block_q, block_kv, variant):
     else:
 
         def normalised(n, acc):
-            q, k, v, vis, qs_B, _ = _block_inputs(
-                n, pairs, operands, block_q, block_kv, variant.window
-            )
+            q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv, window)
             m_BKHgT1 = jnp.moveaxis(_gather_block(m, qs_B, block_q), 1, 3)[..., None]
             l_BKHgT1 = jnp.moveaxis(_gather_block(safe, qs_B, block_q), 1, 3)[..., None]
             s_BKHgTL = jnp.where(vis, _scores(q, k, variant), _MASKED)
@@ -338,7 +336,7 @@ def _forward(operands, pairs, block_q, block_kv, variant):
     return out, lse
 
 
-def _backward(operands, pairs, out, lse, d_out, block_q, block_kv, variant):
+def _backward(operands, pairs, window, out, lse, d_out, block_q, block_kv, variant):
     """FlashAttention-2 backward over the same pair lists: float32 ``(dq, dk, dv)``. With a
     soft-cap ``c = cap tanh(s / cap)`` the score gradient is ``dc (1 - (c / cap)^2)``."""
     q_BTKHgDh, k_BLKDh, v_BLKDh = operands[:3]
@@ -350,9 +348,7 @@ def _backward(operands, pairs, out, lse, d_out, block_q, block_kv, variant):
 
     def step(n, carry):
         dq, dk, dv = carry
-        q, k, v, vis, qs_B, ks_B = _block_inputs(
-            n, pairs, operands, block_q, block_kv, variant.window
-        )
+        q, k, v, vis, qs_B, ks_B = _block_inputs(n, pairs, operands, block_q, block_kv, window)
         lse_BKHgT1 = jnp.moveaxis(_gather_block(lse, qs_B, block_q), 1, 3)[..., None]
         s_BKHgTL = jnp.where(vis, _scores(q, k, variant), _MASKED)
         p_BKHgTL = jnp.where(vis, jnp.exp(s_BKHgTL - lse_BKHgT1), 0.0)
@@ -381,21 +377,22 @@ def _backward(operands, pairs, out, lse, d_out, block_q, block_kv, variant):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _flash(q, k, v, meta, block_q, block_kv, variant):
-    """``meta = (tokens, pairs)``: ``tokens`` = q/kv segments, q/kv positions (and q parents),
-    ``pairs`` = :func:`_pair_lists`; ``variant``: :class:`_Variant`."""
-    out, _ = _forward((q, k, v, *meta[0]), meta[1], block_q, block_kv, variant)
+    """``meta = (tokens, pairs, window)``: ``tokens`` = q/kv segments, q/kv positions (and q
+    parents), ``pairs`` = :func:`_pair_lists`, ``window`` an int32 scalar or None;
+    ``variant``: :class:`_Variant`."""
+    out, _ = _forward((q, k, v, *meta[0]), meta[1], meta[2], block_q, block_kv, variant)
     return out
 
 
 def _flash_fwd(q, k, v, meta, block_q, block_kv, variant):
-    out, lse = _forward((q, k, v, *meta[0]), meta[1], block_q, block_kv, variant)
+    out, lse = _forward((q, k, v, *meta[0]), meta[1], meta[2], block_q, block_kv, variant)
     return out, (q, k, v, meta, out, lse)
 
 
 def _flash_bwd(block_q, block_kv, variant, residuals, d_out):
     q, k, v, meta, out, lse = residuals
     operands = (q, k, v, *meta[0])
-    dq, dk, dv = _backward(operands, meta[1], out, lse, d_out, block_q, block_kv, variant)
+    dq, dk, dv = _backward(operands, meta[1], meta[2], out, lse, d_out, block_q, block_kv, variant)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -415,7 +412,7 @@ def flash_attention(
     q_parent_BT: jax.Array | None = None,
     scale: float | None = None,
     softcap: float | None = None,
-    window: int | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """:func:`jaxrl.models.attention.dense.attention`, blockwise, visiting only visible blocks.
 
@@ -436,6 +433,8 @@ def flash_attention(
     q_seg, q_pos = _pad_to(q_segment_BT, tp), _pad_to(q_pos_BT, tp)
     kv_seg, kv_pos = _pad_to(kv_segment_BL, lp), _pad_to(kv_pos_BL, lp)
     meta_seg = tuple(x.astype(jnp.int32) for x in (q_seg, kv_seg, q_pos, kv_pos))
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)  # static or a layer scan's (traced)
     blocks = dict(block_q=block_q, block_kv=block_kv, window=window)
     if q_parent_BT is None:
         visible = block_visibility(*meta_seg, **blocks)
@@ -443,9 +442,9 @@ def flash_attention(
         q_par = _pad_to(q_parent_BT, tp).astype(jnp.int32)
         visible = block_visibility(*meta_seg, **blocks, q_parent_BT=q_par)
         meta_seg = (*meta_seg, q_par)
-    meta = (meta_seg, _pair_lists(visible))
+    meta = (meta_seg, _pair_lists(visible), window)
     q = _pad_to(q_BTHDh, tp).reshape(b, tp, kv_heads, h // kv_heads, dh)
-    variant = _Variant(scale=scale, softcap=softcap, window=window)
+    variant = _Variant(scale=scale, softcap=softcap)
     k, v = _pad_to(k_BLKDh, lp), _pad_to(v_BLKDh, lp)
     out = _flash(q, k, v, meta, block_q, block_kv, variant)
     return out.reshape(b, tp, h, dh)[:, :t]
