@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,17 @@ CASES = {
     ),
     "mistral": lambda: transformers.MistralConfig(**TINY, num_hidden_layers=2, sliding_window=4),
 }  # fmt: skip
+
+
+GEMMA3_1B = dict(  # google/gemma-3-1b-it's config.json (transformers v4 format)
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262_144,
+    hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+    sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    rope_scaling=None, max_position_embeddings=32_768, rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+    attn_logit_softcapping=None,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -265,15 +277,7 @@ def test_chunked_head_soft_caps_each_chunk_before_log_softmax():
 def test_real_gemma_configs_and_refusals():
     """The real Gemma 3 1B / Gemma 2 2B config.json (transformers v4 format) map to the
     published layouts; bad settings are refused naming the field."""
-    gemma3_1b = dict(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262_144,
-        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
-        sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-        rope_scaling=None, max_position_embeddings=32_768, rms_norm_eps=1e-6,
-        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-    )  # fmt: skip
+    gemma3_1b = GEMMA3_1B
     config = config_from_hf(gemma3_1b)
     assert config.tie_word_embeddings and config.qk_norm  # Gemma 3's defaults
     assert [config.layer_window(i) for i in range(12)] == ([512] * 5 + [None]) * 2
@@ -333,3 +337,25 @@ def test_gemma3_sft_on_data8_equals_one_device(tmp_path):
         assert a["num_tokens"] == b["num_tokens"]
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_shipped_gemma3_1b_config_parses_and_plans(tmp_path):
+    """configs/grpo_gsm8k_gemma3_1b.yaml with a config.json of Gemma 3 1B's real dimensions:
+    it builds, and ``jaxrl memory`` plans it (an AOT compile of the scanned train step)."""
+    from jaxrl.config import load_run_config
+    from jaxrl.train.run_io.memory import plan_memory
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))  # no weights: shapes only
+    cfg = load_run_config(
+        "configs/grpo_gsm8k_gemma3_1b.yaml", [f"model.path={tmp_path}", "mesh.data=8"]
+    )
+    plan = plan_memory(cfg)
+    v, d, f, nl, h, k, dh = 262_144, 1152, 6912, 26, 4, 1, 256
+    per_layer = 2 * d * h * dh + 2 * d * k * dh + 3 * d * f + 4 * d + 2 * dh  # 4 norms, q/k norms
+    assert plan["num_params"] == v * d + nl * per_layer + d == 999_885_952  # tied head
+    assert plan["model"]["num_hidden_layers"] == nl and plan["devices"] == 8
+    assert plan["total_bytes"] > plan["params_bytes"] == 4 * plan["num_params"]
+    # the engine keeps every layer's full-length cache (no ring buffer for the local layers
+    # yet, docs/models.md): 2 (k, v) x 26 layers x 1 kv head x 256 x 2 bytes (bf16) per entry
+    assert plan["kv_cache_bytes"] % (2 * nl * k * dh * 2) == 0 < plan["kv_cache_bytes"]
