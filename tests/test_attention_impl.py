@@ -121,6 +121,22 @@ def test_impl_equals_xla_forward_and_backward(impl, kv_heads, dtype):
     assert (got[2] == 0).all() and all((g[2] == 0).all() for g in got_grads)  # all padding
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+def test_pallas_kernels_take_a_custom_scale(impl):
+    """Gemma's query_pre_attn_scalar runs in the kernels (interpret mode), forward and backward;
+    a soft-cap or a window goes to flash (tests/test_gemma.py checks flash against xla)."""
+    q, k, v, ct, seg, pos = _inputs(2)
+    scaled = lambda fn: lambda *a: fn(*a, scale=0.3)  # noqa: E731
+    want, want_grads = _value_and_grads(scaled(attention), q, k, v, ct, seg, pos)
+    got, got_grads = _value_and_grads(scaled(_impl(impl)), q, k, v, ct, seg, pos)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    unscaled, _ = _value_and_grads(attention, q, k, v, ct, seg, pos)
+    assert np.abs(unscaled - want).max() > 1e-2
+
+
 def test_flash_with_a_longer_cache_equals_xla():
     """The KV-cache shape: 3 queries against 50 slots, left padding and unwritten slots."""
     rng = np.random.default_rng(3)

@@ -148,7 +148,6 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3: always True)
     max_position_embeddings: int = 4096  # longest position the model was trained for
     hidden_act: str = "silu"  # gated MLP activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
-    # Attention variants (docs/models.md); defaults are the Llama/Qwen attention:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)

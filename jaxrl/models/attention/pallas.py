@@ -17,10 +17,11 @@ zeroed afterwards, as the rule wants (their gradient is zero too).
 Known limits: parent segments (``q_parent_BT``, shared-prompt packing) are not a mask JAX's
 kernels can express (they only compare segment ids for equality), so a call with parents runs
 the blockwise ``flash`` implementation (``flash.py``) instead, on any backend; a Pallas fast
-path for parents is future work (docs/attention.md). The score variants (a custom ``scale``,
-Gemma 2's ``softcap``, a sliding ``window``) also run ``flash`` for now: splash has a
-``LocalMask`` and a logit soft-cap, but a window by index equals the window by position only
-for consecutive positions, which the fallback test does not check yet (docs/models.md).
+path for parents is future work (docs/attention.md). A custom ``scale`` (Gemma's
+``query_pre_attn_scalar``) runs in the kernels; Gemma 2's ``softcap`` and a sliding ``window``
+run ``flash`` for now: splash has a ``LocalMask`` and a logit soft-cap, but a window by index
+equals the window by position only for consecutive positions, which the fallback test does not
+check yet (docs/models.md).
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def _flash_for_parents(kernel_fn):
         scale: float | None = None, softcap: float | None = None, window: int | None = None,
     ) -> jax.Array:  # fmt: skip
         args = (q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL)
-        variant = dict(scale=scale, softcap=softcap, window=window)
-        if q_parent_BT is not None or any(v is not None for v in variant.values()):
-            return flash_attention(*args, block_size=block_size, q_parent_BT=q_parent_BT, **variant)
-        return kernel_fn(*args, block_size=block_size, interpret=interpret)
+        if q_parent_BT is not None or softcap is not None or window is not None:
+            return flash_attention(
+                *args, block_size=block_size, q_parent_BT=q_parent_BT, scale=scale,
+                softcap=softcap, window=window,
+            )  # fmt: skip
+        return kernel_fn(*args, block_size=block_size, interpret=interpret, scale=scale)
 
     run.__name__, run.__qualname__, run.__doc__ = (
         kernel_fn.__name__,
@@ -166,12 +169,14 @@ def splash(
     *,
     block_size: int = 128,
     interpret: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """TPU splash attention (causal mask + ``SegmentIds``, GQA) under the visibility rule.
 
     Blocks are ``block_size`` rounded down to a multiple of 128 (at least 128); T is padded
     to a multiple of the block with tokens of segment -1 (each sees only itself, so no row of
-    the kernel's mask is empty). Queries are scaled by ``1/sqrt(Dh)`` before the kernel.
+    the kernel's mask is empty). Queries are scaled by ``1/sqrt(Dh)`` (or ``scale``) before the
+    kernel.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -182,8 +187,8 @@ def splash(
 
     def kernel(q, k, v, seg):
         seg = _pad_tokens(seg, tp, -1)
-        scale = np.float32(dh**-0.5)
-        q = (_pad_tokens(q, tp).astype(jnp.float32) * scale).astype(q.dtype)
+        factor = np.float32(dh**-0.5 if scale is None else scale)
+        q = (_pad_tokens(q, tp).astype(jnp.float32) * factor).astype(q.dtype)
         q_BHTDh = jnp.swapaxes(q, 1, 2)
         k_BKTDh, v_BKTDh = (jnp.swapaxes(_pad_tokens(x, tp), 1, 2) for x in (k, v))
         mask = sm.MultiHeadMask([sm.CausalMask((tp, tp)) for _ in range(h)])
@@ -221,6 +226,7 @@ def pallas_gpu(
     *,
     block_size: int = 128,
     interpret: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """GPU (Triton) flash attention ``pallas.ops.gpu.attention.mha``, causal + segment ids.
 
@@ -255,7 +261,7 @@ def pallas_gpu(
             k,
             v,
             _pad_tokens(seg, tp, -1),
-            sm_scale=float(dh**-0.5),
+            sm_scale=float(dh**-0.5 if scale is None else scale),
             causal=True,
             block_sizes=sizes,
             interpret=interpret,
