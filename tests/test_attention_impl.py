@@ -123,18 +123,27 @@ def test_impl_equals_xla_forward_and_backward(impl, kv_heads, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
-def test_pallas_kernels_take_a_custom_scale(impl):
-    """Gemma's query_pre_attn_scalar runs in the kernels (interpret mode), forward and backward;
-    a soft-cap or a window goes to flash (tests/test_gemma.py checks flash against xla)."""
+def test_pallas_kernels_take_the_score_variants(impl):
+    """Interpret mode, forward and backward, against xla with the same variants: both kernels
+    take Gemma's score scale; splash also the soft-cap and a sliding window (its LocalMask, by
+    index; with positions that skip, the dense fallback runs and still agrees). pallas_gpu's
+    soft-capped or windowed calls go to flash (checked against xla in tests/test_gemma.py)."""
     q, k, v, ct, seg, pos = _inputs(2)
-    scaled = lambda fn: lambda *a: fn(*a, scale=0.3)  # noqa: E731
-    want, want_grads = _value_and_grads(scaled(attention), q, k, v, ct, seg, pos)
-    got, got_grads = _value_and_grads(scaled(_impl(impl)), q, k, v, ct, seg, pos)
+    variant = dict(scale=0.3) if impl == "pallas_gpu" else dict(scale=0.3, softcap=1.5, window=5)
+    with_variant = lambda fn: lambda *a: fn(*a, **variant)  # noqa: E731
+    want, want_grads = _value_and_grads(with_variant(attention), q, k, v, ct, seg, pos)
+    got, got_grads = _value_and_grads(with_variant(_impl(impl)), q, k, v, ct, seg, pos)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
-    unscaled, _ = _value_and_grads(attention, q, k, v, ct, seg, pos)
-    assert np.abs(unscaled - want).max() > 1e-2
+    plain, _ = _value_and_grads(attention, q, k, v, ct, seg, pos)
+    assert np.abs(plain - want).max() > 1e-2
+    if impl == "splash":  # positions 0, 2, 4, ...: the index window is not the position one
+        assert not index_causal_matches(seg, seg, pos * 2, pos * 2, consecutive=True)
+        assert index_causal_matches(seg, seg, pos * 2, pos * 2)
+        stretched = jax.jit(with_variant(_impl(impl)))(q, k, v, seg, seg, pos * 2, pos * 2)
+        dense = attention(q, k, v, seg, seg, pos * 2, pos * 2, **variant)
+        np.testing.assert_allclose(stretched, dense, atol=1e-5, rtol=1e-5)
 
 
 def test_flash_with_a_longer_cache_equals_xla():
