@@ -121,6 +121,30 @@ def test_impl_equals_xla_forward_and_backward(impl, kv_heads, dtype):
     assert (got[2] == 0).all() and all((g[2] == 0).all() for g in got_grads)  # all padding
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+def test_pallas_kernels_take_the_score_variants(impl):
+    """Interpret mode, forward and backward, against xla with the same variants: both kernels
+    take Gemma's score scale; splash also the soft-cap and a sliding window (its LocalMask, by
+    index; with positions that skip, the fallback test sends the call to dense). pallas_gpu's
+    soft-capped or windowed calls go to flash (checked against xla in tests/test_gemma.py)."""
+    q, k, v, ct, seg, pos = _inputs(2)
+    variant = dict(scale=0.3) if impl == "pallas_gpu" else dict(scale=0.3, softcap=1.5, window=5)
+    with_variant = lambda fn: lambda *a: fn(*a, **variant)  # noqa: E731
+    want, want_grads = _value_and_grads(with_variant(attention), q, k, v, ct, seg, pos)
+    got, got_grads = _value_and_grads(with_variant(_impl(impl)), q, k, v, ct, seg, pos)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    plain, _ = _value_and_grads(attention, q, k, v, ct, seg, pos)
+    assert np.abs(plain - want).max() > 1e-2
+    if impl == "splash":  # positions 0, 2, 4, ...: the index window is not the position one,
+        # so a windowed call takes the dense fallback (a plain causal one keeps the kernel)
+        assert index_causal_matches(seg, seg, pos, pos, consecutive=True)
+        assert not index_causal_matches(seg, seg, pos * 2, pos * 2, consecutive=True)
+        assert index_causal_matches(seg, seg, pos * 2, pos * 2)
+
+
 def test_flash_with_a_longer_cache_equals_xla():
     """The KV-cache shape: 3 queries against 50 slots, left padding and unwritten slots."""
     rng = np.random.default_rng(3)

@@ -17,19 +17,29 @@ from jax import lax
 from jaxrl.runtime.targets import target_platform
 
 
-def lm_head(hidden: jax.Array, kernel: jax.Array, *, fp32: bool) -> jax.Array:
+def lm_head(
+    hidden: jax.Array, kernel: jax.Array, *, fp32: bool, softcap: float | None = None
+) -> jax.Array:
     """Logits ``hidden[..., D] @ kernel[D, V]``; fp32 at HIGHEST precision when ``fp32``.
 
     Without ``fp32`` the matmul runs in the operands' dtype (bf16 logits for bf16 operands);
     :func:`token_logprobs` and ``Transformer.__call__`` first cast the kernel to the hidden dtype.
+    ``softcap`` (``final_logit_softcapping``, Gemma 2): logits ``cap * tanh(logits / cap)`` in
+    the logits' dtype, as transformers computes them; every chunk of the chunked heads below
+    is capped before its log-softmax.
     """
     if fp32:
-        return jnp.matmul(
+        logits = jnp.matmul(
             hidden.astype(jnp.float32),
             kernel.astype(jnp.float32),
             precision=lax.Precision.HIGHEST,
         )
-    return jnp.matmul(hidden, kernel)
+    else:
+        logits = jnp.matmul(hidden, kernel)
+    if softcap is None:
+        return logits
+    cap = jnp.asarray(softcap, logits.dtype)
+    return jnp.tanh(logits / cap) * cap
 
 
 def _chunk_logprobs(
@@ -39,12 +49,13 @@ def _chunk_logprobs(
     *,
     fp32: bool,
     temperature: float | jax.Array,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     # The kernel arrives as an fp32 copy so that its gradient is summed over chunks in fp32.
     # Without fp32 the head runs in the hidden dtype, as in Transformer.__call__.
     if not fp32:
         kernel_DV = kernel_DV.astype(hidden_BCD.dtype)
-    logits_BCV = lm_head(hidden_BCD, kernel_DV, fp32=fp32)
+    logits_BCV = lm_head(hidden_BCD, kernel_DV, fp32=fp32, softcap=softcap)
     logits_BCV = logits_BCV.astype(jnp.float32) / temperature
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1, mode="clip")[
@@ -73,6 +84,7 @@ def vocab_parallel_scores(
     fp32: bool,
     temperature: float | jax.Array,
     axis: str,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`_chunk_logprobs` plus the argmax hit (``logp``, ``entropy``, ``correct``) of this
     rank's tokens, inside a per-rank program where the head is split over its vocabulary across
@@ -96,7 +108,7 @@ def vocab_parallel_scores(
     raw_RfBC = jax.lax.all_gather(targets_BC, axis, axis=0, tiled=True)
     if not fp32:
         kernel_DVl = kernel_DVl.astype(hidden_BCD.dtype)
-    logits_RfBCV = lm_head(hidden_RfBCD, kernel_DVl, fp32=fp32)
+    logits_RfBCV = lm_head(hidden_RfBCD, kernel_DVl, fp32=fp32, softcap=softcap)
     z_RfBCV = logits_RfBCV.astype(jnp.float32) / temperature
     m_RfBC = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(z_RfBCV, axis=-1)), axis)
     sum_RfBC = jax.lax.psum(jnp.sum(jnp.exp(z_RfBCV - m_RfBC[..., None]), axis=-1), axis)
@@ -130,6 +142,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     vocab_axis: str | None = None,
     needed_BT: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probability of each target and the entropy, both float32 [B, T].
 
@@ -151,6 +164,8 @@ def token_logprobs(
     branch, so a transposed (tied) kernel enters the branch as stored and XLA folds the
     transpose into the matmul instead of copying it (its gradient is then summed over chunks
     in the dtype of what the function reads: pass one only for fp32 weights).
+    ``softcap``: the final logit soft-cap (:func:`lm_head`), applied to each chunk's logits
+    before the temperature and the log-softmax.
     """
     b, t, d = hidden_BTD.shape
     if callable(kernel_DV) and needed_BT is None:
@@ -181,9 +196,15 @@ def token_logprobs(
                 fp32=fp32,
                 temperature=temperature,
                 axis=vocab_axis,
+                softcap=softcap,
             )[:2]
         return _chunk_logprobs(
-            hidden_BCD, kernel32_DV, targets_BC, fp32=fp32, temperature=temperature
+            hidden_BCD,
+            kernel32_DV,
+            targets_BC,
+            fp32=fp32,
+            temperature=temperature,
+            softcap=softcap,
         )
 
     if needed_BT is not None:

@@ -7,6 +7,13 @@ Tensor names map one to one onto the :class:`Transformer` state; HF ``nn.Linear`
 (``layers.attn.q_kernel [Nl, D, H, Dh]``): on load each layer's tensor is written into its slot
 of the stacked device buffer, on save each slot is written back as its own tensor, so the
 files are the same in both layouts.
+
+Gemma (docs/models.md): ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and the text tower of a
+``Gemma3ForConditionalGeneration`` checkpoint (its ``text_config`` and the
+``model.language_model.*`` / ``language_model.model.*`` tensors; the vision tower is not
+read). A Gemma 3 model is written back as ``Gemma3ForCausalLM``. Sliding-window configs
+(Mistral's ``sliding_window``, Qwen's ``use_sliding_window`` / ``max_window_layers``,
+``layer_types``) load with their windows.
 """
 
 from __future__ import annotations
@@ -30,7 +37,14 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxrl.models.model_config import ModelConfig, RopeScaling
+from jaxrl.models.model_config import (
+    FULL,
+    GEMMA_TYPES,
+    QK_NORM_TYPES,
+    SLIDING,
+    ModelConfig,
+    RopeScaling,
+)
 from jaxrl.models.sharding import state_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.runtime import storage
@@ -38,12 +52,42 @@ from jaxrl.runtime.mesh import is_primary, to_host
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text tower (module doc)
 }
-_ARCH_OF = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+MULTIMODAL = "Gemma3ForConditionalGeneration"
+_ARCH_OF = {m: a for a, m in ARCHITECTURES.items() if a != MULTIMODAL}
+# transformers' model_type (config.json) of each jaxrl model_type, where they differ
+HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
+_FROM_HF_TYPE = {"gemma3_text": "gemma3", **{m: m for m in _ARCH_OF if m not in HF_MODEL_TYPE}}
+# where the text tower of a multimodal checkpoint keeps its tensors (transformers v5, v4)
+_TOWER_PREFIXES = ("model.language_model.", "language_model.model.")
+_TOWER_IGNORED = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                  "multi_modal_projector.", "language_model.lm_head.")  # fmt: skip
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# transformers' Gemma2Config / Gemma3TextConfig defaults: real checkpoints' config.json (the
+# text_config of multimodal Gemma 3 ones above all) leave many fields at them
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(
+        vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096,
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True,
+    ),
+    "gemma3": dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=131_072, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
 SAVE_DTYPES = ("float32", "bfloat16", "float16")  # dtypes save_pretrained writes
 # the special token ids transformers keeps in both config.json and generation_config.json
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -60,13 +104,33 @@ def config_from_hf(hf: Mapping[str, Any], **settings: Any) -> ModelConfig:
     known = [a for a in archs if a in ARCHITECTURES]
     if known:
         model_type = ARCHITECTURES[known[0]]
-    elif archs or model_type not in _ARCH_OF:
+    elif not archs and model_type == "gemma3" and isinstance(hf.get("text_config"), Mapping):
+        known = [MULTIMODAL]
+    elif archs or model_type not in _FROM_HF_TYPE:
         raise ValueError(
             f"unsupported architecture {archs or model_type!r}: jaxrl supports "
-            f"{sorted(ARCHITECTURES)} (model_type {sorted(_ARCH_OF)})"
+            f"{sorted(ARCHITECTURES)} (model_type {sorted(_FROM_HF_TYPE)})"
         )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU)")
+    else:
+        model_type = _FROM_HF_TYPE[model_type]
+    if known and known[0] == MULTIMODAL:  # the text tower's config, the top level's tying
+        text = hf.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ValueError(f"{MULTIMODAL} config.json without a text_config: re-save it")
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text}
+    if model_type in GEMMA_TYPES:
+        hf = {**_GEMMA_DEFAULTS[model_type], **hf}
+    act = hf.get("hidden_activation") if model_type in GEMMA_TYPES else None
+    act = (
+        act
+        or hf.get("hidden_act")
+        or ("gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu")
+    )
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(
+            f"unsupported hidden_act={act!r}: jaxrl's gated MLP takes 'silu' (SwiGLU) or "
+            "'gelu_pytorch_tanh' (GeGLU)"
+        )
     if hf.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True: jaxrl MLPs have no biases")
     if model_type != "qwen2" and hf.get("attention_bias"):
@@ -74,18 +138,36 @@ def config_from_hf(hf: Mapping[str, Any], **settings: Any) -> ModelConfig:
             f"unsupported attention_bias=True for {model_type}: it adds an o_proj bias "
             "that jaxrl does not model"
         )
-    if hf.get("use_sliding_window"):
-        raise ValueError("unsupported use_sliding_window=True: jaxrl attends to the full document")
-    rope = hf.get("rope_parameters") or {}
-    if rope and all(isinstance(v, Mapping) for v in rope.values()):
-        raise ValueError(f"unsupported per-layer rope_parameters {sorted(rope)}")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=True: jaxrl is causal")
+    rope = dict(hf.get("rope_parameters") or {})
+    local_theta = hf.get("rope_local_base_freq")
+    if rope and all(isinstance(v, Mapping) for v in rope.values()):  # per layer type (Gemma 3)
+        if model_type != "gemma3" or set(rope) - {FULL, SLIDING}:
+            raise ValueError(f"unsupported per-layer rope_parameters {sorted(rope)}")
+        local = dict(rope.get(SLIDING) or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_parameters[{SLIDING!r}]={local}: only default")
+        local_theta = local.get("rope_theta", local_theta)
+        rope = dict(rope.get(FULL) or {})
     scaling = dict(hf.get("rope_scaling") or rope)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope_type={rope_type!r}: jaxrl supports default and llama3")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(
+            f"unsupported rope_type={rope_type!r}: jaxrl supports default, llama3 and linear"
+        )
     if rope_type == "llama3":  # as transformers' standardize_rope_params
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
     heads = hf["num_attention_heads"]
+    gemma: dict[str, Any] = {}
+    if model_type in GEMMA_TYPES:
+        gemma = dict(
+            query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+        )
+        if model_type == "gemma3":
+            gemma["rope_local_base_freq"] = float(local_theta or 10_000.0)
     moe: dict[str, Any] = {}
     if model_type == "qwen3_moe":
         moe = dict(
@@ -109,16 +191,51 @@ def config_from_hf(hf: Mapping[str, Any], **settings: Any) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=RopeScaling.from_hf(scaling) if rope_type == "llama3" else None,
+        rope_theta=float(
+            hf.get("rope_theta")
+            or rope.get("rope_theta")
+            or (1_000_000.0 if model_type == "gemma3" else 10000.0)
+        ),
+        rope_scaling=RopeScaling.from_hf(scaling) if rope_type != "default" else None,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in QK_NORM_TYPES,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        hidden_act=act,
+        **_windows(hf, model_type),
+        **gemma,
         **moe,
         **settings,
     )
+
+
+def _windows(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as transformers reads them for ``model_type``:
+    Mistral's window on every layer, Qwen's behind ``use_sliding_window`` from layer
+    ``max_window_layers`` on (Qwen3-MoE: every layer), Gemma 2's on every other layer and
+    Gemma 3's on 5 of every ``sliding_window_pattern`` (6) layers; an explicit
+    ``layer_types`` list wins where transformers reads one."""
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return {}
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window"):
+        return {}  # transformers sets sliding_window = None then
+    types = hf.get("layer_types") if model_type != "mistral" else None
+    if model_type == "qwen3_moe":
+        types = None
+    if types is None:
+        if model_type in ("qwen2", "qwen3"):
+            start = hf.get("max_window_layers", 28)
+            types = [SLIDING if i >= start else FULL for i in range(n)]
+        elif model_type == "gemma2":
+            types = [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+        elif model_type == "gemma3":
+            pattern = int(hf.get("sliding_window_pattern") or 6)
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+        else:  # mistral, qwen3_moe: every layer
+            types = [SLIDING] * n
+    return dict(sliding_window=int(window), layer_types=tuple(types))
 
 
 def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
@@ -127,7 +244,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
     ``dtype``: the dtype of the written tensors (``torch_dtype``); None = ``param_dtype``."""
     hf: dict[str, Any] = {
         "architectures": [_ARCH_OF[config.model_type]],
-        "model_type": config.model_type,
+        "model_type": HF_MODEL_TYPE.get(config.model_type, config.model_type),
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -135,7 +252,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
@@ -146,14 +263,30 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         "initializer_range": 0.02,
         "use_cache": True,
     }
+    types = list(config.layer_types) if config.layer_types is not None else None
     if config.model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
+    elif config.model_type in GEMMA_TYPES or config.model_type == "mistral":
+        hf.update(attention_bias=False, sliding_window=config.sliding_window)
+        if config.model_type in GEMMA_TYPES:
+            hf.update(
+                hidden_activation=config.hidden_act,
+                query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar),
+                attn_logit_softcapping=config.attn_logit_softcapping,
+                final_logit_softcapping=config.final_logit_softcapping,
+                layer_types=types or [FULL] * config.num_hidden_layers,
+            )
+        if config.model_type == "gemma3":
+            hf["rope_local_base_freq"] = config.rope_local_base_freq or config.rope_theta
     else:
+        first = types.index(SLIDING) if types else config.num_hidden_layers
         hf.update(
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=config.num_hidden_layers,
+            use_sliding_window=types is not None,
+            sliding_window=config.sliding_window,
+            max_window_layers=first,
         )
+        if types is not None and config.model_type != "qwen3_moe":
+            hf["layer_types"] = types
         if config.model_type in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = False
         if config.model_type == "qwen3_moe":
@@ -168,6 +301,11 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
                 output_router_logits=config.router_aux_loss_coef > 0,
             )
     return hf
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """``x`` as an int when it is one (transformers' Gemma configs type the field int)."""
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +347,17 @@ def _tensor_map(config: ModelConfig) -> dict[str, _Tensor]:
     for i in range(config.num_hidden_layers):
         hf, tensor = f"model.layers.{i}.", functools.partial(layer_tensor, i)
         names[hf + "input_layernorm.weight"] = tensor(("input_norm", "scale"), (d,), False)
-        names[hf + "post_attention_layernorm.weight"] = tensor(
-            ("post_attn_norm", "scale"), (d,), False
-        )
+        if config.model_type in GEMMA_TYPES:  # norms on both sublayers' outputs (transformer.py)
+            for hf_name, norm in (
+                ("post_attention_layernorm", "attn_out_norm"),
+                ("pre_feedforward_layernorm", "post_attn_norm"),
+                ("post_feedforward_layernorm", "mlp_out_norm"),
+            ):
+                names[f"{hf}{hf_name}.weight"] = tensor((norm, "scale"), (d,), False)
+        else:
+            names[hf + "post_attention_layernorm.weight"] = tensor(
+                ("post_attn_norm", "scale"), (d,), False
+            )
         for proj, out in (("q", q), ("k", kv), ("v", kv)):
             names[f"{hf}self_attn.{proj}_proj.weight"] = tensor(
                 ("attn", f"{proj}_kernel"), (out, d), True
@@ -373,7 +519,33 @@ def load_pretrained(
             for handle in [stack.enter_context(_open_safetensors(file))]
             for name in handle.keys()  # noqa: SIM118 - safe_open is not a Mapping
         }
-        return _build(root, config, tensors, mesh)
+        return _build(root, config, _text_tower(tensors), mesh)
+
+
+class _Renamed:
+    """A safetensors handle read under another tensor name (a multimodal text tower's)."""
+
+    def __init__(self, handle: Any, name: str):
+        self.handle, self.name = handle, name
+
+    def get_tensor(self, _: str) -> np.ndarray:
+        return self.handle.get_tensor(self.name)
+
+
+def _text_tower(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a ``Gemma3ForConditionalGeneration`` checkpoint's text tower under the
+    causal LM's names (``model.language_model.X`` -> ``model.X``; the vision tower and the
+    projector dropped); any other checkpoint's tensors unchanged."""
+    prefix = next((p for p in _TOWER_PREFIXES if any(n.startswith(p) for n in tensors)), None)
+    if prefix is None:
+        return tensors
+    out: dict[str, Any] = {}
+    for name, handle in tensors.items():
+        if name.startswith(prefix):
+            out["model." + name.removeprefix(prefix)] = _Renamed(handle, name)
+        elif not name.startswith(_TOWER_IGNORED):
+            out[name] = handle  # lm_head.weight (tied: ignored), or an unexpected name
+    return out
 
 
 def _build(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +82,11 @@ class LayerKV:
         segment_ids_BT: jax.Array,
         positions_BT: jax.Array,
         attention: Callable[..., jax.Array],
+        **variant: Any,
     ) -> tuple[jax.Array, LayerKV]:
         """Append the T new keys/values, then ``attention`` of the queries over all L entries
-        under the visibility rule: ``(out_BTHDh, updated view)``."""
+        under the visibility rule: ``(out_BTHDh, updated view)``. ``variant``: the score
+        variants (``scale``, ``softcap``, ``window``) passed on to ``attention``."""
         kv = self.append(k_BTKDh, v_BTKDh)
         out_BTHDh = attention(
             q_BTHDh,
@@ -94,6 +96,7 @@ class LayerKV:
             kv.segment_ids_BL,
             positions_BT,
             kv.positions_BL,
+            **variant,
         )
         return out_BTHDh, kv
 

@@ -12,8 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 ATTENTION_IMPLS = ("xla", "flash", "splash", "pallas_gpu", "auto")  # attention_dispatch.py
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # model types with per-head q/k RMSNorm
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3")  # model types with per-head q/k RMSNorm
+# Gemma: (1 + w) RMSNorm, sqrt(D)-scaled embeddings, norms on the attention and MLP outputs
+GEMMA_TYPES = ("gemma2", "gemma3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation (transformers' names)
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
+LAYER_TYPES = (FULL, SLIDING)
 DTYPES = ("float32", "bfloat16", "float16")
 # LoRA (models/lora.py): the projections an adapter may target, by their HF module names
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -25,21 +30,35 @@ def _fail(field: str, value: Any, fix: str) -> None:
     raise ValueError(f"ModelConfig.{field}={value!r}: {fix}")
 
 
+ROPE_TYPES = ("llama3", "linear")  # RopeScaling.rope_type
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama 3.1 RoPE frequency scaling (transformers' ``rope_type: "llama3"``)."""
+    """RoPE frequency scaling: Llama 3.1's (transformers' ``rope_type: "llama3"``) or linear
+    position interpolation (``rope_type: "linear"``: every frequency divided by ``factor``;
+    Gemma 3's global layers). The band fields are llama3's only."""
 
-    rope_type: str = "llama3"  # only "llama3" is supported
-    factor: float  # divisor applied to low frequencies
-    low_freq_factor: float  # wavelengths above original_max / low_freq_factor are divided
-    high_freq_factor: float  # wavelengths below original_max / high_freq_factor are kept
-    original_max_position_embeddings: int  # pretraining context length
+    rope_type: str = "llama3"  # "llama3" or "linear"
+    factor: float  # divisor applied to (llama3: low) frequencies
+    low_freq_factor: float | None = None  # wavelengths above original_max / low_freq_factor
+    high_freq_factor: float | None = None  # wavelengths below original_max / high_freq_factor
+    original_max_position_embeddings: int | None = None  # pretraining context length
 
     def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
-            _fail("rope_scaling.rope_type", self.rope_type, 'only "llama3" is supported')
+        if self.rope_type not in ROPE_TYPES:
+            _fail("rope_scaling.rope_type", self.rope_type, f"choose one of {ROPE_TYPES}")
         if self.factor <= 0:
             _fail("rope_scaling.factor", self.factor, "must be > 0")
+        if self.rope_type == "linear":
+            extra = [k for k in _LLAMA3_KEYS[1:] if getattr(self, k) is not None]
+            if extra:
+                _fail("rope_scaling", self.to_hf(), f"linear scaling takes no {extra}")
+            return
+        missing = [k for k in _LLAMA3_KEYS[1:] if getattr(self, k) is None]
+        if missing:
+            _fail("rope_scaling", self.to_hf(), f"llama3 scaling needs {missing}")
         if self.high_freq_factor <= self.low_freq_factor:
             _fail(
                 "rope_scaling.high_freq_factor",
@@ -57,16 +76,16 @@ class RopeScaling:
     def from_hf(cls, scaling: Mapping[str, Any]) -> RopeScaling:
         """From a transformers ``rope_scaling`` / ``rope_parameters`` dict."""
         rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type != "llama3":
-            _fail("rope_scaling", dict(scaling), 'only rope_type "llama3" (or None) is supported')
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if rope_type not in ROPE_TYPES:
+            _fail("rope_scaling", dict(scaling), f"rope_type must be one of {ROPE_TYPES} (or None)")
+        keys = _LLAMA3_KEYS if rope_type == "llama3" else _LLAMA3_KEYS[:1]
         missing = [k for k in keys if k not in scaling]
         if missing:
-            _fail("rope_scaling", dict(scaling), f"llama3 scaling needs {missing}")
-        return cls(**{k: scaling[k] for k in keys})
+            _fail("rope_scaling", dict(scaling), f"{rope_type} scaling needs {missing}")
+        return cls(rope_type=rope_type, **{k: scaling[k] for k in keys})
 
     def to_hf(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,7 +132,7 @@ class LoraSpec:
 class ModelConfig:
     """Architecture and precision of a :class:`Transformer` (names follow transformers)."""
 
-    model_type: str  # "llama", "qwen2", "qwen3" or "qwen3_moe"
+    model_type: str  # one of MODEL_TYPES (llama, mistral, qwen2, qwen3, qwen3_moe, gemma2/3)
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F, SwiGLU hidden width
@@ -122,12 +141,19 @@ class ModelConfig:
     num_key_value_heads: int  # K, divides H (GQA)
     head_dim: int | None = None  # Dh; None means hidden_size // num_attention_heads
     rope_theta: float = 10000.0  # RoPE base
-    rope_scaling: RopeScaling | Mapping[str, Any] | None = None  # None or llama3 (dict accepted)
+    rope_scaling: RopeScaling | Mapping[str, Any] | None = None  # None, llama3 or linear (dict ok)
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     tie_word_embeddings: bool = False  # LM head kernel is the transposed embedding
     attention_bias: bool = False  # q/k/v biases (Qwen2: always True; others: False)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3: always True)
     max_position_embeddings: int = 4096  # longest position the model was trained for
+    hidden_act: str = "silu"  # gated MLP activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    sliding_window: int | None = None  # a local layer's query sees keys q_pos - k_pos < window
+    layer_types: tuple[str, ...] | None = None  # per layer, LAYER_TYPES; None: all full
+    rope_local_base_freq: float | None = None  # RoPE base of local layers (Gemma 3); None: theta
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str | None = None  # compute dtype; None means param_dtype
     matmul_dtype: str | None = None  # operands of the projection matmuls (matmul.py); None:
@@ -181,6 +207,7 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", RopeScaling.from_hf(self.rope_scaling))
         if self.rms_norm_eps <= 0:
             _fail("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        self._check_attention_variants()
         if self.attention_bias != (self.model_type == "qwen2"):
             _fail(
                 "attention_bias",
@@ -219,6 +246,73 @@ class ModelConfig:
         from jaxrl.models.layer_stack import check_remat  # imports jax: only when building one
 
         check_remat(self.remat, "ModelConfig.remat")
+
+    def _check_attention_variants(self) -> None:
+        """Activation, score scale, soft-caps, sliding window and per-layer types."""
+        if self.hidden_act not in ACTIVATIONS:
+            _fail("hidden_act", self.hidden_act, f"choose one of {ACTIVATIONS}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                _fail(name, value, "must be > 0 or None (off)")
+        if self.rope_local_base_freq is not None and not self.rope_local_base_freq > 0:
+            _fail("rope_local_base_freq", self.rope_local_base_freq, "must be > 0 or None")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_hidden_layers:
+                _fail(
+                    "layer_types",
+                    self.layer_types,
+                    f"needs one entry per layer (num_hidden_layers={self.num_hidden_layers})",
+                )
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if bad:
+                _fail("layer_types", bad, f"entries must be one of {LAYER_TYPES}")
+            if SLIDING not in self.layer_types:
+                object.__setattr__(self, "layer_types", None)  # all full: the plain model
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+            _fail("sliding_window", window, "must be a positive int or None")
+        if window is not None and window <= 0:
+            _fail("sliding_window", window, "must be a positive int or None")
+        if self.layer_types is not None and window is None:
+            _fail("sliding_window", None, f"layer_types has {SLIDING} layers: set the window")
+        if self.layer_types is None and window is not None:
+            object.__setattr__(self, "layer_types", (SLIDING,) * self.num_hidden_layers)
+        gemma = self.model_type in GEMMA_TYPES
+        if gemma and self.hidden_act != "gelu_pytorch_tanh":
+            _fail("hidden_act", self.hidden_act, f"{self.model_type} uses gelu_pytorch_tanh")
+        if not gemma:
+            for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                         "final_logit_softcapping", "rope_local_base_freq"):  # fmt: skip
+                if getattr(self, name) is not None:
+                    _fail(name, getattr(self, name), f"only gemma2/gemma3 have it, not "
+                          f"{self.model_type}; leave it None")  # fmt: skip
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window (None: a global layer, attends to the whole document)."""
+        if self.layer_types is None or self.layer_types[i] != SLIDING:
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, i: int) -> tuple[float, RopeScaling | None]:
+        """Layer ``i``'s RoPE ``(base, scaling)``: Gemma 3's local layers use
+        ``rope_local_base_freq`` unscaled, every other layer ``rope_theta`` and ``rope_scaling``."""
+        if self.rope_local_base_freq is not None and self.layer_window(i) is not None:
+            return self.rope_local_base_freq, None
+        return self.rope_theta, self.rope_scaling  # type: ignore[return-value]
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same window and RoPE (a scanned stack of interleaved
+        local and global layers reads them per layer from tables: ``transformer.Attention``)."""
+        kinds = {(self.layer_window(i), self.layer_rope(i)) for i in range(self.num_hidden_layers)}
+        return len(kinds) == 1
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on ``q . k``: ``query_pre_attn_scalar ** -0.5`` (default ``head_dim``)."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def _check_moe(self) -> None:
         """The MoE fields: all set for qwen3_moe, all left at their defaults otherwise."""
@@ -284,5 +378,7 @@ class ModelConfig:
             qk_norm=model_type in QK_NORM_TYPES,
             tie_word_embeddings=True,
         )
+        if model_type in GEMMA_TYPES:
+            fields["hidden_act"] = "gelu_pytorch_tanh"
         fields.update(overrides)
         return cls(**fields)

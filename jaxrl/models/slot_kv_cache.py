@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxrl.models.attention.dense import soft_cap, within_window
 
 if TYPE_CHECKING:
     from jaxrl.models.model_config import ModelConfig
@@ -44,8 +46,16 @@ def decode_attention(
     layer: jax.Array,
     positions_B: jax.Array,
     block: int,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """One query per row over entries ``0..positions[b]`` of layer ``layer``: ``[B, H, Dh]``.
+
+    ``scale``, ``softcap`` and a sliding ``window`` (entries ``positions[b] - window + 1..``
+    only): the score variants of ``attention.dense.attention``. With a window the loop still
+    starts at block 0 (the cache keeps every entry; no ring buffer yet, docs/models.md).
 
     The dtype path of ``attention.attention``: float32 scores, a float32 softmax over the row,
     probabilities cast to the values' dtype for the value product. Two passes over the blocks
@@ -57,7 +67,7 @@ def decode_attention(
     _, _, length, kv_heads, _ = keys_NlBLKDh.shape
     hg = h // kv_heads
     q_BKHgDh = q_BHDh.reshape(b, kv_heads, hg, dh)
-    scale = np.float32(dh**-0.5)
+    scale = np.float32(dh**-0.5 if scale is None else scale)
     num_blocks = jnp.minimum(jnp.max(positions_B) // block + 1, length // block)
 
     def block_of(buf, j):
@@ -68,14 +78,20 @@ def decode_attention(
             "bkgd,bjkd->bkgj", q_BKHgDh, block_of(keys_NlBLKDh, j),
             preferred_element_type=jnp.float32,
         ) * scale  # fmt: skip
-        visible_Bb = (j * block + jnp.arange(block))[None, :] <= positions_B[:, None]
+        s_BKHgb = soft_cap(s_BKHgb, softcap)
+        entry_b = (j * block + jnp.arange(block))[None, :]
+        visible_Bb = within_window(entry_b <= positions_B[:, None], positions_B[:, None], entry_b,
+                                   window)  # fmt: skip
         s_BKHgb = jnp.where(visible_Bb[:, None, None, :], s_BKHgb, _MASKED)
         return lax.dynamic_update_slice_in_dim(s_BKHgL, s_BKHgb, j * block, axis=3)
 
     s_BKHgL = lax.fori_loop(
         0, num_blocks, scores, jnp.full((b, kv_heads, hg, length), _MASKED, jnp.float32)
     )
-    visible_BL = jnp.arange(length)[None, :] <= positions_B[:, None]
+    entry_L = jnp.arange(length)[None, :]
+    visible_BL = within_window(
+        entry_L <= positions_B[:, None], positions_B[:, None], entry_L, window
+    )
     p_BKHgL = jnp.where(visible_BL[:, None, None, :], jax.nn.softmax(s_BKHgL, axis=-1), 0.0).astype(
         values_NlBLKDh.dtype
     )
@@ -109,13 +125,15 @@ class SlotLayerKV:
         segment_ids_BT: jax.Array,
         positions_BT: jax.Array,
         attention: Callable[..., jax.Array],
+        **variant: Any,
     ) -> tuple[jax.Array, SlotLayerKV]:
         """Write each row's one new key/value at entry ``positions[b]``, then
         :func:`decode_attention` (``attention`` and ``segment_ids`` are not used: a slot holds
         one sequence). T > 1 new tokens per row (a session appending tokens to live slots,
         ``generate/session.py``): row b's token t is written at entry ``positions[b, t]``
         (entries past L are dropped) and attends, through ``attention``, to the row's entries
-        ``0..positions[b, t]``; tokens of segment 0 (padding) attend to nothing."""
+        ``0..positions[b, t]``; tokens of segment 0 (padding) attend to nothing. ``variant``:
+        the score variants (``scale``, ``softcap``, ``window``), passed on."""
         b, t = q_BTHDh.shape[:2]
         layer = jnp.asarray(self.layer, jnp.int32)
         if t > 1:
@@ -136,6 +154,7 @@ class SlotLayerKV:
                 jnp.ones((b, length), jnp.int32),
                 positions_BT,
                 kv_pos_BL,
+                **variant,
             )
             return out_BTHDh, dataclasses.replace(self, keys_NlBLKDh=keys, values_NlBLKDh=values)
         del segment_ids_BT, attention
@@ -147,7 +166,9 @@ class SlotLayerKV:
         values = self.values_NlBLKDh.at[layer, rows_B, pos_B].set(
             v_BTKDh[:, 0].astype(self.values_NlBLKDh.dtype), mode="promise_in_bounds"
         )
-        out_BHDh = decode_attention(q_BTHDh[:, 0], keys, values, layer, pos_B, self.block)
+        out_BHDh = decode_attention(
+            q_BTHDh[:, 0], keys, values, layer, pos_B, self.block, **variant
+        )
         return out_BHDh[:, None], dataclasses.replace(
             self, keys_NlBLKDh=keys, values_NlBLKDh=values
         )

@@ -1,8 +1,14 @@
-"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 family, in Flax NNX.
+"""Decoder-only transformer of the Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 family,
+in Flax NNX.
 
 Pre-norm blocks: ``x += attn(rms(x)); x += mlp(rms(x))``, grouped-query attention with RoPE
 (``attention.py``), SwiGLU MLP ``down(silu(gate x) * up x)``, a final RMSNorm and an LM head
 (``head.py``). Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k before RoPE.
+Gemma (docs/models.md): ``sqrt(D)``-scaled embeddings, RMSNorm with the ``(1 + w)`` weight,
+norms on the attention and MLP outputs too (``x += norm(attn(norm(x)))``), GeGLU (tanh GELU),
+``query_pre_attn_scalar``, attention and final logit soft-capping (Gemma 2), q/k norms
+(Gemma 3). Any model may interleave sliding-window (local) and global layers
+(``ModelConfig.layer_types``), each with its own RoPE base (Gemma 3).
 
 Precision policy: parameters are stored in ``param_dtype`` and cast to the
 compute ``dtype`` where used; RMSNorm statistics, attention scores and softmax are float32;
@@ -28,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl.models import fsdp
@@ -39,7 +46,7 @@ from jaxrl.models.head import lm_head
 from jaxrl.models.kv_cache import KVCache, LayerKV
 from jaxrl.models.layer_stack import run_blocks, stack_blocks
 from jaxrl.models.matmul import matmul
-from jaxrl.models.model_config import ModelConfig
+from jaxrl.models.model_config import GEMMA_TYPES, ModelConfig
 from jaxrl.models.moe.layer import MoE
 from jaxrl.models.moe.trace import MoeTrace, empty_trace, finish, replay_layers, trace_step
 from jaxrl.models.slot_kv_cache import SlotKVCache
@@ -63,17 +70,31 @@ def _param(
 
 
 class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x^2) + eps) * scale``, statistics and product in float32."""
+    """``x / sqrt(mean(x^2) + eps) * scale``, statistics and product in float32; with
+    ``plus_one`` (Gemma) the weight is stored as ``scale - 1`` (zero-initialised), as HF does."""
 
-    def __init__(self, dim: int, *, eps: float, axis: str, param_dtype: str):
-        self.scale = _param(None, (dim,), (axis,), param_dtype, init="ones")
+    def __init__(self, dim: int, *, eps: float, axis: str, param_dtype: str, plus_one=False):
+        init = "zeros" if plus_one else "ones"
+        self.scale = _param(None, (dim,), (axis,), param_dtype, init=init)
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = weight(self.scale, jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        if self.plus_one:
+            scale = 1.0 + scale
         return (x32 * inv_rms * scale).astype(x.dtype)
+
+
+def _norm_kwargs(config: ModelConfig, axis: str) -> dict[str, Any]:
+    return dict(
+        eps=config.rms_norm_eps,
+        axis=axis,
+        param_dtype=config.param_dtype,
+        plus_one=config.model_type in GEMMA_TYPES,
+    )
 
 
 def _kernel(variable: Any, dtype: Any, operands: str | None) -> jax.Array:
@@ -94,9 +115,17 @@ def _project(x_BTD: jax.Array, kernel_DHDh: jax.Array, operands: str | None) -> 
 
 
 class Attention(nnx.Module):
-    """Projections, optional q/k norm and RoPE around :func:`attention.attention`."""
+    """Projections, optional q/k norm and RoPE around :func:`attention.attention`; layer
+    ``layer``'s sliding window and RoPE base (``ModelConfig.layer_window`` / ``layer_rope``)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        lora_rngs: nnx.Rngs | None = None,
+        layer: int = 0,
+    ):
         d, h, k, dh = (
             config.hidden_size,
             config.num_attention_heads,
@@ -119,10 +148,20 @@ class Attention(nnx.Module):
             self.k_bias = _param(None, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
             self.v_bias = _param(None, (k, dh), ("kv_heads", "head_dim"), pd, init="zeros")
         if config.qk_norm:
-            norm = dict(eps=config.rms_norm_eps, axis="head_dim", param_dtype=pd)
-            self.q_norm = RMSNorm(dh, **norm)
-            self.k_norm = RMSNorm(dh, **norm)
+            self.q_norm = RMSNorm(dh, **_norm_kwargs(config, "head_dim"))
+            self.k_norm = RMSNorm(dh, **_norm_kwargs(config, "head_dim"))
         self.config = config
+        # a scanned stack of interleaved local and global layers holds one Attention for every
+        # layer: it reads its window and RoPE frequencies from per-layer tables at the scan's
+        # (traced) layer index; otherwise both are this layer's, static
+        self.per_layer = config.scan_layers and not config.uniform_layers
+        self.rope_theta, self.rope_scaling = config.layer_rope(0 if self.per_layer else layer)
+        window = None if self.per_layer else config.layer_window(layer)
+        variant = dict(window=window, softcap=config.attn_logit_softcapping)
+        if config.query_pre_attn_scalar is not None:
+            variant["scale"] = config.attention_scale
+        # the score variants this layer passes to attention (none: the plain program)
+        self.variant = tuple((k, v) for k, v in sorted(variant.items()) if v is not None)
 
     def __call__(
         self,
@@ -131,13 +170,15 @@ class Attention(nnx.Module):
         positions_BT: jax.Array,
         cache: LayerKV | None = None,
         parent_ids_BT: jax.Array | None = None,
+        layer: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, LayerKV]:
         """Attention output [B, T, D]; with a ``cache``, also the cache holding these keys.
 
         With a cache the T new keys/values are written at the cache's index and the queries
         attend to all L cached slots (this step's included) under the same visibility rule.
         ``parent_ids_BT`` (self-attention only): each token's parent segment, which it also
-        sees (shared-prompt packing, ``attention/dense.py``); None: no parents.
+        sees (shared-prompt packing, ``attention/dense.py``); None: no parents. ``layer``: this
+        layer's index (needed, traced, by a scanned stack of interleaved layers).
         """
         cfg, dt = self.config, x_BTD.dtype
         mm = cfg.matmul_dtype
@@ -153,8 +194,15 @@ class Attention(nnx.Module):
             v_BTKDh = v_BTKDh + weight(self.v_bias, dt)[None, None]
         if cfg.qk_norm:
             q_BTHDh, k_BTKDh = self.q_norm(q_BTHDh), self.k_norm(k_BTKDh)
-        scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling is not None else None
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
+        variant = dict(self.variant)
+        if self.per_layer:
+            if layer is None:
+                raise ValueError("Attention: a scanned stack of interleaved layers needs `layer`")
+            inv_freq, variant["window"] = _layer_tables(cfg)
+            inv_freq, variant["window"] = inv_freq[layer], variant["window"][layer]
+        else:
+            scaling = self.rope_scaling.to_hf() if self.rope_scaling is not None else None
+            inv_freq = rope_inv_freq(cfg.head_dim, self.rope_theta, scaling)
         q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
         k_BTKDh = apply_rope(k_BTKDh, positions_BT, inv_freq)
         attention = attention_fn(
@@ -171,13 +219,14 @@ class Attention(nnx.Module):
                 positions_BT,
                 positions_BT,
                 **parent,
+                **variant,
             )
         else:  # the cache writes the new keys and attends (kv_cache.py, slot_kv_cache.py)
             if parent_ids_BT is not None:
                 raise ValueError("Attention: parent_ids need self-attention, not a KV cache")
             out_BTHDh, cache = cache.attend(
-                q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention
-            )
+                q_BTHDh, k_BTKDh, v_BTKDh, segment_ids_BT, positions_BT, attention, **variant
+            )  # fmt: skip
         b, t, h, dh = out_BTHDh.shape
         o_kernel_HDhD = _kernel(self.o_kernel, dt, mm)
         out_BTHDh = out_BTHDh.reshape(b, t, h * dh)
@@ -190,8 +239,23 @@ class Attention(nnx.Module):
         return out_BTD if cache is None else (out_BTD, cache)
 
 
+NO_WINDOW = 1 << 30  # a global layer's entry in the window table: sees the whole document
+
+
+def _layer_tables(config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Per-layer RoPE inverse frequencies ``[Nl, Dh/2]`` and windows ``[Nl]`` (``NO_WINDOW`` on
+    global layers) of a scanned stack of interleaved layers."""
+    inv_freq, windows = [], []
+    for i in range(config.num_hidden_layers):
+        theta, scaling = config.layer_rope(i)
+        inv_freq.append(rope_inv_freq(config.head_dim, theta, scaling and scaling.to_hf()))
+        windows.append(config.layer_window(i) or NO_WINDOW)
+    return jnp.asarray(np.stack(inv_freq)), jnp.asarray(windows, jnp.int32)
+
+
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``."""
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; GeGLU with ``hidden_act:
+    gelu_pytorch_tanh`` (Gemma: the tanh-approximate GELU in place of silu)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
@@ -204,6 +268,7 @@ class MLP(nnx.Module):
         self.down_lora = adapter(lora, "down_proj", (f, d), ("mlp", "embed"), cd, lora_rngs)
         self.scaling = lora.scaling if lora is not None and lora.rank else 0.0
         self.operands = config.matmul_dtype  # matmul.py
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt, mm = x_BTD.dtype, self.operands
@@ -211,14 +276,17 @@ class MLP(nnx.Module):
         up_BTF = matmul(x_BTD, _kernel(self.up_kernel, dt, mm), mm)
         gate_BTF = adapt(gate_BTF, self.gate_lora, x_BTD, self.scaling)
         up_BTF = adapt(up_BTF, self.up_lora, x_BTD, self.scaling)
-        h_BTF = jax.nn.silu(gate_BTF) * up_BTF
+        act = jax.nn.gelu(gate_BTF, approximate=True) if self.gelu else jax.nn.silu(gate_BTF)
+        h_BTF = act * up_BTF
         down_BTD = matmul(h_BTF, _kernel(self.down_kernel, dt, mm), mm)
         return adapt(down_BTD, self.down_lora, h_BTF, self.scaling)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: attention then MLP (the sparse ``MoE`` on Qwen3-MoE's MoE layers,
-    ``ModelConfig.is_moe_layer``)."""
+    ``ModelConfig.is_moe_layer``). Gemma also norms each sublayer's output before the residual
+    add (``attn_out_norm``, ``mlp_out_norm``); ``post_attn_norm`` is always the MLP's input norm
+    (HF's ``post_attention_layernorm`` in Llama, ``pre_feedforward_layernorm`` in Gemma)."""
 
     def __init__(
         self,
@@ -228,10 +296,14 @@ class Block(nnx.Module):
         lora_rngs: nnx.Rngs | None = None,
         layer: int = 0,
     ):
-        norm = dict(eps=config.rms_norm_eps, axis="embed", param_dtype=config.param_dtype)
+        norm = _norm_kwargs(config, "embed")
         self.input_norm = RMSNorm(config.hidden_size, **norm)
-        self.attn = Attention(config, rngs=rngs, lora_rngs=lora_rngs)
+        self.attn = Attention(config, rngs=rngs, lora_rngs=lora_rngs, layer=layer)
         self.post_attn_norm = RMSNorm(config.hidden_size, **norm)
+        self.sandwich = config.model_type in GEMMA_TYPES
+        if self.sandwich:
+            self.attn_out_norm = RMSNorm(config.hidden_size, **norm)
+            self.mlp_out_norm = RMSNorm(config.hidden_size, **norm)
         if config.is_moe_layer(layer):
             self.mlp = MoE(config, rngs=rngs, lora_rngs=lora_rngs)
         else:
@@ -244,16 +316,22 @@ class Block(nnx.Module):
         positions_BT: jax.Array,
         cache: LayerKV | None = None,
         parent_ids_BT: jax.Array | None = None,
+        layer: int | jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, LayerKV]:
-        """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention)."""
+        """Block output [B, T, D]; with a ``cache``, also the updated cache (see Attention;
+        ``layer``: the block's index, which a scanned interleaved stack needs)."""
+        x_norm = self.input_norm(x_BTD)
         if cache is None:
-            x_BTD = x_BTD + self.attn(
-                self.input_norm(x_BTD), segment_ids_BT, positions_BT, None, parent_ids_BT
-            )
-            return x_BTD + self._mlp(self.post_attn_norm(x_BTD))[0]
-        attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
-        x_BTD = x_BTD + attn_BTD
-        return x_BTD + self._mlp(self.post_attn_norm(x_BTD))[0], cache
+            attn_BTD = self.attn(x_norm, segment_ids_BT, positions_BT, None, parent_ids_BT, layer)
+        else:
+            attn_BTD, cache = self.attn(x_norm, segment_ids_BT, positions_BT, cache, None, layer)
+        x_BTD = x_BTD + self._out(attn_BTD, "attn_out_norm")
+        x_BTD = x_BTD + self._out(self._mlp(self.post_attn_norm(x_BTD))[0], "mlp_out_norm")
+        return x_BTD if cache is None else (x_BTD, cache)
+
+    def _out(self, y_BTD: jax.Array, norm: str) -> jax.Array:
+        """A sublayer's output as added to the residual (Gemma: normed first)."""
+        return getattr(self, norm)(y_BTD) if self.sandwich else y_BTD
 
     def routed(
         self,
@@ -268,14 +346,14 @@ class Block(nnx.Module):
         ``replay_BTK``: expert ids to use instead of the router's top-k (router replay);
         ``parent_ids_BT``: see :class:`Attention` (no cache)."""
         if cache is None:
-            x_BTD = x_BTD + self.attn(
+            attn_BTD = self.attn(
                 self.input_norm(x_BTD), segment_ids_BT, positions_BT, None, parent_ids_BT
             )
         else:
             attn_BTD, cache = self.attn(self.input_norm(x_BTD), segment_ids_BT, positions_BT, cache)
-            x_BTD = x_BTD + attn_BTD
+        x_BTD = x_BTD + self._out(attn_BTD, "attn_out_norm")
         y_BTD, routing = self._mlp(self.post_attn_norm(x_BTD), replay_BTK)
-        return x_BTD + y_BTD, cache, routing
+        return x_BTD + self._out(y_BTD, "mlp_out_norm"), cache, routing
 
     def _mlp(self, x_BTD: jax.Array, replay_BTK: jax.Array | None = None) -> tuple[jax.Array, Any]:
         if isinstance(self.mlp, MoE):
@@ -300,9 +378,7 @@ class Transformer(nnx.Module):
         ]
         self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         quantize_base(self.layers, config)  # QLoRA: the projections' kernels as int8 / nf4
-        self.final_norm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, axis="embed", param_dtype=pd
-        )
+        self.final_norm = RMSNorm(config.hidden_size, **_norm_kwargs(config, "embed"))
         if not config.tie_word_embeddings:
             self.lm_head = _param(
                 rngs.params(), (config.hidden_size, config.vocab_size), ("vocab_embed", "vocab"), pd
@@ -330,7 +406,9 @@ class Transformer(nnx.Module):
         extra = () if parent_ids is None else (_parents(parent_ids, input_ids_BT),)
         x_BTD = run_blocks(
             self.layers,
-            lambda block, x_BTD, _, seg_BT, pos_BT, *par: block(x_BTD, seg_BT, pos_BT, None, *par),
+            lambda block, x_BTD, i, seg_BT, pos_BT, *par: block(
+                x_BTD, seg_BT, pos_BT, None, *(par or (None,)), layer=i
+            ),
             self._embed(input_ids_BT),
             segment_ids_BT,
             positions_BT,
@@ -372,12 +450,17 @@ class Transformer(nnx.Module):
         return self.final_norm(x_BTD), finish(routes_LBTK, probs_BTE)
 
     def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
-        """Embeddings in the compute dtype; ids outside ``[0, V)`` are clamped."""
+        """Embeddings in the compute dtype; ids outside ``[0, V)`` are clamped. Gemma scales
+        them by ``sqrt(D)``, the factor rounded to the compute dtype as transformers does."""
         if is_marked(self.embedding):  # a ZeRO-3 shard: looked up without gathering the table
-            return fsdp.embed(self.embedding, input_ids_BT, self.config.dtype)
-        return jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
-            self.config.dtype
-        )
+            x_BTD = fsdp.embed(self.embedding, input_ids_BT, self.config.dtype)
+        else:
+            x_BTD = jnp.take(self.embedding[...], input_ids_BT, axis=0, mode="clip").astype(
+                self.config.dtype
+            )
+        if self.config.model_type in GEMMA_TYPES:
+            x_BTD = x_BTD * jnp.asarray(self.config.hidden_size**0.5, x_BTD.dtype)
+        return x_BTD
 
     def decode(
         self,
@@ -450,7 +533,7 @@ class Transformer(nnx.Module):
 
         def step(block, carry, i, seg_BT, pos_BT):
             x_BTD, cache = carry
-            x_BTD, kv = block(x_BTD, seg_BT, pos_BT, cache.layer(i))
+            x_BTD, kv = block(x_BTD, seg_BT, pos_BT, cache.layer(i), layer=i)
             return x_BTD, cache.store(kv)
 
         x_BTD, cache = run_blocks(
@@ -501,7 +584,12 @@ class Transformer(nnx.Module):
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         """The LM head on final hidden states: fp32 with ``fp32_lm_head``, else compute dtype."""
         kernel_DV = self.head_kernel(self.head_dtype(hidden_BTD))
-        return lm_head(hidden_BTD, kernel_DV, fp32=self.config.fp32_lm_head)
+        return lm_head(
+            hidden_BTD,
+            kernel_DV,
+            fp32=self.config.fp32_lm_head,
+            softcap=self.config.final_logit_softcapping,
+        )
 
 
 def _parents(parent_ids_BT: jax.Array, input_ids_BT: jax.Array) -> jax.Array:

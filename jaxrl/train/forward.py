@@ -70,6 +70,7 @@ def micro_batch_scores(
                 fp32=model.config.fp32_lm_head,
                 temperature=temperature,
                 axis=axis,
+                softcap=model.config.final_logit_softcapping,
             )
         logp_1C, entropy_1C = _head_logprobs(model, hidden_1CD, targets_1C, None, temperature)
         correct_1C = jnp.argmax(model.logits(hidden_1CD), axis=-1) == targets_1C
@@ -166,6 +167,7 @@ def _head_logprobs(
         chunk_size=chunk,
         vocab_axis=axis,
         needed_BT=needed_BT,
+        softcap=model.config.final_logit_softcapping,
     )
 
 

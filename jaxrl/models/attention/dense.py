@@ -66,16 +66,19 @@ def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
 ) -> np.ndarray:
-    """Inverse frequencies ``1 / theta**(2i / Dh)`` (float32 [Dh/2]), with optional llama3 scaling.
+    """Inverse frequencies ``1 / theta**(2i / Dh)`` (float32 [Dh/2]), with optional llama3 or
+    linear scaling.
 
-    The arithmetic mirrors transformers' ``_compute_default_rope_parameters`` and
-    ``_compute_llama3_parameters`` step by step in float32, so the angles match bit for bit
-    up to the platform's ``pow``.
+    The arithmetic mirrors transformers' ``_compute_default_rope_parameters``,
+    ``_compute_linear_scaling_rope_parameters`` and ``_compute_llama3_parameters`` step by step
+    in float32, so the angles match bit for bit up to the platform's ``pow``.
     """
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type") == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling["low_freq_factor"])
     high_freq_factor = float(scaling["high_freq_factor"])
@@ -111,6 +114,25 @@ def apply_rope(x_BTHDh: jax.Array, pos_BT: jax.Array, inv_freq: np.ndarray) -> j
     return (x32 * cos_BT1Dh + rotated * sin_BT1Dh).astype(x_BTHDh.dtype)
 
 
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` in x's dtype (transformers' Gemma 2 soft-capping); x if None."""
+    if cap is None:
+        return x
+    cap_ = jnp.asarray(cap, x.dtype)
+    return jnp.tanh(x / cap_) * cap_
+
+
+def within_window(
+    visible: jax.Array, q_pos: jax.Array, kv_pos: jax.Array, window: int | None
+) -> jax.Array:
+    """``visible`` and, with a sliding ``window``, ``q_pos - kv_pos < window`` (transformers'
+    ``sliding_window_overlay``: a query sees itself and the ``window - 1`` positions before it).
+    Positions restart per document, so a window never reaches into another document."""
+    if window is None:
+        return visible
+    return visible & (q_pos - kv_pos < window)
+
+
 def attention(
     q_BTHDh: jax.Array,
     k_BLKDh: jax.Array,
@@ -121,12 +143,18 @@ def attention(
     kv_pos_BL: jax.Array,
     *,
     q_parent_BT: jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Grouped-query attention under the module's visibility rule; returns [B, T, H, Dh].
 
     ``softmax(q k^T / sqrt(Dh))`` with scores, mask and softmax in float32; the matmuls take
     the operands' dtype and the probabilities are cast back to it for the value product.
     ``q_parent_BT`` (int [B, T], 0 = none): each query's parent segment, which it also sees.
+    Variants: ``scale`` replaces ``1/sqrt(Dh)``, ``softcap`` maps the
+    scaled scores to ``softcap * tanh(s / softcap)`` (Gemma 2), ``window`` (sliding-window
+    layers) also requires ``q_pos - kv_pos < window``; None: off, the program without them.
     """
     b, t, h, dh = q_BTHDh.shape
     kv_heads = k_BLKDh.shape[2]
@@ -135,7 +163,8 @@ def attention(
     q_BTKHgDh = q_BTHDh.reshape(b, t, kv_heads, h // kv_heads, dh)
     scores_BKHgTL = jnp.einsum(
         "btkgd,blkd->bkgtl", q_BTKHgDh, k_BLKDh, preferred_element_type=jnp.float32
-    ) * np.float32(dh**-0.5)
+    ) * np.float32(dh**-0.5 if scale is None else scale)
+    scores_BKHgTL = soft_cap(scores_BKHgTL, softcap)
     same_BTL = q_segment_BT[:, :, None] == kv_segment_BL[:, None, :]
     if q_parent_BT is not None:  # shared-prompt packing: the parent document too
         parent_BT1 = q_parent_BT[:, :, None]
@@ -143,6 +172,7 @@ def attention(
     visible_BTL = (
         same_BTL & (q_segment_BT[:, :, None] != 0) & (kv_pos_BL[:, None, :] <= q_pos_BT[:, :, None])
     )
+    visible_BTL = within_window(visible_BTL, q_pos_BT[:, :, None], kv_pos_BL[:, None, :], window)
     visible_B11TL = visible_BTL[:, None, None, :, :]
     # A finite fill keeps fully masked rows NaN-free; `where` zeroes their probabilities.
     scores_BKHgTL = jnp.where(visible_B11TL, scores_BKHgTL, np.float32(-1e30))

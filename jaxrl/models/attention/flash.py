@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrl.models.attention.dense import soft_cap, within_window
+
 DEFAULT_BLOCK = 128  # tokens per query block and slots per key block (clamped to T and L)
 _BIG = 1 << 30  # larger than any segment id or position
 _MASKED = np.float32(-1e30)  # score of an invisible pair: finite, so no inf - inf
@@ -99,6 +101,7 @@ def block_visibility(
     block_q: int,
     block_kv: int,
     q_parent_BT: jax.Array | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Which (query block, key block) pairs flash attention visits: bool [B, T/bq, L/bk].
 
@@ -106,7 +109,9 @@ def block_visibility(
     every pair that holds a visible (query, key) entry; for contiguous documents with
     increasing ids and positions, true for exactly those (see the module docstring). With
     ``q_parent_BT`` the pairs where a query sees its parent segment are added
-    (:func:`_parent_visibility`).
+    (:func:`_parent_visibility`). With a sliding ``window`` a pair is also dropped when even
+    its closest real query and key (smallest query position, largest key position) are
+    ``window`` or more positions apart.
     """
     b, t = q_segment_BT.shape
     length = kv_segment_BL.shape[1]
@@ -139,6 +144,10 @@ def block_visibility(
     others = (hi - lo + 1) - first_in.astype(jnp.int32) - last_in.astype(jnp.int32)
     via_other = (others > 0) & (k_other_min <= q_other_max)
     visible = (lo <= hi) & (via_first | via_last | via_other)
+    if window is not None:
+        q_min = jnp.min(jnp.where(q_seg > 0, q_pos, _BIG), axis=-1)[:, :, None]
+        k_max = jnp.max(jnp.where(kv_seg > 0, kv_pos, -_BIG), axis=-1)[:, None, :]
+        visible = visible & (q_min - k_max < window)
     if q_parent_BT is None:
         return visible
     q_par = q_parent_BT.astype(jnp.int32).reshape(q_seg.shape)
@@ -207,7 +216,7 @@ def _set_block(x: jax.Array, start_B: jax.Array, update: jax.Array) -> jax.Array
     )
 
 
-def _block_inputs(n, pairs, operands, block_q, block_kv):
+def _block_inputs(n, pairs, operands, block_q, block_kv, window=None):
     """Step ``n``'s blocks for every row: q, k, v, visibility [B, bq, bk] and block starts."""
     q_blocks_BNp, kv_blocks_BNp, count_B = pairs
     q_BTKHgDh, k_BLKDh, v_BLKDh, q_seg_BT, kv_seg_BL, q_pos_BT, kv_pos_BL = operands[:7]
@@ -228,17 +237,31 @@ def _block_inputs(n, pairs, operands, block_q, block_kv):
         & (kv_pos[:, None, :] <= q_pos[:, :, None])
         & active_B[:, None, None]
     )
+    vis_BTL = within_window(vis_BTL, q_pos[:, :, None], kv_pos[:, None, :], window)
     q = _gather_block(q_BTKHgDh, qs_B, block_q)
     k = _gather_block(k_BLKDh, ks_B, block_kv)
     v = _gather_block(v_BLKDh, ks_B, block_kv)
     return q, k, v, vis_BTL[:, None, None], qs_B, ks_B
 
 
-def _scores(q_BTKHgDh: jax.Array, k_BLKDh: jax.Array) -> jax.Array:
-    """``q k^T / sqrt(Dh)`` in float32: [B, K, Hg, bq, bk]."""
-    scale = np.float32(q_BTKHgDh.shape[-1] ** -0.5)
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """The static score variants of ``attention.dense.attention``: ``scale`` (None:
+    ``1/sqrt(Dh)``) and ``softcap`` (None: off). The sliding window travels with the token
+    metadata (``meta``): a scanned layer stack reads it per layer, traced."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def factor(self, head_dim: int) -> np.float32:
+        return np.float32(head_dim**-0.5 if self.scale is None else self.scale)
+
+
+def _scores(q_BTKHgDh: jax.Array, k_BLKDh: jax.Array, variant: _Variant) -> jax.Array:
+    """``q k^T / sqrt(Dh)`` (soft-capped) in float32: [B, K, Hg, bq, bk]."""
+    scale = variant.factor(q_BTKHgDh.shape[-1])
     s = jnp.einsum("btkgd,blkd->bkgtl", q_BTKHgDh, k_BLKDh, preferred_element_type=jnp.float32)
-    return s * scale
+    return soft_cap(s * scale, variant.softcap)
 
 
 @jax.tree_util.register_dataclass
@@ -251,7 +274,7 @@ class _SoftmaxStats:
     acc: jax.Array | None  # [B, T, K, Hg, Dh] running sum of p · v (one pass); None: two passes
 
 
-def _forward(operands, pairs, block_q, block_kv):
+def _forward(operands, pairs, window, block_q, block_kv, variant):
     """Forward: ``(out [B, T, K, Hg, Dh] in q's dtype, lse [B, T, K, Hg] f32)``.
 
     float32 operands: one pass of online softmax (running max ``m`` and sum ``l``, rescaled
@@ -271,8 +294,8 @@ def _forward(operands, pairs, block_q, block_kv):
 
     def online(n, stats: _SoftmaxStats) -> _SoftmaxStats:
         m, denom = stats.m, stats.denom
-        q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
-        s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
+        q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv, window)
+        s_BKHgTL = jnp.where(vis, _scores(q, k, variant), _MASKED)
         m_old = _gather_block(m, qs_B, block_q)  # [B, bq, K, Hg]
         m_new = jnp.maximum(m_old, jnp.moveaxis(jnp.max(s_BKHgTL, axis=-1), 3, 1))
         m_new_BKHgT1 = jnp.moveaxis(m_new, 1, 3)[..., None]
@@ -300,10 +323,10 @@ def _forward(operands, pairs, block_q, block_kv):
     else:
 
         def normalised(n, acc):
-            q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv)
+            q, k, v, vis, qs_B, _ = _block_inputs(n, pairs, operands, block_q, block_kv, window)
             m_BKHgT1 = jnp.moveaxis(_gather_block(m, qs_B, block_q), 1, 3)[..., None]
             l_BKHgT1 = jnp.moveaxis(_gather_block(safe, qs_B, block_q), 1, 3)[..., None]
-            s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
+            s_BKHgTL = jnp.where(vis, _scores(q, k, variant), _MASKED)
             p_BKHgTL = jnp.where(vis, jnp.exp(s_BKHgTL - m_BKHgT1) / l_BKHgT1, 0.0)
             return _add_block(acc, qs_B, value_product(p_BKHgTL, v))
 
@@ -313,10 +336,11 @@ def _forward(operands, pairs, block_q, block_kv):
     return out, lse
 
 
-def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
-    """FlashAttention-2 backward over the same pair lists: float32 ``(dq, dk, dv)``."""
+def _backward(operands, pairs, window, out, lse, d_out, block_q, block_kv, variant):
+    """FlashAttention-2 backward over the same pair lists: float32 ``(dq, dk, dv)``. With a
+    soft-cap ``c = cap tanh(s / cap)`` the score gradient is ``dc (1 - (c / cap)^2)``."""
     q_BTKHgDh, k_BLKDh, v_BLKDh = operands[:3]
-    scale = np.float32(q_BTKHgDh.shape[-1] ** -0.5)
+    scale = variant.factor(q_BTKHgDh.shape[-1])
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,T,K,Hg]
     dq = jnp.zeros(q_BTKHgDh.shape, jnp.float32)
     dk = jnp.zeros(k_BLKDh.shape, jnp.float32)
@@ -324,9 +348,9 @@ def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
 
     def step(n, carry):
         dq, dk, dv = carry
-        q, k, v, vis, qs_B, ks_B = _block_inputs(n, pairs, operands, block_q, block_kv)
+        q, k, v, vis, qs_B, ks_B = _block_inputs(n, pairs, operands, block_q, block_kv, window)
         lse_BKHgT1 = jnp.moveaxis(_gather_block(lse, qs_B, block_q), 1, 3)[..., None]
-        s_BKHgTL = jnp.where(vis, _scores(q, k), _MASKED)
+        s_BKHgTL = jnp.where(vis, _scores(q, k, variant), _MASKED)
         p_BKHgTL = jnp.where(vis, jnp.exp(s_BKHgTL - lse_BKHgT1), 0.0)
         do = _gather_block(d_out, qs_B, block_q)  # [B, bq, K, Hg, Dh]
         dv_blk = jnp.einsum(
@@ -334,7 +358,11 @@ def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
         )
         dp = jnp.einsum("btkgd,blkd->bkgtl", do, v, preferred_element_type=jnp.float32)
         delta_BKHgT1 = jnp.moveaxis(_gather_block(delta, qs_B, block_q), 1, 3)[..., None]
-        ds = (p_BKHgTL * (dp - delta_BKHgT1)).astype(q.dtype)
+        ds = p_BKHgTL * (dp - delta_BKHgT1)
+        if variant.softcap is not None:  # through cap * tanh(s / cap)
+            tanh_BKHgTL = jnp.where(vis, s_BKHgTL, 0.0) / np.float32(variant.softcap)
+            ds = ds * (1.0 - jnp.square(tanh_BKHgTL))  # masked entries: finite, p = 0
+        ds = ds.astype(q.dtype)
         dq_blk = jnp.einsum("bkgtl,blkd->btkgd", ds, k, preferred_element_type=jnp.float32)
         dk_blk = jnp.einsum("bkgtl,btkgd->blkd", ds, q, preferred_element_type=jnp.float32)
         return (
@@ -347,22 +375,24 @@ def _backward(operands, pairs, out, lse, d_out, block_q, block_kv):
     return lax.fori_loop(0, steps, step, (dq, dk, dv))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, meta, block_q, block_kv):
-    """``meta = (tokens, pairs)``: ``tokens`` = q/kv segments, q/kv positions (and q parents),
-    ``pairs`` = :func:`_pair_lists`."""
-    out, _ = _forward((q, k, v, *meta[0]), meta[1], block_q, block_kv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, meta, block_q, block_kv, variant):
+    """``meta = (tokens, pairs, window)``: ``tokens`` = q/kv segments, q/kv positions (and q
+    parents), ``pairs`` = :func:`_pair_lists`, ``window`` an int32 scalar or None;
+    ``variant``: :class:`_Variant`."""
+    out, _ = _forward((q, k, v, *meta[0]), meta[1], meta[2], block_q, block_kv, variant)
     return out
 
 
-def _flash_fwd(q, k, v, meta, block_q, block_kv):
-    out, lse = _forward((q, k, v, *meta[0]), meta[1], block_q, block_kv)
+def _flash_fwd(q, k, v, meta, block_q, block_kv, variant):
+    out, lse = _forward((q, k, v, *meta[0]), meta[1], meta[2], block_q, block_kv, variant)
     return out, (q, k, v, meta, out, lse)
 
 
-def _flash_bwd(block_q, block_kv, residuals, d_out):
+def _flash_bwd(block_q, block_kv, variant, residuals, d_out):
     q, k, v, meta, out, lse = residuals
-    dq, dk, dv = _backward((q, k, v, *meta[0]), meta[1], out, lse, d_out, block_q, block_kv)
+    operands = (q, k, v, *meta[0])
+    dq, dk, dv = _backward(operands, meta[1], meta[2], out, lse, d_out, block_q, block_kv, variant)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -380,13 +410,17 @@ def flash_attention(
     *,
     block_size: int = DEFAULT_BLOCK,
     q_parent_BT: jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """:func:`jaxrl.models.attention.dense.attention`, blockwise, visiting only visible blocks.
 
     ``block_size`` is clamped to T (query blocks) and L (key blocks); lengths that are not a
     multiple are padded internally with padding tokens (segment 0), which cost nothing.
     ``q_parent_BT``: each query's parent segment (0 = none), which it also sees
-    (:func:`jaxrl.models.attention.dense.attention`).
+    (:func:`jaxrl.models.attention.dense.attention`). ``scale``, ``softcap``, ``window``: its
+    score variants (a window also prunes blocks, :func:`block_visibility`).
     """
     b, t, h, dh = q_BTHDh.shape
     length, kv_heads = k_BLKDh.shape[1], k_BLKDh.shape[2]
@@ -399,13 +433,18 @@ def flash_attention(
     q_seg, q_pos = _pad_to(q_segment_BT, tp), _pad_to(q_pos_BT, tp)
     kv_seg, kv_pos = _pad_to(kv_segment_BL, lp), _pad_to(kv_pos_BL, lp)
     meta_seg = tuple(x.astype(jnp.int32) for x in (q_seg, kv_seg, q_pos, kv_pos))
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)  # static or a layer scan's (traced)
+    blocks = dict(block_q=block_q, block_kv=block_kv, window=window)
     if q_parent_BT is None:
-        visible = block_visibility(*meta_seg, block_q=block_q, block_kv=block_kv)
+        visible = block_visibility(*meta_seg, **blocks)
     else:
         q_par = _pad_to(q_parent_BT, tp).astype(jnp.int32)
-        visible = block_visibility(*meta_seg, block_q=block_q, block_kv=block_kv, q_parent_BT=q_par)
+        visible = block_visibility(*meta_seg, **blocks, q_parent_BT=q_par)
         meta_seg = (*meta_seg, q_par)
-    meta = (meta_seg, _pair_lists(visible))
+    meta = (meta_seg, _pair_lists(visible), window)
     q = _pad_to(q_BTHDh, tp).reshape(b, tp, kv_heads, h // kv_heads, dh)
-    out = _flash(q, _pad_to(k_BLKDh, lp), _pad_to(v_BLKDh, lp), meta, block_q, block_kv)
+    variant = _Variant(scale=scale, softcap=softcap)
+    k, v = _pad_to(k_BLKDh, lp), _pad_to(v_BLKDh, lp)
+    out = _flash(q, k, v, meta, block_q, block_kv, variant)
     return out.reshape(b, tp, h, dh)[:, :t]

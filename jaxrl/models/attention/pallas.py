@@ -14,10 +14,14 @@ call runs the dense reference instead (``lax.cond``: one branch executes), so re
 depend on the layout. Padding queries (segment 0), which the kernels let see padding, are
 zeroed afterwards, as the rule wants (their gradient is zero too).
 
-Known limit: parent segments (``q_parent_BT``, shared-prompt packing) are not a mask JAX's
+Known limits: parent segments (``q_parent_BT``, shared-prompt packing) are not a mask JAX's
 kernels can express (they only compare segment ids for equality), so a call with parents runs
 the blockwise ``flash`` implementation (``flash.py``) instead, on any backend; a Pallas fast
-path for parents is future work (docs/attention.md).
+path for parents is future work (docs/attention.md). Score variants (docs/models.md): a custom
+``scale`` (Gemma's ``query_pre_attn_scalar``) runs in both kernels; splash also takes Gemma 2's
+``softcap`` (its ``attn_logits_soft_cap``) and a static sliding ``window`` (its ``LocalMask``,
+by index: the fallback test then also requires consecutive positions within each document);
+``pallas_gpu`` runs ``flash`` for those.
 """
 
 from __future__ import annotations
@@ -41,13 +45,20 @@ def _round_up(n: int, m: int) -> int:
 
 
 def index_causal_matches(
-    q_segment_BT: jax.Array, kv_segment_BL: jax.Array, q_pos_BT: jax.Array, kv_pos_BL: jax.Array
+    q_segment_BT: jax.Array,
+    kv_segment_BL: jax.Array,
+    q_pos_BT: jax.Array,
+    kv_pos_BL: jax.Array,
+    *,
+    consecutive: bool = False,
 ) -> jax.Array:
     """Scalar bool: index-causal masking with segment ids equals the position rule here.
 
     True when queries and keys carry the same segments and positions, real segment ids never
     decrease along a row, and positions strictly increase between consecutive real tokens of
-    the same document (module docstring).
+    the same document (module docstring). ``consecutive`` (a sliding window, which the kernel
+    applies by index): positions also advance exactly as the indices do within a document
+    (no padding inside a document, no gaps), so index distances are position distances.
     """
     if q_segment_BT.shape != kv_segment_BL.shape:
         return jnp.asarray(False)
@@ -61,23 +72,27 @@ def index_causal_matches(
     prev_seg = jnp.take_along_axis(seg, jnp.maximum(prev, 0), axis=1)
     prev_pos = jnp.take_along_axis(pos, jnp.maximum(prev, 0), axis=1)
     ordered = ~has_prev | (seg > prev_seg) | ((seg == prev_seg) & (pos > prev_pos))
+    if consecutive:
+        steps = (seg != prev_seg) | (pos - prev_pos == idx - prev)
+        ordered = ordered & (~has_prev | steps)
     return same & jnp.all(ordered)
 
 
-def _with_fallback(kernel, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
-    """``kernel`` where the index rule matches the position rule, else the dense reference;
-    padding queries zeroed either way."""
+def _with_fallback(kernel, q, k, v, q_seg, kv_seg, q_pos, kv_pos, **variant):
+    """``kernel`` where the index rule matches the position rule, else the dense reference
+    (with the same score ``variant``); padding queries zeroed either way."""
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"the Pallas attention kernels need self-attention (T == L), got T={q.shape[1]} "
             f"and L={k.shape[1]}; the KV-cache path uses attention_fn(..., self_attention=False)"
         )
-    ok = index_causal_matches(q_seg, kv_seg, q_pos, kv_pos)
+    consecutive = variant.get("window") is not None
+    ok = index_causal_matches(q_seg, kv_seg, q_pos, kv_pos, consecutive=consecutive)
     kernel = _manual_over_rest(kernel, q.shape[0], q.shape[2], k.shape[2])
     out = lax.cond(
         ok,
         lambda q, k, v: kernel(q, k, v, q_seg.astype(jnp.int32)),
-        lambda q, k, v: attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos),
+        lambda q, k, v: attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, **variant),
         q,
         k,
         v,
@@ -121,19 +136,28 @@ def _manual_over_rest(kernel, batch: int, heads: int, kv_heads: int):
     )
 
 
-def _flash_for_parents(kernel_fn):
-    """``kernel_fn`` (a Pallas attention with its ``block_size`` / ``interpret`` keywords), or
-    for calls with parent segments (shared-prompt packing) the blockwise ``flash``
-    implementation: JAX's kernels only know segment equality (module docstring)."""
+def _flash_for_parents(*native: str):
+    """Decorator: the Pallas attention ``kernel_fn`` (its ``block_size`` / ``interpret`` and
+    the ``native`` score variants as keywords), or the blockwise ``flash`` implementation for
+    calls with parent segments (shared-prompt packing: JAX's kernels only know segment
+    equality, module docstring), with a variant the kernel lacks, or with a traced window (a
+    scanned stack's per-layer table: the kernel's mask is static)."""
+    return lambda kernel_fn: _dispatch(kernel_fn, native)
 
+
+def _dispatch(kernel_fn, native: tuple[str, ...]):
     def run(
         q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL,
         *, block_size: int = 128, interpret: bool = False, q_parent_BT: jax.Array | None = None,
+        scale: float | None = None, softcap: float | None = None, window: int | None = None,
     ) -> jax.Array:  # fmt: skip
         args = (q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL)
-        if q_parent_BT is not None:
-            return flash_attention(*args, block_size=block_size, q_parent_BT=q_parent_BT)
-        return kernel_fn(*args, block_size=block_size, interpret=interpret)
+        variant = dict(scale=scale, softcap=softcap, window=window)
+        foreign = [k for k, v in variant.items() if v is not None and k not in native]
+        if q_parent_BT is not None or foreign or isinstance(window, jax.Array):
+            return flash_attention(*args, block_size=block_size, q_parent_BT=q_parent_BT, **variant)
+        kept = {k: v for k, v in variant.items() if k in native}
+        return kernel_fn(*args, block_size=block_size, interpret=interpret, **kept)
 
     run.__name__, run.__qualname__, run.__doc__ = (
         kernel_fn.__name__,
@@ -149,7 +173,7 @@ def _pad_tokens(x: jax.Array, length: int, value: int = 0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-@_flash_for_parents
+@_flash_for_parents("scale", "softcap", "window")
 def splash(
     q_BTHDh: jax.Array,
     k_BLKDh: jax.Array,
@@ -161,12 +185,18 @@ def splash(
     *,
     block_size: int = 128,
     interpret: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """TPU splash attention (causal mask + ``SegmentIds``, GQA) under the visibility rule.
 
     Blocks are ``block_size`` rounded down to a multiple of 128 (at least 128); T is padded
     to a multiple of the block with tokens of segment -1 (each sees only itself, so no row of
-    the kernel's mask is empty). Queries are scaled by ``1/sqrt(Dh)`` before the kernel.
+    the kernel's mask is empty). Queries are scaled by ``1/sqrt(Dh)`` (or ``scale``) before the
+    kernel; ``softcap`` is the kernel's ``attn_logits_soft_cap`` and a sliding ``window`` its
+    ``LocalMask`` (the last ``window`` indices), which equals the position rule when positions
+    are consecutive within each document (checked, else the dense reference runs).
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
@@ -177,11 +207,15 @@ def splash(
 
     def kernel(q, k, v, seg):
         seg = _pad_tokens(seg, tp, -1)
-        scale = np.float32(dh**-0.5)
-        q = (_pad_tokens(q, tp).astype(jnp.float32) * scale).astype(q.dtype)
+        factor = np.float32(dh**-0.5 if scale is None else scale)
+        q = (_pad_tokens(q, tp).astype(jnp.float32) * factor).astype(q.dtype)
         q_BHTDh = jnp.swapaxes(q, 1, 2)
         k_BKTDh, v_BKTDh = (jnp.swapaxes(_pad_tokens(x, tp), 1, 2) for x in (k, v))
-        mask = sm.MultiHeadMask([sm.CausalMask((tp, tp)) for _ in range(h)])
+        if window is None:
+            one = sm.CausalMask((tp, tp))
+        else:
+            one = sm.LocalMask((tp, tp), window_size=(window - 1, 0), offset=0)
+        mask = sm.MultiHeadMask([one for _ in range(h)])
         sizes = sk.BlockSizes(
             block_q=block,
             block_kv=block,
@@ -193,18 +227,20 @@ def splash(
             block_kv_dq=block,
         )
         splash_kernel = sk.make_splash_mha(
-            mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
-        )
+            mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+            attn_logits_soft_cap=softcap,
+        )  # fmt: skip
         segment_ids = sk.SegmentIds(q=seg, kv=seg)
         out_BHTDh = jax.vmap(splash_kernel)(q_BHTDh, k_BKTDh, v_BKTDh, segment_ids=segment_ids)
         return jnp.swapaxes(out_BHTDh, 1, 2)[:, :t].astype(q_BTHDh.dtype)
 
     return _with_fallback(
-        kernel, q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL
-    )
+        kernel, q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL,
+        scale=scale, softcap=softcap, window=window,
+    )  # fmt: skip
 
 
-@_flash_for_parents
+@_flash_for_parents("scale")
 def pallas_gpu(
     q_BTHDh: jax.Array,
     k_BLKDh: jax.Array,
@@ -216,6 +252,7 @@ def pallas_gpu(
     *,
     block_size: int = 128,
     interpret: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """GPU (Triton) flash attention ``pallas.ops.gpu.attention.mha``, causal + segment ids.
 
@@ -250,7 +287,7 @@ def pallas_gpu(
             k,
             v,
             _pad_tokens(seg, tp, -1),
-            sm_scale=float(dh**-0.5),
+            sm_scale=float(dh**-0.5 if scale is None else scale),
             causal=True,
             block_sizes=sizes,
             interpret=interpret,
@@ -258,5 +295,6 @@ def pallas_gpu(
         return out[:, :t]
 
     return _with_fallback(
-        kernel, q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL
-    )
+        kernel, q_BTHDh, k_BLKDh, v_BLKDh, q_segment_BT, kv_segment_BL, q_pos_BT, kv_pos_BL,
+        scale=scale,
+    )  # fmt: skip
