@@ -17,7 +17,7 @@ __all__ = [
     "HostCounters",
     "empty_cause",
     "zero_advantage_warning",
-    "zero_spread_stop_line",
+    "ZeroSpreadWatch",
 ]
 
 
@@ -121,10 +121,35 @@ def zero_advantage_warning(step: int, config: Any, row: dict[str, Any]) -> str:
     )
 
 
-def zero_spread_stop_line(step: int, config: Any) -> str:
-    """The line a run ended by ``grpo.stop_on_zero_spread`` prints last."""
-    return (
-        f"stopped at step {step}: {config.zero_spread_steps} steps in a row without a policy "
-        "gradient (every group's rewards were equal; grpo.stop_on_zero_spread=true). The "
-        "checkpoint and metrics up to this step are kept"
-    )
+class ZeroSpreadWatch:
+    """``grpo.zero_spread_steps`` / ``grpo.stop_on_zero_spread``: after that many steps in a
+    row without a policy gradient (``HostCounters.zero_advantage_in_row``) the run warns once,
+    and ends there when asked."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.warned = False
+
+    def reached(self, counters: HostCounters) -> bool:
+        n = self.config.zero_spread_steps
+        return n > 0 and counters.zero_advantage_in_row >= n
+
+    def warnings(self, counters: HostCounters, step: int, row: dict[str, Any]) -> list[str]:
+        """The warning, the first time the streak reaches the limit in this process."""
+        if self.warned or not self.reached(counters):
+            return []
+        self.warned = True
+        return [zero_advantage_warning(step, self.config, row)]
+
+    def stops(self, counters: HostCounters) -> bool:
+        return bool(self.config.stop_on_zero_spread) and self.reached(counters)
+
+    def stop_lines(self, counters: HostCounters, step: int) -> list[str]:
+        """The line a run ended by ``grpo.stop_on_zero_spread`` prints last; [] to go on."""
+        if not self.stops(counters):
+            return []
+        return [
+            f"stopped at step {step}: {self.config.zero_spread_steps} steps in a row without a "
+            "policy gradient (every group's rewards were equal; grpo.stop_on_zero_spread=true). "
+            "The checkpoint and metrics up to this step are kept"
+        ]

@@ -29,7 +29,7 @@ from jaxrl.runtime.mesh import reserve_devices, run_devices
 from jaxrl.train.run_io.metrics import read_metrics
 from jaxrl.train.run_io.plots import plot_reward_and_accuracy
 from jaxrl.trainers.algorithm import RLStage, WarmStart
-from jaxrl.trainers.counters import empty_cause, zero_advantage_warning, zero_spread_stop_line
+from jaxrl.trainers.counters import ZeroSpreadWatch, empty_cause
 from jaxrl.trainers.external_rollouts import external_batch
 from jaxrl.trainers.grpo.builder import build_rollout_parts, precompile_start
 from jaxrl.trainers.grpo.checks import check_rollout_settings, check_shared_prompt
@@ -124,7 +124,7 @@ class RolloutTrainer(RLStage):
         self.generation_s = 0.0  # time making the generations loaded since the last row
         self.sampling_stats: dict[str, int] = {}  # dynamic sampling of the last generation
         self.start_eval: dict[str, float] = {}  # held-out metrics before the first step
-        self.warned_zero_advantage = False
+        self.zero_spread = ZeroSpreadWatch(self.config)
         self.window: Any = None  # the documents of the step being trained (RowDocuments)
         self.held: RolloutBatch | None = None  # a generation drawn before its micro-step
         self.stage.attach(self.cfg, self.session, self.generator)
@@ -250,10 +250,7 @@ class RolloutTrainer(RLStage):
         counters = self.session.counters
         counters.count_zero_advantages(docs.advantages[used_ids])
         out["zero_advantage_steps"] = counters.zero_advantage_steps
-        if self.no_signal() and not self.warned_zero_advantage:
-            self.warned_zero_advantage = True
-            warning = zero_advantage_warning(self.session.step, self.config, {**row, **out})
-            self.session.say([warning])
+        self.session.say(self.zero_spread.warnings(counters, self.session.step, {**row, **out}))
         self.rollouts.done(docs, batch.returned)
         return out
 
@@ -312,18 +309,11 @@ class RolloutTrainer(RLStage):
     def info(self, row: dict[str, Any]) -> str:
         return f"reward {row['reward']:.3f}"
 
-    def no_signal(self) -> bool:
-        """``grpo.zero_spread_steps`` steps in a row (this one the last) had no policy
-        gradient: every group's rewards were equal."""
-        n = self.config.zero_spread_steps
-        return n > 0 and self.session.counters.zero_advantage_in_row >= n
-
     def stop(self, row: dict[str, Any]) -> bool:
         """``grpo.stop_on_zero_spread``: end the run once it has stopped learning."""
-        if self.config.stop_on_zero_spread and self.no_signal():
-            self.session.say([zero_spread_stop_line(self.session.step, self.config)])
-            return True
-        return False
+        lines = self.zero_spread.stop_lines(self.session.counters, self.session.step)
+        self.session.say(lines)
+        return bool(lines)
 
     def summary(self, summary: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
         """The summary, the starting metrics and the plot of reward and accuracy."""
@@ -331,14 +321,10 @@ class RolloutTrainer(RLStage):
         if self.session.primary:
             metrics = read_metrics(self.session.writer.path)
             plot_reward_and_accuracy(metrics, plot, start=self.start_eval)
+        start = {f"{k}_start": v for k, v in self.start_eval.items()}
+        stopped = {"stopped_zero_spread": self.zero_spread.stops(self.session.counters)}
         return self.stage.summary(
-            {
-                **summary,
-                **{f"{k}_start": v for k, v in self.start_eval.items()},
-                **self.data_report,
-                "plot": str(plot),
-                "stopped_zero_spread": self.config.stop_on_zero_spread and self.no_signal(),
-            }
+            {**summary, **start, **self.data_report, "plot": str(plot), **stopped}
         )
 
     def close(self) -> None:
