@@ -28,7 +28,7 @@ def test_layouts_regroup_the_ranks_and_halve_the_budget():
     assert "mesh.data=8" in a and "mesh.fsdp=1" in a
     assert "mesh.data=1" in b and "mesh.fsdp=8" in b and "schedule.max_tokens=128" in b
     for sets in (a, b):  # the step starts where a train run's first step would, and moves
-        assert "sft_warmup_steps=0" in sets and "optimizer.warmup_steps=0" in sets
+        assert "warm_start.steps=0" in sets and "optimizer.warmup_steps=0" in sets
         assert "optimizer.eps=0.001" in sets
     assert line_a != line_b
     assert max(TOLERANCE.values()) <= 1e-5

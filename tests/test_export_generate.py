@@ -88,7 +88,7 @@ def dpo_char(sft_char, tmp_path_factory):
         *CHAR,
         f"model.path={sft_char.session.output_dir / 'hf'}",
         "model.init={}",
-        "sft_warmup_steps=0",
+        "warm_start.steps=0",
         "max_steps=2",
         "dpo.per_device_train_batch_size=8",
     ]

@@ -106,7 +106,7 @@ def test_user_mistakes_end_in_one_line(tmp_path, capsys, config, items, code, me
             item = item.split("{model:")[0] + str(_model_dir(tmp_path / "m", damage))
         resolved.append(item.replace("{tmp}", str(tmp_path)))
     path = CONFIGS.get(config, tmp_path / config)
-    base = [*SMALL, f"output_dir={tmp_path}/run", "max_steps=1", "sft_warmup_steps=0"]
+    base = [*SMALL, f"output_dir={tmp_path}/run", "max_steps=1", "warm_start.steps=0"]
     got, err, _ = _run(path, [*base, *resolved], capsys)
     gc.collect()
     assert got == code, err

@@ -288,7 +288,7 @@ def test_grpo_stage_schedule_fields_are_validated_and_reach_the_optimizer():
     from jaxrl.config import load_run_config
     from jaxrl.trainers.preamble import stage_config
 
-    cfg = load_run_config("configs/grpo_tiny.yaml", ["grpo.lr_scheduler_type=linear"])
+    cfg = load_run_config("configs/grpo_tiny.yaml", ["optimizer.decay=linear"])
     opt = stage_config(cfg).optimizer
     assert (opt.learning_rate, opt.warmup_steps, opt.decay) == (3e-4, 10, "linear")
     assert cfg.optimizer.decay == "cosine" and cfg.optimizer.warmup_steps == 50  # SFT keeps its own

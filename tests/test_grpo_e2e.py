@@ -15,14 +15,14 @@ from jaxrl.trainers.session import Session
 CONFIG = "configs/grpo_tiny.yaml"
 TINY = [
     "logging.progress=false",
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
     "num_key_value_heads: 1, intermediate_size: 64}",
     "task.train_size=64",
     "task.eval_size=8",  # = the generation batch: eval and generation share one sampler program
     "schedule.max_tokens=64",
     "optimizer.warmup_steps=0",
-    "grpo.warmup_steps=0",
+    "optimizer.warmup_steps=0",
     "grpo.learning_rate=3.0e-2",
     "grpo.max_completion_length=4",
     "grpo.num_generations=4",
@@ -108,7 +108,7 @@ def test_fp32_sampler_and_trainer_logprobs_agree(tmp_path):
 def test_cli_smoke_run_writes_every_metric_key_and_plot(tmp_path):
     out = tmp_path / "cli"
     args = ["train", CONFIG, "--set", f"output_dir={out}"]
-    for o in (*TINY, "sft_warmup_steps=2", "sft.batch_size=32", "max_steps=2", "grpo.beta=0.04",
+    for o in (*TINY, "warm_start.steps=2", "sft.batch_size=32", "max_steps=2", "grpo.beta=0.04",
               "grpo.top_entropy_quantile=0.5", "logging.eval_every=1"):  # fmt: skip
         args += ["--set", o]
     assert main(args) == 0

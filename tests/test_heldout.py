@@ -164,9 +164,9 @@ def test_sft_stops_at_the_first_eval_reaching_the_target(tmp_path, monkeypatch):
 
 def test_warm_start_target_in_a_grpo_config(tmp_path, monkeypatch, capsys):
     _scripted(monkeypatch, [0.2, 0.45, 0.7, 0.8])
-    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "sft_warmup_steps=20"]
-    sets += ["logging.eval_every=7", "sft_warmup_eval_every=2"]  # the warm start checks every 2
-    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "sft_warmup_target=0.6"])
+    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "warm_start.steps=20"]
+    sets += ["logging.eval_every=7", "warm_start.eval_every=2"]  # the warm start checks every 2
+    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "warm_start.target=0.6"])
     started = warm_start(cfg)
     assert started.model.path == str(tmp_path / "run" / "sft" / "hf")
     assert started.sft_warmup_steps == 0 and started.sft_warmup_target == 0
@@ -180,17 +180,17 @@ def test_warm_start_target_in_a_grpo_config(tmp_path, monkeypatch, capsys):
 
 def test_warm_start_target_not_reached_runs_to_the_cap_and_says_so(tmp_path, monkeypatch, capsys):
     _scripted(monkeypatch, [0.1, 0.2, 0.3])
-    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "sft_warmup_steps=6"]
-    sets += ["sft_warmup_eval_every=2"]
-    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "sft_warmup_target=0.9"])
+    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "warm_start.steps=6"]
+    sets += ["warm_start.eval_every=2"]
+    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "warm_start.target=0.9"])
     warm_start(cfg)
     record = json.loads((tmp_path / "run" / "sft" / SUMMARY).read_text())
     assert record["steps"] == 6 and not record["stopped_at_target"]
-    assert "sft_warmup_target=0.9" in capsys.readouterr().out
+    assert "warm_start.target=0.9" in capsys.readouterr().out
 
 
 def test_warm_start_target_is_validated():
     with pytest.raises(ValueError, match="sft_warmup_eval_every"):
-        load_run_config("configs/grpo_tiny.yaml", ["sft_warmup_eval_every=0"])
+        load_run_config("configs/grpo_tiny.yaml", ["warm_start.eval_every=0"])
     with pytest.raises(ValueError, match="sft_warmup_target"):
-        load_run_config("configs/grpo_tiny.yaml", ["sft_warmup_target=1.5"])
+        load_run_config("configs/grpo_tiny.yaml", ["warm_start.target=1.5"])

@@ -333,7 +333,7 @@ def test_lora_config_errors_name_the_fix():
 # -- DPO and GRPO end to end -----------------------------------------------------------------
 def _cli(config, out, *overrides):
     args = ["train", config, "--set", f"output_dir={out}"]
-    for o in ("logging.progress=false", "sft_warmup_steps=0", "model.lora.rank=4", *overrides):
+    for o in ("logging.progress=false", "warm_start.steps=0", "model.lora.rank=4", *overrides):
         args += ["--set", o]
     assert main(args) == 0
     assert (out / "adapter" / "adapter_config.json").is_file()
@@ -362,7 +362,7 @@ def test_grpo_with_lora_and_beta_has_zero_kl_before_the_first_update(tmp_path):
         tmp_path / "grpo",
         "max_steps=2",
         "grpo.beta=0.04",
-        "grpo.warmup_steps=0",
+        "optimizer.warmup_steps=0",
         "grpo.learning_rate=1e-2",
         "grpo.per_device_train_batch_size=32",
         "task.train_size=64",

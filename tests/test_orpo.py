@@ -189,7 +189,7 @@ def test_orpo_config_and_loss_api():
 # ----------------------------------------------------------------- the trainer's step, layouts
 
 ORPO = [
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "dpo.loss_type=orpo",
     "dpo.beta=0.1",
     "dpo.learning_rate=1e-3",

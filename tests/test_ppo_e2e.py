@@ -17,9 +17,9 @@ from jaxrl.trainers.check import compare, outcome
 from jaxrl.trainers.ppo import PPOTrainer
 
 SMALL = [
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "grpo.learning_rate=1e-3",
-    "grpo.warmup_steps=0",
+    "optimizer.warmup_steps=0",
     "optimizer.warmup_steps=0",
     "optimizer.eps=1e-3",  # Adam's ε: see tests/test_orpo.py
     "grpo.num_generations=4",

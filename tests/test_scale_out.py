@@ -37,14 +37,14 @@ JOBS = {
     ),
     "grpo": (
         "configs/grpo_tiny.yaml",
-        [SMALL_MODEL, "max_steps=3", "sft_warmup_steps=0", "grpo.warmup_steps=0",
+        [SMALL_MODEL, "max_steps=3", "warm_start.steps=0", "optimizer.warmup_steps=0",
          "grpo.learning_rate=3e-3", "grpo.num_generations=4",
          "grpo.max_completion_length=4", "task.train_size=64", "task.eval_size=8",
          "logging.eval_samples=0", "schedule.max_tokens=32"],
     ),
     "dpo": (
         "configs/dpo_tiny.yaml",
-        [SMALL_MODEL, "max_steps=3", "sft_warmup_steps=0", "task.train_size=64",
+        [SMALL_MODEL, "max_steps=3", "warm_start.steps=0", "task.train_size=64",
          "task.eval_size=8", "dpo.learning_rate=1e-3",
          "optimizer.warmup_steps=0"],
     ),

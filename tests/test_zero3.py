@@ -37,12 +37,12 @@ JOBS = {  # one optimizer step of each trainer, fp32 (the configs' model.dtype)
     ),
     "dpo": (
         "configs/dpo_tiny.yaml",
-        ["sft_warmup_steps=0", "task.train_size=64", "task.eval_size=8",
+        ["warm_start.steps=0", "task.train_size=64", "task.eval_size=8",
          "dpo.learning_rate=1.0", "dpo.per_device_train_batch_size={per16}"],
     ),
     "grpo": (
         "configs/grpo_tiny.yaml",
-        ["sft_warmup_steps=0", "grpo.warmup_steps=0", "grpo.learning_rate=1.0",
+        ["warm_start.steps=0", "optimizer.warmup_steps=0", "grpo.learning_rate=1.0",
          "grpo.num_generations=4", "grpo.max_completion_length=4", "task.train_size=64",
          "task.eval_size=8", "logging.eval_samples=0", "schedule.max_tokens=32",
          "grpo.per_device_train_batch_size={per16}"],

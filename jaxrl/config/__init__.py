@@ -1,4 +1,5 @@
-"""Typed configs: run sections, algorithm configs, YAML loading and ``ConfigError``."""
+"""Typed configs: the run (``run``), its run-level sections (``sections``), the algorithm
+sections (``sft``, ``grpo``, ``dpo``, ``kto``, ``ppo``), YAML loading and ``ConfigError``."""
 
 from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from jaxrl.config.dpo import DPOConfig
@@ -20,7 +21,9 @@ from jaxrl.config.run import (
     RunConfig,
     ScheduleConfig,
     TaskConfig,
+    WarmStartConfig,
 )
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.config.sft import SFTConfig
 
 __all__ = [
@@ -43,6 +46,8 @@ __all__ = [
     "SFTConfig",
     "ScheduleConfig",
     "TaskConfig",
+    "VLLMConfig",
+    "WarmStartConfig",
     "anchor_reward_paths",
     "apply_overrides",
     "from_dict",

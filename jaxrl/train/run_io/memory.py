@@ -183,7 +183,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         if not in_place:
             sampler_copy = decode["device_weight_bytes"]
         # LoRA: the reference is the frozen base itself (adapters disabled)
-        if cfg.grpo.beta != 0.0 and run.frozen is None:
+        if cfg.stage.beta != 0.0 and run.frozen is None:
             reference_copy = bytes_per_device(compute_shapes, dense_shardings)
         copies = int(sampler_copy > 0) + int(reference_copy > 0)
     compute_copy_bytes = sampler_copy + reference_copy
@@ -321,7 +321,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     ``(None, None)`` for other algorithms."""
     if not cfg.samples_rollouts:  # PPO samples with GRPO's sampler
         return None, None
-    r, g = cfg.rollout, cfg.grpo
+    r, g = cfg.rollout, cfg.stage
     dense = dense_config(config)
     dmesh = sampler_mesh(mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(  # abstract: nothing is allocated or compiled

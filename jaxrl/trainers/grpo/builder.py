@@ -56,7 +56,7 @@ def build_rollout_parts(
 ) -> RolloutParts:
     """The generator (on ``generation``'s devices when given, else the session's), the scorer
     and the held-out evaluator of a GRPO run whose trainer is ``session``."""
-    config, chunk = cfg.grpo, cfg.model.logprob_chunk
+    config, chunk = cfg.stage, cfg.model.logprob_chunk
     mesh = make_mesh(devices=generation) if generation else session.mesh
     ref_params = None
     if config.beta != 0.0:
@@ -135,7 +135,7 @@ def _evaluator(
         [r["prompt"] for r in data.eval_rows],
         [r["answer"] for r in data.eval_rows],
         prompt_ids=data.eval_prompts,
-        max_new_tokens=cfg.grpo.max_completion_length,
+        max_new_tokens=cfg.stage.max_completion_length,
         sampling=generator.sampler.sampling,
         samples_per_prompt=cfg.logging.eval_samples,
         seed=cfg.seed,

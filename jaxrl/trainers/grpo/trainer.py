@@ -73,15 +73,15 @@ class RolloutTrainer(RLStage):
     def for_run(cls, cfg: RunConfig, warm_start: WarmStart) -> RolloutTrainer:
         """The reward functions loaded (user code) and checked before the warm start."""
         cfg = with_device_ranks(cfg)
-        funcs = load_reward_funcs(cfg.grpo)
+        funcs = load_reward_funcs(cfg.stage)
         return cls(warm_start(cfg), reward_funcs=funcs)
 
     def _build(
         self, cfg: RunConfig, reward_funcs: Sequence[str | RewardFunc] | None, generation: list
     ) -> None:
-        funcs = load_reward_funcs(cfg.grpo, reward_funcs)
+        funcs = load_reward_funcs(cfg.stage, reward_funcs)
         pre = Preamble(cfg)
-        self.cfg, self.config, self.tokenizer = pre.cfg, pre.cfg.grpo, pre.tokenizer
+        self.cfg, self.config, self.tokenizer = pre.cfg, pre.cfg.stage, pre.tokenizer
         # tools / environment (docs/tools.md): loaded now, their schemas go into the prompts
         toolbox = toolbox_from_config(self.config) if self.config.uses_tools else None
         if toolbox is not None:  # an environment's get_reward() is a reward (TRL)
