@@ -35,31 +35,7 @@ def warm_start(cfg: RunConfig) -> RunConfig:
     sft_dir = Path(cfg.output_dir) / "sft"
     export = sft_dir / "hf"
     if not agreed((export / "config.json").is_file()):  # process 0 decides for every process
-        sft = cfg.sft
-        if cfg.mesh.static_batch_ranks is None:  # the SFT session counts its own ranks
-            sft = dataclasses.replace(sft, world_size=None)
-        optimizer = dataclasses.replace(cfg.optimizer, **ws.optimizer_changes())
-        sections = dict.fromkeys(("grpo", "dpo", "kto", "ppo"))  # SFT's run has its own only
-        sft_cfg = dataclasses.replace(
-            cfg,
-            algorithm="sft",
-            output_dir=str(sft_dir),
-            max_steps=ws.steps,
-            warm_start=None,
-            optimizer=optimizer,
-            sft=sft,
-            **sections,
-        )
-        if cfg.model.path is None and cfg.model.lora.enabled:
-            # adapters on a random base learn little: a fresh model is warm-started fully, and
-            # the RL stage puts its adapters on the result (docs/lora.md)
-            sft_cfg = dataclasses.replace(
-                sft_cfg, model=dataclasses.replace(cfg.model, lora=LoraSection())
-            )
-        target = ws.target or None
-        if target is not None:  # check the target every warm_start.eval_every steps
-            logging = dataclasses.replace(cfg.logging, eval_every=ws.eval_every)
-            sft_cfg = dataclasses.replace(sft_cfg, logging=logging)
+        sft_cfg, target = warm_start_config(cfg), ws.target or None
         summary = SFTTrainer(sft_cfg, stop_at_accuracy=target).run()
         summary["target"] = ws.target
         if is_primary():
@@ -68,6 +44,38 @@ def warm_start(cfg: RunConfig) -> RunConfig:
             print(_target_line(summary, ws.steps, sft_dir / SUMMARY), flush=True)
     model = dataclasses.replace(cfg.model, path=str(export), init={})
     return dataclasses.replace(cfg, model=model, warm_start=dataclasses.replace(ws, steps=0))
+
+
+def warm_start_config(cfg: RunConfig) -> RunConfig:
+    """The SFT run of ``cfg``'s warm start (a config: nothing runs): ``algorithm: sft`` into
+    ``<output_dir>/sft`` for ``warm_start.steps``, the run's ``sft`` section and ``optimizer``
+    with the warm start's ``learning_rate`` / ``warmup_steps`` / ``decay`` over it, held-out
+    checks every ``warm_start.eval_every`` steps with a target, and no other algorithm's
+    section."""
+    ws = cfg.warm_start
+    sft = cfg.sft
+    if cfg.mesh.static_batch_ranks is None:  # the SFT session counts its own ranks
+        sft = dataclasses.replace(sft, world_size=None)
+    sft_cfg = dataclasses.replace(
+        cfg,
+        algorithm="sft",
+        output_dir=str(Path(cfg.output_dir) / "sft"),
+        max_steps=ws.steps,
+        warm_start=None,
+        optimizer=dataclasses.replace(cfg.optimizer, **ws.optimizer_changes()),
+        sft=sft,
+        **dict.fromkeys(("grpo", "dpo", "kto", "ppo")),  # an SFT run has its own section only
+    )
+    if cfg.model.path is None and cfg.model.lora.enabled:
+        # adapters on a random base learn little: a fresh model is warm-started fully, and
+        # the RL stage puts its adapters on the result (docs/lora.md)
+        sft_cfg = dataclasses.replace(
+            sft_cfg, model=dataclasses.replace(cfg.model, lora=LoraSection())
+        )
+    if ws.target:  # check the target every warm_start.eval_every steps
+        logging = dataclasses.replace(cfg.logging, eval_every=ws.eval_every)
+        sft_cfg = dataclasses.replace(sft_cfg, logging=logging)
+    return sft_cfg
 
 
 def _target_line(summary: dict, cap: int, record: Path) -> str:

@@ -1,4 +1,4 @@
-"""``schedule``: how an optimizer step's documents become device micro-batches (docs/batching.md)."""
+"""``schedule``: how an optimizer step's documents become device micro-batches."""
 
 from __future__ import annotations
 

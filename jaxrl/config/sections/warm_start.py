@@ -1,4 +1,4 @@
-"""``warm_start``: the SFT stage a GRPO, PPO, DPO or KTO run may start with (docs/config_reference.md).
+"""``warm_start``: the SFT stage a GRPO, PPO, DPO or KTO run may start with.
 
 The warm start trains the run's ``sft`` section on the built-in task for at most ``steps``
 optimizer steps into ``<output_dir>/sft`` and starts the run's own stage from its export. It has
