@@ -83,7 +83,7 @@ def test_sft_runs_from_data(tmp_path, model_dir, fmt):
     loss (after one update) is clearly below the first's, on the same loss tokens."""
     train = _jsonl(tmp_path / "train.jsonl", SFT_ROWS[fmt])
     held = _jsonl(tmp_path / "eval.jsonl", SFT_ROWS[fmt][:2])
-    sft = {"batch_size": 4, "max_length": 128}
+    sft = {"per_device_train_batch_size": 2, "max_length": 128}  # 4 a step on 2 ranks
     config = _config(
         tmp_path, model_dir, "sft", data={"train": str(train), "eval": str(held)}, sft=sft
     )

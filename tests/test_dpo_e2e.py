@@ -161,7 +161,7 @@ SMALL = [
     "task.train_size=200",
     "task.eval_size=32",
     "optimizer.warmup_steps=0",  # steps 2 and 3 move the rewards well above fp32 noise
-    "dpo.learning_rate=1e-3",
+    "optimizer.learning_rate=1e-3",
 ]
 METRICS = (
     "loss",

@@ -22,8 +22,7 @@ TINY = [
     "task.eval_size=8",  # = the generation batch: eval and generation share one sampler program
     "schedule.max_tokens=64",
     "optimizer.warmup_steps=0",
-    "optimizer.warmup_steps=0",
-    "grpo.learning_rate=3.0e-2",
+    "optimizer.learning_rate=3.0e-2",
     "grpo.max_completion_length=4",
     "grpo.num_generations=4",
     "grpo.per_device_train_batch_size=8",
@@ -108,8 +107,9 @@ def test_fp32_sampler_and_trainer_logprobs_agree(tmp_path):
 def test_cli_smoke_run_writes_every_metric_key_and_plot(tmp_path):
     out = tmp_path / "cli"
     args = ["train", CONFIG, "--set", f"output_dir={out}"]
-    for o in (*TINY, "warm_start.steps=2", "sft.batch_size=32", "max_steps=2", "grpo.beta=0.04",
-              "grpo.top_entropy_quantile=0.5", "logging.eval_every=1"):  # fmt: skip
+    for o in (*TINY, "warm_start.steps=2", "sft.per_device_train_batch_size=32",
+              "max_steps=2", "grpo.beta=0.04", "grpo.top_entropy_quantile=0.5",
+              "logging.eval_every=1"):  # fmt: skip
         args += ["--set", o]
     assert main(args) == 0
     rows = read_metrics(out / "metrics.jsonl")
@@ -131,7 +131,7 @@ def _dp_trainer(tmp_path, dp: int) -> GRPOTrainer:
         f"schedule.max_tokens={64 if dp == 1 else 16}",  # a few rows vs one document per row
         # Adam turns float-noise gradients (|g| ~ eps) into ±lr steps on the first update; a
         # moderate step keeps that within the tolerance across two differently compiled meshes
-        "grpo.learning_rate=3.0e-3",
+        "optimizer.learning_rate=3.0e-3",
         name=f"dp{dp}",
     )
 

@@ -134,7 +134,7 @@ TINY_SFT = [
     "num_key_value_heads: 1, intermediate_size: 64}",
     "task.train_size=256",
     "task.eval_size=16",
-    "sft.batch_size=16",
+    "sft.per_device_train_batch_size=16",
     "logging.eval_every=2",
     "checkpoint.every=0",
 ]
@@ -169,7 +169,7 @@ def test_warm_start_target_in_a_grpo_config(tmp_path, monkeypatch, capsys):
     cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "warm_start.target=0.6"])
     started = warm_start(cfg)
     assert started.model.path == str(tmp_path / "run" / "sft" / "hf")
-    assert started.sft_warmup_steps == 0 and started.sft_warmup_target == 0
+    assert not started.warm_starts and started.warm_start.target == 0.6  # done: steps 0
     record = json.loads((tmp_path / "run" / "sft" / SUMMARY).read_text())
     assert record["steps"] == 6 and record["stopped_at_target"] and record["target"] == 0.6
     out = capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_warm_start_target_not_reached_runs_to_the_cap_and_says_so(tmp_path, mon
 
 
 def test_warm_start_target_is_validated():
-    with pytest.raises(ValueError, match="sft_warmup_eval_every"):
+    with pytest.raises(ValueError, match="warm_start.eval_every=0"):
         load_run_config("configs/grpo_tiny.yaml", ["warm_start.eval_every=0"])
-    with pytest.raises(ValueError, match="sft_warmup_target"):
+    with pytest.raises(ValueError, match="warm_start.target=1.5"):
         load_run_config("configs/grpo_tiny.yaml", ["warm_start.target=1.5"])

@@ -19,7 +19,7 @@ from jaxrl.trainers.kto import KTOTrainer
 
 SMALL = [
     "warm_start.steps=0",
-    "kto.learning_rate=1e-3",
+    "optimizer.learning_rate=1e-3",
     "optimizer.warmup_steps=0",
     "optimizer.eps=1e-3",  # Adam's ε: see tests/test_orpo.py
     "task.train_size=64",

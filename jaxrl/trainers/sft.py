@@ -43,9 +43,9 @@ class SFTTrainer(Algorithm):
                 field, what = "sft.per_device_train_batch_size", " (b × g × ranks)"
             raise ConfigError(
                 f"{field}={value} is invalid: a step takes {need} documents{what} but the "
-                f"training data holds {len(self.train_seqs)}, so a step would hold some twice; "
-                "lower it or add data (steps wrap into a new epoch only between documents, "
-                "never within one step)"
+                f"training data holds {len(self.train_seqs)} documents, so a step would hold "
+                "some twice; lower it or add data (steps wrap into a new epoch only between "
+                "documents, never within one step)"
             )
         self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
         self.session = pre.session(sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk))
