@@ -13,7 +13,8 @@ step, and the variants take their steps round-robin, so load drift hits all alik
 
 Documents: ``tiny`` uses the config's task (sft_tiny: 2-digit additions, ~10 tokens each,
 ``sft.per_device_train_batch_size`` per step, one rank); ``100m`` uses random token ids with
-lengths uniform in ``[--min-len, --max-len]``, ``--docs`` per step, loss on every token after the first.
+lengths uniform in ``[--min-len, --max-len]``, ``--docs`` per step, loss on every token after
+the first.
 
 torch side: ``LlamaForCausalLM`` loaded from jaxrl's initial weights (``save_pretrained``), sdpa
 attention, one unpadded row per jaxrl micro-batch with ``position_ids`` restarting per document
