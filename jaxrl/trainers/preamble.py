@@ -11,18 +11,29 @@ path and one length policy (docs/data.md).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from jaxrl.config import RunConfig
 from jaxrl.data.datasets import Dataset, Kind, read_dataset
+from jaxrl.data.hub import local_model_dir
 from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxrl.train.build import build_task
 from jaxrl.train.objectives import Objective
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.session import Session
 
-__all__ = ["Preamble", "run_datasets", "run_tokenizer"]
+__all__ = ["Preamble", "run_datasets", "run_tokenizer", "with_local_model"]
+
+
+def with_local_model(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with a hub id in ``model.path`` replaced by its local snapshot (downloaded or
+    from the cache: ``jaxrl.data.hub``); unchanged for a local path or a fresh model."""
+    path = cfg.model.path
+    if path is None or (local := local_model_dir(path)) == path:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=local))
 
 
 def run_tokenizer(cfg: RunConfig) -> TextTokenizer:
@@ -59,7 +70,7 @@ class Preamble:
     limits touched, logged in the first metrics row; ``warnings``: printed by :meth:`session`)."""
 
     def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+        self.cfg = with_local_model(cfg)
         self.tokenizer = run_tokenizer(self.cfg)
         self.data_report: dict[str, int] = {}
         self.warnings: list[str] = []

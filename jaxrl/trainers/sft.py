@@ -30,6 +30,7 @@ class SFTTrainer(Algorithm):
     def __init__(self, cfg: RunConfig, *, stop_at_accuracy: float | None = None):
         cfg = with_device_ranks(cfg)  # sft.world_size from the devices of a -1 mesh axis
         pre = Preamble(cfg)
+        cfg = pre.cfg  # model.path local (a hub id resolved)
         self.cfg, self.tokenizer = cfg, pre.tokenizer
         self.stop_at_accuracy = stop_at_accuracy
         self.data_report = pre.data_report  # rows the length limits touched

@@ -113,9 +113,12 @@ class LoraSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    """Which model to train: a local HF directory, or a fresh model of the given shape."""
+    """Which model to train: a local HF directory or a Hugging Face hub id, or a fresh model of
+    the given shape."""
 
-    path: str | None = None  # local HF checkpoint directory; None = initialise from `init`
+    path: str | None = None  # a local HF checkpoint directory, or a hub id (org/name[@revision],
+    # not a local path: downloaded into the hub cache, HF_HOME / HF_HUB_OFFLINE honoured, when
+    # the run starts); None = initialise from `init`
     init: dict[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig.tiny overrides
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights: what AdamW
     # updates and checkpoints store; bfloat16 needs optimizer.master_rounding (docs/precision.md)

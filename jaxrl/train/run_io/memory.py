@@ -79,8 +79,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxrl.config import ConfigError, RunConfig
+from jaxrl.config import ConfigError, RunConfig, SFTConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
+from jaxrl.data.hub import local_model_dir
 from jaxrl.generate.decode_layout import sampler_mesh, weight_bytes
 from jaxrl.generate.sampler import Sampler
 from jaxrl.generate.sampler_weights import reads_trainer_arrays
@@ -107,6 +108,9 @@ def plan_run(cfg: RunConfig, mesh: Any = None) -> RunParts:
     ``model.path``'s config.json, else ``model.init.vocab_size``
     when given, else the built-in task's character tokenizer, as the trainers size it. A bad
     ``model`` section is a ``ConfigError`` naming it. ``mesh``: build on it (``build_run``)."""
+    if cfg.model.path is not None:  # a hub id: its snapshot's config.json
+        path = local_model_dir(cfg.model.path)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
     m = cfg.model
     if m.dtype == AUTO:  # a plan is for the accelerator the run targets, where auto is bf16
         m = dataclasses.replace(m, dtype=auto_compute_dtype(AUTO, "gpu"))
@@ -114,7 +118,8 @@ def plan_run(cfg: RunConfig, mesh: Any = None) -> RunParts:
     vocab_size = None
     if m.path is None and "vocab_size" not in m.init:
         vocab_size = build_task(cfg).tokenizer().vocab_size
-    objective = sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk)
+    sft = cfg.sft if cfg.sft is not None else SFTConfig()  # the plan's stand-in objective
+    objective = sft_objective(sft, chunk_size=cfg.model.logprob_chunk)
     try:
         return build_run(cfg, vocab_size, objective, abstract=True, mesh=mesh)
     except ConfigError:
