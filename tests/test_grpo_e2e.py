@@ -362,3 +362,19 @@ def test_dynamic_sampling_that_cannot_fill_the_batch_names_the_fix(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"2 generations .* found 0 of the 2 prompt groups"):
         t.step()
+
+
+@pytest.mark.slow
+def test_eval_rewards_reports_the_run_s_rewards_on_held_out_prompts(tmp_path):
+    """``logging.eval_rewards``: a GRPO run's evaluation scores the held-out completions with
+    its reward functions (exact_answer and format by default). The run's exact_answer is the
+    function held-out accuracy uses, so its held-out mean is eval/accuracy, greedy and sampled;
+    eval/reward is the weighted sum of both functions."""
+    t = _trainer(tmp_path, "logging.eval_rewards=true", "logging.eval_samples=2")
+    m = t.evaluate()
+    assert m["eval/rewards/exact_answer/mean"] == pytest.approx(m["eval/accuracy"])
+    assert m["eval/rewards/exact_answer/mean_sampled"] == pytest.approx(m["eval/accuracy_sampled"])
+    for mode in ("", "_sampled"):
+        total = m[f"eval/rewards/exact_answer/mean{mode}"] + m[f"eval/rewards/format/mean{mode}"]
+        assert m[f"eval/reward{mode}"] == pytest.approx(total)
+    assert "eval/reward" not in _trainer(tmp_path, "logging.eval_samples=2", name="off").evaluate()

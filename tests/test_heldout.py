@@ -112,6 +112,54 @@ def test_evaluations_share_their_random_bits():
     assert set(a.metrics("_start")) == {"eval/accuracy_start", "eval/accuracy_sampled_start"}
 
 
+def _length(prompts, completions, *, answer, parity, completion_ids, **_):
+    """A reward reading a held-out column and the completion ids: the row's parity column plus
+    the completion's token count (a second function beside ``_low_digit``)."""
+    return [p + len(ids) for p, ids in zip(parity, completion_ids, strict=True)]
+
+
+def test_eval_rewards_score_the_same_completions_with_the_run_s_functions():
+    """``logging.eval_rewards``: the run's reward functions score the evaluated completions.
+    With ``_low_digit`` as both the accuracy reward and a run reward, eval/reward equals
+    eval/accuracy (greedy and sampled); the weighted sum is the training reward's; the accuracy
+    itself does not change (the same random bits); without answers only the rewards remain."""
+    model = _peaked_model(seed=3)
+    plain = _evaluator(model, k=8, temperature=1.0)(model)
+    parity = [i % 2 for i in range(len(PROMPTS))]
+    kwargs = dict(
+        max_new_tokens=1, sampling=SamplingParams(temperature=1.0), samples_per_prompt=8,
+        reward=_low_digit, reward_funcs=[_low_digit, _length], reward_weights=[1.0, 0.5],
+        columns={"parity": parity, "answer": [""] * len(PROMPTS)},  # the rows' columns
+    )  # fmt: skip
+    ev = HeldoutEvaluator(model.config, TOK, PROMPTS, [""] * len(PROMPTS), **kwargs)
+    res = ev(model)
+    np.testing.assert_array_equal(res.greedy_correct, plain.greedy_correct)
+    np.testing.assert_array_equal(res.sampled_correct, plain.sampled_correct)
+    m = res.metrics()
+    assert m["eval/rewards/_low_digit/mean"] == pytest.approx(m["eval/accuracy"])
+    assert m["eval/rewards/_low_digit/mean_sampled"] == pytest.approx(m["eval/accuracy_sampled"])
+    assert m["eval/rewards/_length/mean"] == pytest.approx(np.mean(parity) + 1)  # 1 token each
+    sampled_parity = np.repeat(parity, 8)  # k samples per prompt, in prompt order
+    assert m["eval/rewards/_length/mean_sampled"] == pytest.approx(sampled_parity.mean() + 1)
+    want = np.mean(res.greedy_correct + 0.5 * (np.asarray(parity) + 1))
+    assert m["eval/reward"] == pytest.approx(want)
+    want = np.mean(res.sampled_correct.reshape(-1) + 0.5 * (sampled_parity + 1))
+    assert m["eval/reward_sampled"] == pytest.approx(want)
+    rewards_only = HeldoutEvaluator(model.config, TOK, PROMPTS, None, **kwargs)(model)
+    assert rewards_only.metrics() == {k: v for k, v in m.items() if "accuracy" not in k}
+    with pytest.raises(ValueError, match="give answers, reward_funcs, or both"):
+        HeldoutEvaluator(model.config, TOK, PROMPTS, None, max_new_tokens=1,
+                         sampling=SamplingParams(), samples_per_prompt=0)  # fmt: skip
+
+
+def test_eval_rewards_is_a_logging_key():
+    assert load_run_config(
+        "configs/grpo_tiny.yaml", ["logging.eval_rewards=true"]
+    ).logging.eval_rewards
+    with pytest.raises(ValueError, match="logging.eval_rewards"):
+        load_run_config("configs/grpo_tiny.yaml", ["logging.eval_rewards=3"])
+
+
 def test_evaluator_rejects_mismatched_answers():
     model = _peaked_model()
     with pytest.raises(ValueError, match="one answer per prompt"):

@@ -40,6 +40,10 @@ class LoggingConfig:
     progress: bool = True  # show a rich progress bar
     eval_every: int = 0  # evaluate every N steps; 0 = only at the end
     eval_samples: int = 8  # GRPO: samples per held-out prompt for eval/accuracy_sampled; 0 = off
+    eval_rewards: bool = False  # GRPO / PPO: also score the held-out completions (greedy and
+    # sampled) with the run's reward functions: eval/reward, eval/reward_sampled (the weighted
+    # sum, as the training reward) and eval/rewards/<name>/mean[_sampled]; the held-out rows
+    # then need no answer column (eval/accuracy needs one)
     tensorboard: bool = True  # mirror metrics.jsonl as event files in <output_dir>/tensorboard/
     wandb: str | None = None  # Weights & Biases project to log the same rows to; None = off
 
@@ -57,6 +61,12 @@ class LoggingConfig:
                     "(or leave logging.wandb out)"
                 )
         require(self.eval_every >= 0, "logging.eval_every", self.eval_every, "use >= 0")
+        require(
+            isinstance(self.eval_rewards, bool),
+            "logging.eval_rewards",
+            self.eval_rewards,
+            "use true (eval/reward from the run's reward functions too) or false",
+        )
         require(
             self.eval_samples >= 0,
             "logging.eval_samples",

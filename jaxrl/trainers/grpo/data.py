@@ -42,11 +42,12 @@ class GRPOData:
         splits = pre.datasets("grpo")
         train_rows, train_prompts = prompts("train", splits["train"])
         eval_rows, eval_prompts = prompts("eval", splits["eval"]) if "eval" in splits else ([], [])
-        if any("answer" not in r for r in eval_rows):
+        if not cfg.logging.eval_rewards and any("answer" not in r for r in eval_rows):
             raise ConfigError(
                 f"data.eval={cfg.data.eval!r} is invalid for GRPO: held-out accuracy scores "
-                "completions against an 'answer' column, which its rows lack; add one "
-                "(or leave data.eval out)"
+                "completions against an 'answer' column, which its rows lack; add one, set "
+                "logging.eval_rewards: true (held-out scores from the run's reward functions), "
+                "or leave data.eval out"
             )
         columns = list(dict.fromkeys(k for r in train_rows for k in r if k != "prompt"))
         data = cls(train_rows, train_prompts, eval_rows, eval_prompts, columns)

@@ -262,7 +262,8 @@ class RolloutTrainer(RLStage):
     # -- evaluation, state, the start and the end ---------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval/accuracy`` (greedy) and ``eval/accuracy_sampled`` (k samples per prompt
-        at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
+        at the training temperature, ``logging.eval_samples``), scored by the exact answer; with
+        ``logging.eval_rewards`` also ``eval/reward[_sampled]`` from the run's reward functions."""
         if self.evaluator is None:
             return {}
         return self.evaluator(self.generator.sampler_params(self.session.policy_params)).metrics()
