@@ -9,6 +9,7 @@ from jaxrl.config.loading import anchor_reward_paths, load_run_config
 from jaxrl.config.ppo import PPOConfig
 from jaxrl.config.run import (
     ALGORITHMS,
+    STAGE_SECTIONS,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -28,6 +29,7 @@ from jaxrl.config.sft import SFTConfig
 
 __all__ = [
     "ALGORITHMS",
+    "STAGE_SECTIONS",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",

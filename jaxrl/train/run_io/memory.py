@@ -79,7 +79,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxrl.config import ConfigError, RunConfig, SFTConfig
+from jaxrl.config import STAGE_SECTIONS, ConfigError, RunConfig, SFTConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
 from jaxrl.data.hub import local_model_dir
 from jaxrl.generate.decode_layout import sampler_mesh, weight_bytes
@@ -387,7 +387,7 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
                 f"mesh.{axis}=-1 took the devices this process sees; `jaxrl memory --devices N` "
                 "plans it for a target of N devices"
             )
-    if cfg.stage is not None:  # every algorithm but SFT
+    if not isinstance(cfg.stage, SFTConfig):  # every algorithm but SFT
         notes.append(
             f"{cfg.algorithm} is planned with the SFT loss: the same forward, backward and "
             "optimizer step; its extra per-token / per-document fp32 fields are not counted"
@@ -401,7 +401,8 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
     if cfg.samples_rollouts:
         notes.append(
             f"{cfg.algorithm}: kv_cache_bytes sizes the prompts at the bucket of "
-            "grpo.max_prompt_length; rollout.max_slots shrinks the decode cache"
+            f"{STAGE_SECTIONS[cfg.algorithm]}.max_prompt_length; rollout.max_slots shrinks the "
+            "decode cache"
         )
     if cfg.model.dtype == AUTO:
         notes.append(

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxrl.config import ConfigError, GRPOConfig, RunConfig
+from jaxrl.config import STAGE_SECTIONS, ConfigError, GRPOConfig, RunConfig
 from jaxrl.data.datasets import Dataset
 from jaxrl.data.documents import grpo_prompts
 from jaxrl.data.tasks import Example
@@ -31,12 +31,13 @@ class GRPOData:
     @classmethod
     def load(cls, pre: Preamble, config: GRPOConfig, toolbox: Toolbox | None) -> GRPOData:
         cfg = pre.cfg
+        key = STAGE_SECTIONS[cfg.algorithm]  # grpo, or ppo.actor
         limit = config.max_prompt_length or 2**31 - 1
         tools = toolbox.schemas if toolbox is not None else None
 
         def prompts(split: str, data: Dataset) -> tuple[list[dict], list[np.ndarray]]:
             made = grpo_prompts(data, pre.tokenizer, max_prompt_length=limit, tools=tools)
-            pre.report(split, made.report, f"grpo.max_prompt_length={limit}")
+            pre.report(split, made.report, f"{key}.max_prompt_length={limit}")
             return data.rows, made.ids
 
         splits = pre.datasets("grpo")
@@ -56,16 +57,17 @@ class GRPOData:
 
     def check(self, cfg: RunConfig, config: GRPOConfig) -> None:
         """A prompt plus the completion fits one row; a generation's prompts are distinct."""
+        key = STAGE_SECTIONS[cfg.algorithm]  # grpo, or ppo.actor
         longest = max(len(p) for p in self.train_prompts + self.eval_prompts)
         if longest + config.max_completion_length > cfg.schedule.max_tokens:
             raise ConfigError(
                 f"schedule.max_tokens={cfg.schedule.max_tokens} is invalid: a prompt of {longest} "
-                f"tokens plus grpo.max_completion_length={config.max_completion_length} must "
+                f"tokens plus {key}.max_completion_length={config.max_completion_length} must "
                 "fit one row; raise schedule.max_tokens or lower max_completion_length"
             )
         if config.prompts_per_generation > len(self.train_prompts):
             raise ConfigError(
-                f"grpo.generation_batch_size={config.generation.size} is invalid: a "
+                f"{key}.generation_batch_size={config.generation.size} is invalid: a "
                 f"generation takes {config.prompts_per_generation} prompts (× "
                 f"{config.num_generations} completions) but the training data holds "
                 f"{len(self.train_prompts)}; lower the batch size or add data"
