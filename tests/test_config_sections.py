@@ -109,7 +109,7 @@ def test_the_warm_start_has_its_own_schedule_and_the_stage_the_optimizer_s():
     ("config", "item", "message"),
     [
         ("grpo_tiny", "dpo.beta=0.2", "dpo is invalid with algorithm: grpo: it is the section of "
-         "algorithm: dpo; remove it (or set algorithm: dpo)"),
+         "algorithm: dpo; remove it (--set dpo=null) or set algorithm: dpo"),
         ("dpo_tiny", "kto.beta=0.2", "kto is invalid with algorithm: dpo"),
         ("ppo_tiny", "grpo.beta=0.1", "grpo is invalid with algorithm: ppo: PPO's rollouts and "
          "actor are the ppo.actor section: move the grpo keys there"),

@@ -62,7 +62,7 @@ One place per concept:
   `per_device_train_batch_size × gradient_accumulation_steps × world size`). The examples are
   documents (SFT), completions (GRPO, PPO), pairs (DPO) or labelled examples (KTO).
   Unlike TRL, `gradient_accumulation_steps` does not cut the step into micro-batches:
-  `schedule.max_tokens` does, and the update does not depend on how (README, "exactness").
+  `schedule.max_tokens` does, and the update does not depend on how (README, "Why: exactness").
   With `schedule.docs_per_step > 0` the step holds that many documents instead.
 
 | concept | jaxrl (every section) | TRL |
@@ -74,6 +74,20 @@ One place per concept:
 | peak learning rate | `optimizer.learning_rate` | `learning_rate` |
 | warm start's peak | `warm_start.learning_rate` | (a separate SFT run) |
 | warmup, decay | `optimizer.warmup_steps`, `.decay` | `warmup_steps`, `lr_scheduler_type` |
+
+The SFT warm start of `configs/grpo_tiny.yaml`:
+
+```yaml
+warm_start:
+  steps: 500             # at most 500 SFT steps (the sft section) into output_dir/sft ...
+  target: 0.5            # ... stopping at the first held-out check with greedy accuracy >= 0.5
+  learning_rate: 1.5e-3  # its own peak and warmup; the decay is optimizer.decay
+  warmup_steps: 50
+optimizer:
+  learning_rate: 3.0e-4  # the GRPO stage's
+  warmup_steps: 10
+  decay: cosine
+```
 
 Keys that moved are errors that name their new home (listed under each section below as
 "Removed keys"): `sft_warmup_steps`, `sft_warmup_target`, `sft_warmup_eval_every` (now

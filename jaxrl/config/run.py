@@ -175,11 +175,12 @@ class RunConfig:
             elif name == "sft":
                 fix = (
                     "the sft section is algorithm: sft's, or a warm start's: add a warm_start "
-                    "section (warm_start.steps > 0) or remove the sft section"
+                    "section (warm_start.steps > 0) or remove the sft section (--set sft=null)"
                 )
             else:
                 fix = (
-                    f"it is the section of algorithm: {name}; remove it (or set algorithm: {name})"
+                    f"it is the section of algorithm: {name}; remove it (--set {name}=null) or "
+                    f"set algorithm: {name}"
                 )
             raise ConfigError(f"{name} is invalid with algorithm: {self.algorithm}: {fix}")
         if self.warm_start is not None and self.algorithm not in WARM_START_ALGORITHMS:
