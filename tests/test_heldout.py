@@ -124,10 +124,12 @@ def test_eval_rewards_score_the_same_completions_with_the_run_s_functions():
     eval/accuracy (greedy and sampled); the weighted sum is the training reward's; the accuracy
     itself does not change (the same random bits); without answers only the rewards remain."""
     model = _peaked_model(seed=3)
-    plain = _evaluator(model, k=8, temperature=1.0)(model)
+    k = 64  # as test_evaluations_share_their_random_bits: the same compiled sampler programs
+    plain = _evaluator(model, k=k, temperature=1.0)(model)
+    assert not any("reward" in key for key in plain.metrics())  # off: accuracy only
     parity = [i % 2 for i in range(len(PROMPTS))]
     kwargs = dict(
-        max_new_tokens=1, sampling=SamplingParams(temperature=1.0), samples_per_prompt=8,
+        max_new_tokens=1, sampling=SamplingParams(temperature=1.0), samples_per_prompt=k,
         reward=_low_digit, reward_funcs=[_low_digit, _length], reward_weights=[1.0, 0.5],
         columns={"parity": parity, "answer": [""] * len(PROMPTS)},  # the rows' columns
     )  # fmt: skip
@@ -139,7 +141,7 @@ def test_eval_rewards_score_the_same_completions_with_the_run_s_functions():
     assert m["eval/rewards/_low_digit/mean"] == pytest.approx(m["eval/accuracy"])
     assert m["eval/rewards/_low_digit/mean_sampled"] == pytest.approx(m["eval/accuracy_sampled"])
     assert m["eval/rewards/_length/mean"] == pytest.approx(np.mean(parity) + 1)  # 1 token each
-    sampled_parity = np.repeat(parity, 8)  # k samples per prompt, in prompt order
+    sampled_parity = np.repeat(parity, k)  # k samples per prompt, in prompt order
     assert m["eval/rewards/_length/mean_sampled"] == pytest.approx(sampled_parity.mean() + 1)
     want = np.mean(res.greedy_correct + 0.5 * (np.asarray(parity) + 1))
     assert m["eval/reward"] == pytest.approx(want)
