@@ -125,13 +125,15 @@ def test_eval_rewards_score_the_same_completions_with_the_run_s_functions():
     itself does not change (the same random bits); without answers only the rewards remain."""
     model = _peaked_model(seed=3)
     k = 64  # as test_evaluations_share_their_random_bits: the same compiled sampler programs
-    plain = _evaluator(model, k=k, temperature=1.0)(model)
+    plain_ev = _evaluator(model, k=k, temperature=1.0)
+    plain = plain_ev(model)
     assert not any("reward" in key for key in plain.metrics())  # off: accuracy only
     parity = [i % 2 for i in range(len(PROMPTS))]
     kwargs = dict(
         max_new_tokens=1, sampling=SamplingParams(temperature=1.0), samples_per_prompt=k,
         reward=_low_digit, reward_funcs=[_low_digit, _length], reward_weights=[1.0, 0.5],
         columns={"parity": parity, "answer": [""] * len(PROMPTS)},  # the rows' columns
+        sampler=plain_ev.sampler,  # one sampler (its compiled programs) for the three
     )  # fmt: skip
     ev = HeldoutEvaluator(model.config, TOK, PROMPTS, [""] * len(PROMPTS), **kwargs)
     res = ev(model)
