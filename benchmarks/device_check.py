@@ -142,7 +142,8 @@ def train_overrides(job: dict[str, Any]) -> list[str]:
         *mesh, *shape, f"max_steps={job['steps']}", "logging.progress=false",
         "model.param_dtype=float32", f"model.dtype={job['dtype']}", "model.scan_layers=true",
         "model.remat=block", f"model.attention_impl={job['impl']}",
-        f"schedule.max_tokens={job['max_tokens']}", f"sft.batch_size={job['docs']}",
+        f"schedule.max_tokens={job['max_tokens']}",
+        f"sft.per_device_train_batch_size={job['docs']}",
     ]  # fmt: skip
 
 

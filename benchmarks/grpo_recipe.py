@@ -40,7 +40,7 @@ def run_seed(seed: int, steps: int, output_dir: Path) -> dict:
         ],
     )
     summary = GRPOTrainer(warm_start(cfg)).run()
-    summary["target"] = cfg.sft_warmup_target
+    summary["target"] = cfg.warm_start.target
     return summary
 
 

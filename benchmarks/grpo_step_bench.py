@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine  # noqa: E402
 
 BASE = [
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "logging.eval_every=0",
     "logging.eval_samples=0",
     "logging.progress=false",

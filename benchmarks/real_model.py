@@ -380,7 +380,7 @@ COMMON = ["logging.progress=false", "checkpoint.every=0", "logging.eval_every=0"
 SCALE = {
     "sft": [
         "max_steps=16",
-        "sft.batch_size=8",
+        "sft.per_device_train_batch_size=8",
         "sft.max_length=96",
         "schedule.max_tokens=512",
         "optimizer.warmup_steps=3",
@@ -488,12 +488,10 @@ def grpo_settings(sets: list[str]) -> dict[str, Any]:
     the overrides: GRPOConfig fields, the GRPO-stage optimizer, its learning rate per step."""
     from jaxrl.config import load_run_config, to_dict
     from jaxrl.train.optimizer import learning_rate_schedule
-    from jaxrl.trainers.preamble import stage_config
     from jaxrl.trainers.session import with_device_ranks
 
     cfg = with_device_ranks(load_run_config(ROOT / CONFIGS["grpo"], sets))
-    config = cfg.grpo
-    cfg = stage_config(cfg)
+    config = cfg.grpo  # its optimizer is the GRPO stage's (docs/config_reference.md)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.max_steps)
     grpo = dataclass_dict(config) | {"reward_funcs": to_dict(cfg)["grpo"]["reward_funcs"]}
     batch = config.generation  # resolved: TRL's B_gen and S

@@ -12,8 +12,9 @@ and with ``--torch`` a transformers model per ``--max-tokens``) trains on the sa
 step, and the variants take their steps round-robin, so load drift hits all alike.
 
 Documents: ``tiny`` uses the config's task (sft_tiny: 2-digit additions, ~10 tokens each,
-``sft.batch_size`` per step); ``100m`` uses random token ids with lengths uniform in
-``[--min-len, --max-len]``, ``--docs`` per step, loss on every token after the first.
+``sft.per_device_train_batch_size`` per step, one rank); ``100m`` uses random token ids with
+lengths uniform in ``[--min-len, --max-len]``, ``--docs`` per step, loss on every token after
+the first.
 
 torch side: ``LlamaForCausalLM`` loaded from jaxrl's initial weights (``save_pretrained``), sdpa
 attention, one unpadded row per jaxrl micro-batch with ``position_ids`` restarting per document
@@ -194,7 +195,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[256])
     ap.add_argument("--attention", nargs="+", default=["flash"], help="model.attention_impl")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
-    ap.add_argument("--batch-size", type=int, default=0, help="sft.batch_size (tiny); 0: config")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help="sft.per_device_train_batch_size (tiny, one rank); 0: config",
+    )
     ap.add_argument("--docs", type=int, default=8, help="documents per step (100m)")
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
@@ -206,14 +212,14 @@ def main() -> None:
 
     base = ["mesh.data=1", f"max_steps={args.steps}", "logging.progress=false", *SHAPES[args.shape]]
     if args.batch_size:
-        base.append(f"sft.batch_size={args.batch_size}")
+        base.append(f"sft.per_device_train_batch_size={args.batch_size}")
     if args.shape == "100m":
-        base.append(f"sft.batch_size={args.docs}")
+        base.append(f"sft.per_device_train_batch_size={args.docs}")
     base += args.set
     cfg = load_run_config(args.config, base)
     seqs, masks, vocab = documents(cfg, args)
     feed = DocumentFeed(len(seqs), seed=cfg.seed)
-    step_ids = [feed.take(cfg.sft.batch_size) for _ in range(args.steps)]
+    step_ids = [feed.take(cfg.sft.documents_per_step) for _ in range(args.steps)]
 
     tmp = Path(tempfile.mkdtemp(prefix="train_bench_"))
     variants: dict[str, Any] = {}

@@ -33,7 +33,7 @@ from flax import nnx
 from machine import machine
 from sampler_bench import hf_generate, long_tail_limits
 
-from jaxrl.config.vllm import VLLMConfig
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.generate.sampler import Sampler, SamplingParams
 from jaxrl.models.hf import from_pretrained
 from jaxrl.rollout.vllm import VLLMBackend

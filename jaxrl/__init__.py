@@ -5,9 +5,9 @@ documented subpackage entry points (``jaxrl.models.from_pretrained``, ``jaxrl.da
 ``jaxrl.data.schedule.build_dp_schedule``, ``jaxrl.losses``):
 
 - configs: ``load_config`` (a YAML file + ``key=value`` overrides → ``RunConfig``), the section
-  classes (``GRPOConfig``, ``DPOConfig``, ``KTOConfig``, ``PPOConfig``, ``SFTConfig``),
-  ``ConfigError``, and ``configs.path(name)``: a shipped YAML file (``jaxrl.configs``; not to be
-  confused with ``jaxrl.config``, the classes);
+  classes (``GRPOConfig``, ``DPOConfig``, ``KTOConfig``, ``PPOConfig``, ``SFTConfig``,
+  ``WarmStartConfig``), ``ConfigError``, and ``configs.path(name)``: a shipped YAML file
+  (``jaxrl.configs``; not to be confused with ``jaxrl.config``, the classes);
 - training: ``run(cfg)`` (what ``jaxrl train`` runs), ``warm_start(cfg)`` (the SFT warm
   start), and the trainers ``SFTTrainer``, ``GRPOTrainer``, ``DPOTrainer``, ``KTOTrainer``,
   ``PPOTrainer`` (``Trainer(cfg).run()`` → summary; ``.evaluate()`` → held-out metrics);
@@ -40,6 +40,7 @@ PUBLIC = {
     "KTOConfig": "jaxrl.config:KTOConfig",
     "PPOConfig": "jaxrl.config:PPOConfig",
     "SFTConfig": "jaxrl.config:SFTConfig",
+    "WarmStartConfig": "jaxrl.config:WarmStartConfig",
     "load_config": "jaxrl.config:load_run_config",
     "configs": "jaxrl.configs",
     "run": "jaxrl.trainers:run",  # not ``train``: that is the engine's package, jaxrl.train

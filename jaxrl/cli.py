@@ -334,7 +334,7 @@ def _main(argv: list[str] | None) -> int:
         "train",
         help="run a config: sft, dpo (orpo via dpo.loss_type), kto, grpo or ppo",
         description="Runs the trainer the config's algorithm names (sft, dpo, kto, grpo, ppo; "
-        "orpo is dpo.loss_type: orpo; an SFT warm start first when sft_warmup_steps > 0) and "
+        "orpo is dpo.loss_type: orpo; an SFT warm start first when warm_start.steps > 0) and "
         "prints its summary as JSON.",
     )
     train.add_argument("config", help="path to a YAML config, e.g. configs/sft_tiny.yaml")

@@ -42,7 +42,7 @@ def test_a_bad_model_init_key_exits_2_naming_it(tmp_path, capsys, item, message)
 
 
 def test_model_init_keys_are_the_model_config_fields():
-    from jaxrl.config.run import MODEL_INIT_KEYS, MODEL_SECTION_KEYS
+    from jaxrl.config.sections.model import MODEL_INIT_KEYS, MODEL_SECTION_KEYS
     from jaxrl.models.model_config import ModelConfig
 
     names = {f.name for f in dataclasses.fields(ModelConfig)}

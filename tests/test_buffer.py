@@ -4,7 +4,6 @@ stream and accelerate's sharding, written out independently below."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -269,7 +268,7 @@ def test_example_1_and_2_buffer_periods():
                   steps_per_generation=4)  # fmt: skip
     assert cfg.generation.size == 32
     assert [k for k, _ in _simulate(cfg, 200, 16)[1]] == [0, 4, 8, 12]  # 2 optimizer steps each
-    cfg2 = dataclasses.replace(cfg, num_iterations=2)
+    cfg2 = cfg.replace(num_iterations=2)
     assert [k for k, _ in _simulate(cfg2, 200, 16)[1]] == [0, 8]  # 4 optimizer steps each
     cfg3 = _config(per_device_train_batch_size=8, world_size=2, gradient_accumulation_steps=4)
     assert cfg3.generation.steps == 4 and cfg3.generation.size == 64

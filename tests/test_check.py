@@ -12,7 +12,12 @@ from jaxrl.config import load_run_config
 from jaxrl.losses.normalize import LossTerms
 from jaxrl.trainers.check import TOLERANCE, layout_overrides
 
-SMALL = ["mesh.data=8", "task.train_size=64", "task.eval_size=8", "sft.batch_size=16"]
+SMALL = [
+    "mesh.data=8",
+    "task.train_size=64",
+    "task.eval_size=8",
+    "sft.per_device_train_batch_size=2",
+]
 
 
 def _check(config, *sets):
@@ -28,10 +33,12 @@ def test_layouts_regroup_the_ranks_and_halve_the_budget():
     assert "mesh.data=8" in a and "mesh.fsdp=1" in a
     assert "mesh.data=1" in b and "mesh.fsdp=8" in b and "schedule.max_tokens=128" in b
     for sets in (a, b):  # the step starts where a train run's first step would, and moves
-        assert "sft_warmup_steps=0" in sets and "optimizer.warmup_steps=0" in sets
-        assert "optimizer.eps=0.001" in sets
+        assert "optimizer.warmup_steps=0" in sets and "optimizer.eps=0.001" in sets
+        assert not any(s.startswith("warm_start.") for s in sets)  # SFT has no warm start
     assert line_a != line_b
     assert max(TOLERANCE.values()) <= 1e-5
+    grpo = layout_overrides(load_run_config("configs/grpo_tiny.yaml", ["mesh.data=-1"]), 8)
+    assert all("warm_start.steps=0" in sets for sets in grpo[:2])
 
 
 @pytest.mark.slow
@@ -46,7 +53,7 @@ def test_layouts_regroup_the_ranks_and_halve_the_budget():
         ),
         (  # the same generation; each layout's critic values it, both steps compared
             "configs/ppo_tiny.yaml",
-            [*SMALL, "grpo.per_device_train_batch_size=8", "grpo.num_generations=4"],
+            [*SMALL, "ppo.actor.per_device_train_batch_size=8", "ppo.actor.num_generations=4"],
         ),
     ],
 )

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config.run import OptimizerConfig
+from jaxrl.config.sections.optimizer import OptimizerConfig
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.train.optimizer import make_optimizer

@@ -114,7 +114,7 @@ RESUME_SFT = [
     "num_key_value_heads: 1, intermediate_size: 64}",
     "task.train_size=64",
     "task.eval_size=8",
-    "sft.batch_size=16",
+    "sft.per_device_train_batch_size=16",
     "logging.eval_every=0",
     "checkpoint.every=1",
 ]
@@ -131,15 +131,17 @@ def _train(tmp_path, capsys, *sets: str) -> str:
 @pytest.mark.slow
 def test_resume_onto_another_layout_says_what_changed(tmp_path, capsys):
     assert "mesh/schedule" not in _train(tmp_path, capsys, "max_steps=1")
-    err = _train(tmp_path, capsys, "max_steps=2", "mesh.data=2", "schedule.max_tokens=64")
+    same_batch = ["mesh.data=2", "sft.per_device_train_batch_size=8"]  # 16 documents a step
+    err = _train(tmp_path, capsys, "max_steps=2", *same_batch, "schedule.max_tokens=64")
     assert "resumed from step 1" in err
     line = next(x for x in err.splitlines() if "mesh/schedule settings" in x)
     assert "resuming at step 1 with other mesh/schedule settings than the previous run" in line
     assert "mesh.data: 1 -> 2, schedule.max_tokens: 256 -> 64. " in line
     assert "mesh.data and schedule.max_tokens only decide how each step's documents" in line
     assert "the resumed steps make the updates the previous layout would have made" in line
-    assert "docs_per_step" not in line and "per_device" not in line  # SFT's batch is global
-    err = _train(tmp_path, capsys, "max_steps=3", "mesh.data=2", "schedule.max_tokens=64")
+    assert "docs_per_step" not in line  # the batch is per rank in every section, SFT's too:
+    assert "But sft.per_device_train_batch_size counts per data-parallel rank" in line
+    err = _train(tmp_path, capsys, "max_steps=3", *same_batch, "schedule.max_tokens=64")
     assert "resumed from step 2" in err and "mesh/schedule" not in err  # same as last run
 
 

@@ -155,7 +155,7 @@ def _train(config: str, out: Path, cache: str, *sets: str) -> list[dict]:
 def test_a_second_run_reads_its_programs_from_the_cache_and_compiles_no_more(tmp_path):
     sets = (
         "max_steps=3",
-        "sft_warmup_steps=0",
+        "warm_start.steps=0",
         "logging.eval_every=0",
         "task.eval_size=8",
         "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "

@@ -34,7 +34,7 @@ def test_shipped_sft_config_loads_with_overrides():
         ("max_steps=0", "max_steps=0"),
         ("algorithm=a2c", "'ppo'"),
         ("schedule.max_tokenz=4", "did you mean 'max_tokens'"),
-        ("sft.batch_size=many", "expected an integer"),
+        ("sft.per_device_train_batch_size=many", "expected an integer"),
         ("nonsense", "key.path=value"),
     ],
 )
@@ -76,7 +76,7 @@ def test_the_world_size_is_the_mesh_s_at_construction_or_at_run_start():
     once); a -1 axis leaves it to the run, which takes it from its devices."""
     group_over_ranks = ["grpo.per_device_train_batch_size=1", "grpo.num_generations=8"]
     cfg = load_run_config("configs/grpo_tiny.yaml", ["mesh.data=8", *group_over_ranks])
-    assert (cfg.grpo.world_size, cfg.grpo.generation.size, cfg.dpo.world_size) == (8, 8, 8)
+    assert (cfg.grpo.world_size, cfg.grpo.generation.size, cfg.sft.world_size) == (8, 8, 8)
     with pytest.raises(ConfigError, match=r"^grpo.generation_batch_size=4 is invalid: .*=8 so"):
         load_run_config("configs/grpo_tiny.yaml", ["mesh.data=4", *group_over_ranks])
 
@@ -86,7 +86,7 @@ def test_the_world_size_is_the_mesh_s_at_construction_or_at_run_start():
     with use_devices(jax.devices()[:8]):
         started = with_device_ranks(deferred)
     assert (started.grpo.world_size, started.grpo.generation.size) == (8, 8)
-    assert started.dpo.world_size == 8 and started.mesh == deferred.mesh
+    assert started.sft.world_size == 8 and started.mesh == deferred.mesh  # the warm start's
     with use_devices(jax.devices()[:4]), pytest.raises(ConfigError, match=r"^grpo.generation_b"):
         with_device_ranks(deferred)
     assert with_device_ranks(cfg) is cfg  # a fixed mesh: nothing left to resolve
@@ -94,15 +94,17 @@ def test_the_world_size_is_the_mesh_s_at_construction_or_at_run_start():
 
 def test_dumps_read_back_and_the_world_size_is_not_a_key():
     runs = [("grpo_tiny", ["grpo.generation_batch_size=512"]), ("grpo_gsm8k_qwen", [])]
-    for name, sets in [*runs, ("dpo_tiny", [])]:
+    for name, sets in [*runs, ("dpo_tiny", []), ("ppo_tiny", []), ("sft_tiny", [])]:
         cfg = load_run_config(f"configs/{name}.yaml", sets)
         dumped = to_dict(cfg)
-        assert "world_size" not in dumped["grpo"] and "world_size" not in dumped["dpo"]
+        stage = cfg.algorithm if cfg.algorithm != "ppo" else "ppo"
+        assert "world_size" not in str(dumped[stage]) and "world_size" not in str(dumped["sft"])
         assert from_dict(RunConfig, dumped).resolved() == cfg
-    for section in ("grpo", "dpo"):
+    for config, section in [("grpo_tiny", "grpo"), ("dpo_tiny", "dpo"), ("grpo_tiny", "sft"),
+                            ("ppo_tiny", "ppo.actor")]:  # fmt: skip
         with pytest.raises(ConfigError, match=rf"^{section}.world_size=2 is invalid: remove it: "
                            "the data-parallel size comes from mesh.data$"):  # fmt: skip
-            load_run_config("configs/grpo_tiny.yaml", [f"{section}.world_size=2"])
+            load_run_config(f"configs/{config}.yaml", [f"{section}.world_size=2"])
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ def test_sft_runs_from_data(tmp_path, model_dir, fmt):
     loss (after one update) is clearly below the first's, on the same loss tokens."""
     train = _jsonl(tmp_path / "train.jsonl", SFT_ROWS[fmt])
     held = _jsonl(tmp_path / "eval.jsonl", SFT_ROWS[fmt][:2])
-    sft = {"batch_size": 4, "max_length": 128}
+    sft = {"per_device_train_batch_size": 2, "max_length": 128}  # 4 a step on 2 ranks
     config = _config(
         tmp_path, model_dir, "sft", data={"train": str(train), "eval": str(held)}, sft=sft
     )
@@ -172,8 +172,8 @@ def test_data_and_task_are_alternatives_and_data_needs_a_model(tmp_path, model_d
     # no data.train: the built-in task is the default
     assert load_run_config(None, []).task is not None
     assert load_run_config(config, []).task is None
-    with pytest.raises(ConfigError, match=r"sft_warmup_steps=5 is invalid with data.train"):
-        load_run_config(config, ["algorithm=dpo", "sft_warmup_steps=5"])
+    with pytest.raises(ConfigError, match=r"warm_start.steps=5 is invalid with data.train"):
+        load_run_config(config, ["algorithm=dpo", "warm_start.steps=5"])
     # GRPO reads data.train too: SFT rows (no prompt) are an error naming the file and line
     assert _train(config, "algorithm=grpo") == 2
     assert "train.jsonl:1: missing 'prompt'" in capsys.readouterr().err

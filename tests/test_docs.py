@@ -36,7 +36,7 @@ def test_every_config_field_is_documented():
 
 
 def test_field_comments_read_the_source():
-    from jaxrl.config.run import ScheduleConfig
+    from jaxrl.config.sections.schedule import ScheduleConfig
 
     comments = reference.field_comments(ScheduleConfig)
     assert comments["max_tokens"] == "token budget of one micro-batch row (T)"

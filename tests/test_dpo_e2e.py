@@ -157,11 +157,11 @@ CONFIG = "configs/dpo_tiny.yaml"
 SMALL = [
     "logging.progress=false",
     "max_steps=3",
-    "sft_warmup_steps=4",
+    "warm_start.steps=4",
     "task.train_size=200",
     "task.eval_size=32",
     "optimizer.warmup_steps=0",  # steps 2 and 3 move the rewards well above fp32 noise
-    "dpo.learning_rate=1e-3",
+    "optimizer.learning_rate=1e-3",
 ]
 METRICS = (
     "loss",
@@ -205,9 +205,9 @@ def test_metric_rows_and_step_zero_values(dp1_run):
             r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6
         )
         assert r["denominator"] == 8  # pair normalisation: the step's pair count
-    assert steps[0]["learning_rate"] == pytest.approx(1e-3)  # dpo.learning_rate, not SFT's
+    assert steps[0]["learning_rate"] == pytest.approx(1e-3)  # optimizer's: DPO's stage
     sft_rows = read_metrics(out / "sft" / "metrics.jsonl")
-    sft_peak = load_run_config(CONFIG).optimizer.learning_rate  # the warm start keeps the YAML's
+    sft_peak = load_run_config(CONFIG).warm_start.learning_rate  # the warm start's own peak
     assert sft_peak != 1e-3 and sft_rows[0]["learning_rate"] == pytest.approx(sft_peak)
     first = steps[0]  # evaluated at the reference parameters
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-5)

@@ -235,7 +235,7 @@ def test_episodes_do_not_depend_on_the_mesh(tiny_model):
 FIXTURES = os.path.join(os.path.dirname(__file__), "episode_fixtures.py")
 TINY = [
     "logging.progress=false",
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
     "num_key_value_heads: 1, intermediate_size: 64}",
     "task.train_size=64",
@@ -247,8 +247,8 @@ TINY = [
     "grpo.max_completion_length=16",
     "grpo.max_turns=3",
     "grpo.num_generations=4",
-    "grpo.warmup_steps=0",
-    "grpo.learning_rate=3.0e-3",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=3.0e-3",
     f"grpo.tool_parser={FIXTURES}:AlwaysCall",
     f"grpo.reward_funcs=[{FIXTURES}:chars_reward]",
 ]
@@ -286,7 +286,7 @@ def test_multi_turn_grpo_step_is_equal_on_dp1_and_dp8(tmp_path):
 def test_cli_smoke_run_of_the_tool_config(tmp_path):
     out = tmp_path / "cli"
     args = ["train", "configs/grpo_tools_tiny.yaml", "--set", f"output_dir={out}"]
-    for o in (*TINY[:3], "sft_warmup_steps=2", "sft.batch_size=16", "max_steps=2",
+    for o in (*TINY[:3], "warm_start.steps=2", "sft.per_device_train_batch_size=16", "max_steps=2",
               "task.train_size=64", "task.eval_size=8", "logging.eval_every=2",
               "logging.eval_samples=1", "grpo.per_device_train_batch_size=8",
               "grpo.num_generations=4", "grpo.max_completion_length=16",

@@ -74,7 +74,12 @@ def _user(q: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def sft_char(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft_char")
-    sets = [*CHAR, "max_steps=40", "sft.batch_size=32", "optimizer.learning_rate=1e-2"]
+    sets = [
+        *CHAR,
+        "max_steps=40",
+        "sft.per_device_train_batch_size=32",
+        "optimizer.learning_rate=1e-2",
+    ]
     trainer = SFTTrainer(_config("sft_tiny.yaml", out, sets))
     trainer.run()
     return trainer
@@ -88,7 +93,7 @@ def dpo_char(sft_char, tmp_path_factory):
         *CHAR,
         f"model.path={sft_char.session.output_dir / 'hf'}",
         "model.init={}",
-        "sft_warmup_steps=0",
+        "warm_start.steps=0",
         "max_steps=2",
         "dpo.per_device_train_batch_size=8",
     ]
@@ -108,7 +113,7 @@ def sft_chat(tmp_path_factory):
         f"data.train={_jsonl(root / 'train.jsonl', rows)}",
         "data.eval=null",
         "max_steps=20",
-        "sft.batch_size=4",
+        "sft.per_device_train_batch_size=4",
         "sft.max_length=128",
         "optimizer.learning_rate=1e-2",
     ]

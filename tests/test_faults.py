@@ -63,7 +63,7 @@ CASES = [
     ("negative seed", "sft", ["seed=-1"], 2, "seed=-1 is invalid"),
     ("max_steps 0", "sft", ["max_steps=0"], 2, "max_steps=0 is invalid"),
     ("mesh over devices", "sft", ["mesh.data=16"], 2, "mesh data=16"),
-    ("batch not a multiple", "sft", ["mesh.data=4", "sft.batch_size=6"], 2, "multiple of the 4"),
+    ("batch moved", "sft", ["sft.batch_size=6"], 2, "set sft.per_device_train_batch_size to"),
     ("output_dir a file", "sft", ["output_dir={tmp}/afile"], 2, "afile' is a file"),
     ("output_dir under a file", "sft", ["output_dir={tmp}/afile/run"], 2, "afile' is a file"),
     ("model dir missing", "sft", ["model.path={tmp}/nope"], 2, "nope"),
@@ -106,7 +106,9 @@ def test_user_mistakes_end_in_one_line(tmp_path, capsys, config, items, code, me
             item = item.split("{model:")[0] + str(_model_dir(tmp_path / "m", damage))
         resolved.append(item.replace("{tmp}", str(tmp_path)))
     path = CONFIGS.get(config, tmp_path / config)
-    base = [*SMALL, f"output_dir={tmp_path}/run", "max_steps=1", "sft_warmup_steps=0"]
+    base = [*SMALL, f"output_dir={tmp_path}/run", "max_steps=1"]
+    if config in ("grpo", "dpo"):
+        base.append("warm_start.steps=0")
     got, err, _ = _run(path, [*base, *resolved], capsys)
     gc.collect()
     assert got == code, err
@@ -307,7 +309,11 @@ def test_ctrl_c_in_every_phase_exits_130(tmp_path):
         with _children_take_sigint():
             for name, (extra, _, model) in phases.items():
                 items = ["logging.progress=false", f"output_dir={tmp_path / name}"]
-                items += ["max_steps=1000", "checkpoint.every=1", "sft.batch_size=16"]
+                items += [
+                    "max_steps=1000",
+                    "checkpoint.every=1",
+                    "sft.per_device_train_batch_size=16",
+                ]
                 items += ["logging.eval_every=0", *model]
                 config = str(ROOT / "configs/sft_tiny.yaml")
                 procs[name] = subprocess.Popen(

@@ -87,7 +87,8 @@ KEYS = st.sampled_from(
         "schedule.max_tokens",
         "schedule.docs_per_step",
         "schedule.micro_batch_buckets",
-        "sft.batch_size",
+        "sft.per_device_train_batch_size",
+        "sft.batch_size",  # moved: an error naming its new home
         "sft.max_length",
         "task.min_digits",
         "task.ops",

@@ -2,6 +2,7 @@
 and 12)."""
 
 import dataclasses
+import re
 import warnings
 
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ def test_example_1_buffer_spans_two_optimizer_steps():
     assert (c.generation.size, c.generation.steps) == (32, 4)
     assert c.prompts_per_generation == 4
     assert c.needs_old_logprobs is True
-    c2 = dataclasses.replace(c, num_iterations=2)
+    c2 = c.replace(num_iterations=2)
     assert (c2.generation.size, c2.generation.steps, c2.num_iterations) == (32, 4, 2)
     assert c2.needs_old_logprobs is True
     # the same buffer given by its size resolves S = 32 / (8·1) = 4
@@ -233,17 +234,26 @@ def test_defaults_are_trl_defaults():
 
 
 def test_frozen_and_replace_re_resolves():
-    """B_gen and S read back resolved (the public API's attributes), while the config holds
-    what was given, so ``dataclasses.replace`` resolves them again from the new fields and
-    ``to_dict`` writes what was given."""
+    """B_gen and S are plain fields holding the resolved values after construction (the public
+    API's attributes, as TRL's); the config remembers what was given, so ``replace`` resolves
+    them again from the new fields and ``to_dict`` writes what was given. ``dataclasses.replace``
+    would pass both resolved values back: TRL's rule refuses that, naming ``replace``."""
     c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.num_generations = 4  # type: ignore[misc]
     assert (c.generation_batch_size, c.steps_per_generation) == (8, 2)  # resolved: S = g
+    assert type(c.generation_batch_size) is int and type(c.steps_per_generation) is int
+    assert "generation_batch_size" in {f.name for f in dataclasses.fields(c)}
+    assert not any(hasattr(type(c), n) and hasattr(getattr(type(c), n), "__get__")
+                   for n in ("generation_batch_size", "steps_per_generation"))  # fmt: skip
     given = (c.given("generation_batch_size"), c.given("steps_per_generation"))
     assert given == (None, None)
-    c2 = dataclasses.replace(c, per_device_train_batch_size=8)
+    c2 = c.replace(per_device_train_batch_size=8)
     assert c2.generation.size == c2.generation_batch_size == 16  # derived again, not carried
+    by_size = cfg(per_device_train_batch_size=4, generation_batch_size=16)
+    assert by_size.replace(per_device_train_batch_size=8).steps_per_generation == 2  # B_gen kept
+    with pytest.raises(ConfigError, match=r"can not be both configured.*use its replace\(\)"):
+        dataclasses.replace(c, per_device_train_batch_size=8)
     assert to_dict(c)["generation_batch_size"] is None
     assert from_dict(GRPOConfig, to_dict(c)) == c
 
@@ -281,18 +291,23 @@ def test_config_accepts_exactly_the_policy_loss_types():
         assert c.importance_sampling_level == level
 
 
-def test_grpo_stage_schedule_fields_are_validated_and_reach_the_optimizer():
-    with pytest.raises(ConfigError, match="lr_scheduler_type.*cosine"):
-        GRPOConfig(lr_scheduler_type="polynomial")
-    with pytest.raises(ConfigError, match="warmup_steps"):
-        GRPOConfig(warmup_steps=-1)
+@pytest.mark.parametrize(
+    "key, fix",
+    [
+        ("learning_rate", "set optimizer.learning_rate (the SFT warm start's own is warm_start."),
+        ("warmup_steps", "set optimizer.warmup_steps"),
+        ("lr_scheduler_type", "set optimizer.decay"),
+    ],
+)
+def test_the_grpo_stage_schedule_keys_point_to_the_optimizer(key, fix):
+    """The learning-rate schedule has one home, ``optimizer``: grpo's keys for it are errors
+    naming it, from Python and from a config file."""
+    with pytest.raises(ConfigError, match=rf"^{key}=.* is invalid: moved: .*{re.escape(fix)}"):
+        GRPOConfig(**{key: 1})
     from jaxrl.config import load_run_config
-    from jaxrl.trainers.preamble import stage_config
 
-    cfg = load_run_config("configs/grpo_tiny.yaml", ["grpo.lr_scheduler_type=linear"])
-    opt = stage_config(cfg).optimizer
-    assert (opt.learning_rate, opt.warmup_steps, opt.decay) == (3e-4, 10, "linear")
-    assert cfg.optimizer.decay == "cosine" and cfg.optimizer.warmup_steps == 50  # SFT keeps its own
+    with pytest.raises(ConfigError, match=rf"^grpo\.{key}=.*{re.escape(fix)}"):
+        load_run_config("configs/grpo_tiny.yaml", [f"grpo.{key}=1"])
 
 
 def test_an_unknown_world_size_defers_what_needs_it():

@@ -15,15 +15,14 @@ from jaxrl.trainers.session import Session
 CONFIG = "configs/grpo_tiny.yaml"
 TINY = [
     "logging.progress=false",
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
     "num_key_value_heads: 1, intermediate_size: 64}",
     "task.train_size=64",
     "task.eval_size=8",  # = the generation batch: eval and generation share one sampler program
     "schedule.max_tokens=64",
     "optimizer.warmup_steps=0",
-    "grpo.warmup_steps=0",
-    "grpo.learning_rate=3.0e-2",
+    "optimizer.learning_rate=3.0e-2",
     "grpo.max_completion_length=4",
     "grpo.num_generations=4",
     "grpo.per_device_train_batch_size=8",
@@ -108,8 +107,9 @@ def test_fp32_sampler_and_trainer_logprobs_agree(tmp_path):
 def test_cli_smoke_run_writes_every_metric_key_and_plot(tmp_path):
     out = tmp_path / "cli"
     args = ["train", CONFIG, "--set", f"output_dir={out}"]
-    for o in (*TINY, "sft_warmup_steps=2", "sft.batch_size=32", "max_steps=2", "grpo.beta=0.04",
-              "grpo.top_entropy_quantile=0.5", "logging.eval_every=1"):  # fmt: skip
+    for o in (*TINY, "warm_start.steps=2", "sft.per_device_train_batch_size=32",
+              "max_steps=2", "grpo.beta=0.04", "grpo.top_entropy_quantile=0.5",
+              "logging.eval_every=1"):  # fmt: skip
         args += ["--set", o]
     assert main(args) == 0
     rows = read_metrics(out / "metrics.jsonl")
@@ -131,7 +131,7 @@ def _dp_trainer(tmp_path, dp: int) -> GRPOTrainer:
         f"schedule.max_tokens={64 if dp == 1 else 16}",  # a few rows vs one document per row
         # Adam turns float-noise gradients (|g| ~ eps) into ±lr steps on the first update; a
         # moderate step keeps that within the tolerance across two differently compiled meshes
-        "grpo.learning_rate=3.0e-3",
+        "optimizer.learning_rate=3.0e-3",
         name=f"dp{dp}",
     )
 
@@ -362,3 +362,19 @@ def test_dynamic_sampling_that_cannot_fill_the_batch_names_the_fix(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"2 generations .* found 0 of the 2 prompt groups"):
         t.step()
+
+
+@pytest.mark.slow
+def test_eval_rewards_reports_the_run_s_rewards_on_held_out_prompts(tmp_path):
+    """``logging.eval_rewards``: a GRPO run's evaluation scores the held-out completions with
+    its reward functions (exact_answer and format by default). The run's exact_answer is the
+    function held-out accuracy uses, so its held-out mean is eval/accuracy, greedy and sampled;
+    eval/reward is the weighted sum of both functions."""
+    # one sample per prompt: the eval batch is the generation batch's shape (one program)
+    t = _trainer(tmp_path, "logging.eval_rewards=true", "logging.eval_samples=1")
+    m = t.evaluate()
+    assert m["eval/rewards/exact_answer/mean"] == pytest.approx(m["eval/accuracy"])
+    assert m["eval/rewards/exact_answer/mean_sampled"] == pytest.approx(m["eval/accuracy_sampled"])
+    for mode in ("", "_sampled"):
+        total = m[f"eval/rewards/exact_answer/mean{mode}"] + m[f"eval/rewards/format/mean{mode}"]
+        assert m[f"eval/reward{mode}"] == pytest.approx(total)

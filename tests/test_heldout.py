@@ -112,6 +112,58 @@ def test_evaluations_share_their_random_bits():
     assert set(a.metrics("_start")) == {"eval/accuracy_start", "eval/accuracy_sampled_start"}
 
 
+def _length(prompts, completions, *, answer, parity, completion_ids, **_):
+    """A reward reading a held-out column and the completion ids: the row's parity column plus
+    the completion's token count (a second function beside ``_low_digit``)."""
+    return [p + len(ids) for p, ids in zip(parity, completion_ids, strict=True)]
+
+
+def test_eval_rewards_score_the_same_completions_with_the_run_s_functions():
+    """``logging.eval_rewards``: the run's reward functions score the evaluated completions.
+    With ``_low_digit`` as both the accuracy reward and a run reward, eval/reward equals
+    eval/accuracy (greedy and sampled); the weighted sum is the training reward's; the accuracy
+    itself does not change (the same random bits); without answers only the rewards remain."""
+    model = _peaked_model(seed=3)
+    k = 64  # as test_evaluations_share_their_random_bits: the same compiled sampler programs
+    plain_ev = _evaluator(model, k=k, temperature=1.0)
+    plain = plain_ev(model)
+    assert not any("reward" in key for key in plain.metrics())  # off: accuracy only
+    parity = [i % 2 for i in range(len(PROMPTS))]
+    kwargs = dict(
+        max_new_tokens=1, sampling=SamplingParams(temperature=1.0), samples_per_prompt=k,
+        reward=_low_digit, reward_funcs=[_low_digit, _length], reward_weights=[1.0, 0.5],
+        columns={"parity": parity, "answer": [""] * len(PROMPTS)},  # the rows' columns
+        sampler=plain_ev.sampler,  # one sampler (its compiled programs) for the three
+    )  # fmt: skip
+    ev = HeldoutEvaluator(model.config, TOK, PROMPTS, [""] * len(PROMPTS), **kwargs)
+    res = ev(model)
+    np.testing.assert_array_equal(res.greedy_correct, plain.greedy_correct)
+    np.testing.assert_array_equal(res.sampled_correct, plain.sampled_correct)
+    m = res.metrics()
+    assert m["eval/rewards/_low_digit/mean"] == pytest.approx(m["eval/accuracy"])
+    assert m["eval/rewards/_low_digit/mean_sampled"] == pytest.approx(m["eval/accuracy_sampled"])
+    assert m["eval/rewards/_length/mean"] == pytest.approx(np.mean(parity) + 1)  # 1 token each
+    sampled_parity = np.repeat(parity, k)  # k samples per prompt, in prompt order
+    assert m["eval/rewards/_length/mean_sampled"] == pytest.approx(sampled_parity.mean() + 1)
+    want = np.mean(res.greedy_correct + 0.5 * (np.asarray(parity) + 1))
+    assert m["eval/reward"] == pytest.approx(want)
+    want = np.mean(res.sampled_correct.reshape(-1) + 0.5 * (sampled_parity + 1))
+    assert m["eval/reward_sampled"] == pytest.approx(want)
+    rewards_only = HeldoutEvaluator(model.config, TOK, PROMPTS, None, **kwargs)(model)
+    assert rewards_only.metrics() == {k: v for k, v in m.items() if "accuracy" not in k}
+    with pytest.raises(ValueError, match="give answers, reward_funcs, or both"):
+        HeldoutEvaluator(model.config, TOK, PROMPTS, None, max_new_tokens=1,
+                         sampling=SamplingParams(), samples_per_prompt=0)  # fmt: skip
+
+
+def test_eval_rewards_is_a_logging_key():
+    assert load_run_config(
+        "configs/grpo_tiny.yaml", ["logging.eval_rewards=true"]
+    ).logging.eval_rewards
+    with pytest.raises(ValueError, match="logging.eval_rewards"):
+        load_run_config("configs/grpo_tiny.yaml", ["logging.eval_rewards=3"])
+
+
 def test_evaluator_rejects_mismatched_answers():
     model = _peaked_model()
     with pytest.raises(ValueError, match="one answer per prompt"):
@@ -134,7 +186,7 @@ TINY_SFT = [
     "num_key_value_heads: 1, intermediate_size: 64}",
     "task.train_size=256",
     "task.eval_size=16",
-    "sft.batch_size=16",
+    "sft.per_device_train_batch_size=16",
     "logging.eval_every=2",
     "checkpoint.every=0",
 ]
@@ -164,12 +216,12 @@ def test_sft_stops_at_the_first_eval_reaching_the_target(tmp_path, monkeypatch):
 
 def test_warm_start_target_in_a_grpo_config(tmp_path, monkeypatch, capsys):
     _scripted(monkeypatch, [0.2, 0.45, 0.7, 0.8])
-    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "sft_warmup_steps=20"]
-    sets += ["logging.eval_every=7", "sft_warmup_eval_every=2"]  # the warm start checks every 2
-    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "sft_warmup_target=0.6"])
+    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "warm_start.steps=20"]
+    sets += ["logging.eval_every=7", "warm_start.eval_every=2"]  # the warm start checks every 2
+    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "warm_start.target=0.6"])
     started = warm_start(cfg)
     assert started.model.path == str(tmp_path / "run" / "sft" / "hf")
-    assert started.sft_warmup_steps == 0 and started.sft_warmup_target == 0
+    assert not started.warm_starts and started.warm_start.target == 0.6  # done: steps 0
     record = json.loads((tmp_path / "run" / "sft" / SUMMARY).read_text())
     assert record["steps"] == 6 and record["stopped_at_target"] and record["target"] == 0.6
     out = capsys.readouterr().out
@@ -180,17 +232,17 @@ def test_warm_start_target_in_a_grpo_config(tmp_path, monkeypatch, capsys):
 
 def test_warm_start_target_not_reached_runs_to_the_cap_and_says_so(tmp_path, monkeypatch, capsys):
     _scripted(monkeypatch, [0.1, 0.2, 0.3])
-    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "sft_warmup_steps=6"]
-    sets += ["sft_warmup_eval_every=2"]
-    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "sft_warmup_target=0.9"])
+    sets = [*TINY_SFT, f"output_dir={tmp_path / 'run'}", "warm_start.steps=6"]
+    sets += ["warm_start.eval_every=2"]
+    cfg = load_run_config("configs/grpo_tiny.yaml", [*sets, "warm_start.target=0.9"])
     warm_start(cfg)
     record = json.loads((tmp_path / "run" / "sft" / SUMMARY).read_text())
     assert record["steps"] == 6 and not record["stopped_at_target"]
-    assert "sft_warmup_target=0.9" in capsys.readouterr().out
+    assert "warm_start.target=0.9" in capsys.readouterr().out
 
 
 def test_warm_start_target_is_validated():
-    with pytest.raises(ValueError, match="sft_warmup_eval_every"):
-        load_run_config("configs/grpo_tiny.yaml", ["sft_warmup_eval_every=0"])
-    with pytest.raises(ValueError, match="sft_warmup_target"):
-        load_run_config("configs/grpo_tiny.yaml", ["sft_warmup_target=1.5"])
+    with pytest.raises(ValueError, match="warm_start.eval_every=0"):
+        load_run_config("configs/grpo_tiny.yaml", ["warm_start.eval_every=0"])
+    with pytest.raises(ValueError, match="warm_start.target=1.5"):
+        load_run_config("configs/grpo_tiny.yaml", ["warm_start.target=1.5"])

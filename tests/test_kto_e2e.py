@@ -18,8 +18,8 @@ from jaxrl.trainers.check import StepOutcome, compare
 from jaxrl.trainers.kto import KTOTrainer
 
 SMALL = [
-    "sft_warmup_steps=0",
-    "kto.learning_rate=1e-3",
+    "warm_start.steps=0",
+    "optimizer.learning_rate=1e-3",
     "optimizer.warmup_steps=0",
     "optimizer.eps=1e-3",  # Adam's ε: see tests/test_orpo.py
     "task.train_size=64",

@@ -133,7 +133,7 @@ def test_sft_cli_run_writes_events_equal_to_metrics_jsonl(tmp_path):
         "logging.eval_every=2",  # eval rows (eval/accuracy) at steps 2 and 3
         "task.train_size=64",
         "task.eval_size=8",
-        "sft.batch_size=16",
+        "sft.per_device_train_batch_size=16",
         "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
         "num_key_value_heads: 1, intermediate_size: 64}",
         "optimizer.warmup_steps=0",

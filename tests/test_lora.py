@@ -216,9 +216,9 @@ SMALL = [
     "logging.progress=false",
     "logging.eval_every=0",
     "optimizer.warmup_steps=0",
-    "task.train_size=32",  # = sft.batch_size: every step trains on the same documents
+    "task.train_size=32",  # = a step's documents: every step trains on the same documents
     "task.eval_size=16",
-    "sft.batch_size=32",
+    "sft.per_device_train_batch_size=32",  # one rank (dp8: 4 per rank, the same 32 a step)
     "model.lora.rank=4",
     "model.lora.alpha=8",
     "model.init.num_hidden_layers=1",
@@ -285,7 +285,8 @@ def test_an_exported_adapter_directory_starts_a_new_run(dp1_run):
 @pytest.mark.slow
 def test_dp8_small_rows_equal_dp1_packed_rows(dp1_run):
     tmp, _, _, one = dp1_run
-    _, _, eight = _sft(tmp, "dp8", "max_steps=2", "mesh.data=8", "schedule.max_tokens=16")
+    per_rank = "sft.per_device_train_batch_size=4"  # the same 32 documents a step
+    _, _, eight = _sft(tmp, "dp8", "max_steps=2", "mesh.data=8", per_rank, "schedule.max_tokens=16")
     for a, b in zip(one, eight, strict=True):
         assert a["num_micro_batches"] < b["num_micro_batches"]  # genuinely different layouts
         for key in ("loss", "grad_norm"):
@@ -333,7 +334,7 @@ def test_lora_config_errors_name_the_fix():
 # -- DPO and GRPO end to end -----------------------------------------------------------------
 def _cli(config, out, *overrides):
     args = ["train", config, "--set", f"output_dir={out}"]
-    for o in ("logging.progress=false", "sft_warmup_steps=0", "model.lora.rank=4", *overrides):
+    for o in ("logging.progress=false", "warm_start.steps=0", "model.lora.rank=4", *overrides):
         args += ["--set", o]
     assert main(args) == 0
     assert (out / "adapter" / "adapter_config.json").is_file()
@@ -362,8 +363,8 @@ def test_grpo_with_lora_and_beta_has_zero_kl_before_the_first_update(tmp_path):
         tmp_path / "grpo",
         "max_steps=2",
         "grpo.beta=0.04",
-        "grpo.warmup_steps=0",
-        "grpo.learning_rate=1e-2",
+        "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=1e-2",
         "grpo.per_device_train_batch_size=32",
         "task.train_size=64",
         "task.eval_size=8",
@@ -427,7 +428,7 @@ def test_merged_export_is_peft_merge_of_the_original_fp32_base_and_the_adapter(t
             "model.lora.rank=4",
             "optimizer.learning_rate=1e-2",
             "optimizer.warmup_steps=0",
-            "sft.batch_size=8",
+            "sft.per_device_train_batch_size=8",
             "schedule.max_tokens=256",
             "sft.max_length=256",
             "checkpoint.every=0",

@@ -22,6 +22,7 @@ from jaxrl.train.state import create_state
 
 TINY = "configs/sft_tiny.yaml"
 TINY_8 = ["mesh.data=2", "mesh.fsdp=4"]
+AS_GRPO = ["algorithm=grpo", "sft=null"]  # sft_tiny's model as a GRPO run (no sft section)
 PARTS = (
     "params_bytes",
     "optimizer_bytes",
@@ -132,7 +133,7 @@ def test_grpo_counts_the_compute_dtype_copies_of_the_sampler_and_the_reference()
     8 ways; the sampler's copy is 2 bytes a parameter in its decode layout (a tiny model: a whole
     copy per device, docs/scale_out.md); the reference's (β > 0) 2 bytes in the trainer's
     layout; all of them are in the total."""
-    sets = ["model.dtype=bfloat16", "algorithm=grpo", *TINY_8]
+    sets = ["model.dtype=bfloat16", *AS_GRPO, *TINY_8]
     plans = {
         beta: plan_memory(load_run_config(TINY, [*sets, f"grpo.beta={beta}"]))
         for beta in (0.0, 0.04)
@@ -163,7 +164,7 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     """The sampler's KV caches are in the total; rollout.max_slots shrinks the decode cache;
     a synchronous fp32 run on a data-parallel mesh (already the decode layout) holds no sampler
     copy; generation ahead of training, or ZeRO-3 shards, hold one."""
-    sets = ["algorithm=grpo", "mesh.data=8"]
+    sets = [*AS_GRPO, "mesh.data=8"]
     cfg = load_run_config(TINY, sets)
     full = plan_memory(cfg)
     assert full["total_bytes"] == sum(full[k] for k in PARTS)
@@ -177,8 +178,12 @@ def test_grpo_counts_the_sampler_kv_cache_and_reads_fp32_weights_in_place():
     few = plan_memory(load_run_config(TINY, [*sets, "rollout.max_slots=8"]))
     assert few["kv_cache_bytes"] == entry * (1 * length + groups * p)  # 8 over 8 ranks
     assert full["compute_copies"] == 0
+    # mesh.data=-1 (the devices decide the ranks, and with them the generation batch) plans
+    # the same sampler as the fixed mesh
+    open_mesh = plan_memory(load_run_config(TINY, [*AS_GRPO, "mesh.data=-1"]))
+    assert open_mesh["kv_cache_bytes"] == full["kv_cache_bytes"]
     ahead = plan_memory(load_run_config(TINY, [*sets, "rollout.max_staleness=1"]))
-    zero3 = plan_memory(load_run_config(TINY, ["algorithm=grpo", *TINY_8]))
+    zero3 = plan_memory(load_run_config(TINY, [*AS_GRPO, *TINY_8]))
     # the engine decodes unrolled: stacked trainer layers are copied at each weight sync
     scanned = plan_memory(load_run_config(TINY, [*sets, "model.scan_layers=true"]))
     assert ahead["compute_copies"] == zero3["compute_copies"] == scanned["compute_copies"] == 1

@@ -57,7 +57,7 @@ def test_memory_plans_an_expert_mesh():
 
 
 GRPO_MOE = [
-    "sft_warmup_steps=0", "max_steps=2", "grpo.num_generations=4", "grpo.max_completion_length=4",
+    "warm_start.steps=0", "max_steps=2", "grpo.num_generations=4", "grpo.max_completion_length=4",
     "task.train_size=64", "task.eval_size=8", "logging.eval_samples=0",
     "schedule.max_tokens=64", "grpo.per_device_train_batch_size=16", "model.dtype=bfloat16",
 ]  # fmt: skip

@@ -189,10 +189,10 @@ def test_orpo_config_and_loss_api():
 # ----------------------------------------------------------------- the trainer's step, layouts
 
 ORPO = [
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     "dpo.loss_type=orpo",
     "dpo.beta=0.1",
-    "dpo.learning_rate=1e-3",
+    "optimizer.learning_rate=1e-3",
     "optimizer.warmup_steps=0",
     # Adam's first step is lr·g/(|g| + ε): with ε = 1e-8 a gradient entry near 0 turns its fp32
     # rounding (~1e-10) into ~1e-5 of parameter (measured: 1.2e-4 relative on one entry while

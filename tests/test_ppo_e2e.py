@@ -17,13 +17,12 @@ from jaxrl.trainers.check import compare, outcome
 from jaxrl.trainers.ppo import PPOTrainer
 
 SMALL = [
-    "sft_warmup_steps=0",
-    "grpo.learning_rate=1e-3",
-    "grpo.warmup_steps=0",
+    "warm_start.steps=0",
+    "optimizer.learning_rate=1e-3",
     "optimizer.warmup_steps=0",
     "optimizer.eps=1e-3",  # Adam's ε: see tests/test_orpo.py
-    "grpo.num_generations=4",
-    "grpo.beta=0.05",  # the KL in the reward (k1), against a reference ≠ the policy (below)
+    "ppo.actor.num_generations=4",
+    "ppo.actor.beta=0.05",  # the KL in the reward (k1), against a reference ≠ the policy (below)
     "ppo.critic_learning_rate=1e-3",
     "task.train_size=64",
     "task.eval_size=8",
@@ -31,13 +30,14 @@ SMALL = [
     "num_key_value_heads: 2, intermediate_size: 64}",
 ]
 LAYOUTS = {  # 16 completions per step in every layout
-    "dp1_1mb": (["mesh.data=1", "grpo.per_device_train_batch_size=16",
+    "dp1_1mb": (["mesh.data=1", "ppo.actor.per_device_train_batch_size=16",
                  "schedule.max_tokens=512"], 1),
-    "dp1_4mb": (["mesh.data=1", "grpo.per_device_train_batch_size=16",
+    "dp1_4mb": (["mesh.data=1", "ppo.actor.per_device_train_batch_size=16",
                  "schedule.max_tokens=40"], 1),
-    "dp8": (["mesh.data=8", "grpo.per_device_train_batch_size=2", "schedule.max_tokens=32"], 8),
+    "dp8": (["mesh.data=8", "ppo.actor.per_device_train_batch_size=2",
+             "schedule.max_tokens=32"], 8),
     "d2f2t2": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                "grpo.per_device_train_batch_size=4", "schedule.max_tokens=48"], 8),
+                "ppo.actor.per_device_train_batch_size=4", "schedule.max_tokens=48"], 8),
 }  # fmt: skip
 
 
@@ -116,7 +116,7 @@ def _run(tmp_path, name):
     from jaxrl.trainers import run
 
     sets = [*SMALL, *LAYOUTS["dp1_1mb"][0], f"output_dir={tmp_path / name}", "max_steps=3",
-            "grpo.num_iterations=2",  # μ = 2: step 2 trains on step 1's generation
+            "ppo.actor.num_iterations=2",  # μ = 2: step 2 trains on step 1's generation
             "checkpoint.every=1", "logging.eval_every=0", "logging.progress=false"]  # fmt: skip
     with use_devices(jax.devices()[:1]):
         return run(load_run_config("configs/ppo_tiny.yaml", sets))

@@ -25,7 +25,7 @@ GRPO = "configs/grpo_tiny.yaml"
 SMALL_SFT = [
     "logging.progress=false",
     "mesh.data=2",
-    "sft.batch_size=32",
+    "sft.per_device_train_batch_size=16",  # 32 documents a step
     "schedule.max_tokens=64",
     "logging.eval_every=0",
     "checkpoint.every=0",
@@ -234,7 +234,7 @@ def test_dpo_step_one_is_ln2_in_bf16_when_rounding_depends_on_the_layout(tmp_pat
     the rows of the step that trains on it, so policy = reference at step 1 to the bit."""
     out = tmp_path / "dpo"
     sets = [
-        "logging.progress=false", f"output_dir={out}", "sft_warmup_steps=0", "max_steps=2",
+        "logging.progress=false", f"output_dir={out}", "warm_start.steps=0", "max_steps=2",
         "mesh.data=2", "model.dtype=bfloat16", "model.attention_impl=flash",
         "model.attention_block_size=16", "task.train_size=48", "task.eval_size=16",
         "model.init={hidden_size: 576, num_hidden_layers: 2, num_attention_heads: 9, "

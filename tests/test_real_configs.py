@@ -84,7 +84,7 @@ def test_sft_qwen_config(tmp_path, model_dir, conversational):
             f"model.path={model_dir}",
             f"data.train={data}",
             f"data.eval={data}",
-            "sft.batch_size=4",
+            "sft.per_device_train_batch_size=2",
             "sft.max_length=96",
             "schedule.max_tokens=128",
         ],

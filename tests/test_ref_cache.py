@@ -253,7 +253,7 @@ def test_step_zero_accuracy_is_strictly_zero(tmp_path):
         "configs/dpo_tiny.yaml",
         [
             f"output_dir={tmp_path}",
-            "sft_warmup_steps=0",
+            "warm_start.steps=0",
             "task.train_size=24",
             "task.eval_size=24",
             "dpo.per_device_train_batch_size=8",  # a step may not hold a pair twice
@@ -277,7 +277,7 @@ def test_simpo_builds_no_cache(tmp_path):
         "configs/dpo_tiny.yaml",
         [
             f"output_dir={tmp_path}",
-            "sft_warmup_steps=0",
+            "warm_start.steps=0",
             "dpo.loss_type=simpo",
             "task.train_size=16",
             "dpo.per_device_train_batch_size=8",

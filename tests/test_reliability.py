@@ -18,7 +18,7 @@ from jaxrl.trainers.sft import SFTTrainer
 SMALL = [
     "model.init={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, "
     "num_key_value_heads: 1, intermediate_size: 64}",
-    "sft.batch_size=16",
+    "sft.per_device_train_batch_size=16",
     "task.eval_size=8",
     "logging.progress=false",
 ]
@@ -34,7 +34,7 @@ SMALL = [
         ("optimizer.eps=0", "optimizer.eps"),
         ("optimizer.eps=-1e-8", "optimizer.eps"),
         ("optimizer.max_nonfinite_steps=0", "optimizer.max_nonfinite_steps"),
-        ("sft_warmup_target=.nan", "sft_warmup_target"),
+        ("warm_start.target=.nan", "warm_start.target"),
     ],
 )
 def test_config_rejects_non_finite_numbers_and_bad_eps(override, field):
@@ -226,7 +226,7 @@ def test_train_on_rollouts_rejects_token_ids_outside_the_vocabulary(tmp_path, ba
 
     cfg = load_run_config(
         "configs/grpo_tiny.yaml",
-        [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "sft_warmup_steps=0",
+        [*SMALL, f"output_dir={tmp_path}", "mesh.data=1", "warm_start.steps=0",
          "grpo.num_generations=2", "grpo.per_device_train_batch_size=2",
          "logging.eval_samples=0", "task.eval_size=2"],
     )  # fmt: skip

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.config import RolloutConfig, load_run_config
-from jaxrl.config.vllm import VLLMConfig
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler import Sampler
 from jaxrl.generate.sampling import SamplingParams

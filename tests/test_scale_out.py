@@ -22,6 +22,7 @@ MESHES = {  # name → (--set overrides, data-parallel ranks); (data=8) is the r
     "fsdp8": (["mesh.data=1", "mesh.fsdp=8"], 8),
 }
 GLOBAL_BATCH = {  # per-device batch fields (TRL semantics) → the global batch they must make
+    "sft": ("sft.per_device_train_batch_size", 32),
     "grpo": ("grpo.per_device_train_batch_size", 16),
     "dpo": ("dpo.per_device_train_batch_size", 16),
 }
@@ -32,20 +33,20 @@ SMALL_MODEL = (
 JOBS = {
     "sft": (
         "configs/sft_tiny.yaml",
-        [SMALL_MODEL, "max_steps=3", "sft.batch_size=32", "optimizer.warmup_steps=0",
+        [SMALL_MODEL, "max_steps=3", "optimizer.warmup_steps=0",
          "optimizer.learning_rate=3e-3", "task.eval_size=16"],
     ),
     "grpo": (
         "configs/grpo_tiny.yaml",
-        [SMALL_MODEL, "max_steps=3", "sft_warmup_steps=0", "grpo.warmup_steps=0",
-         "grpo.learning_rate=3e-3", "grpo.num_generations=4",
+        [SMALL_MODEL, "max_steps=3", "warm_start.steps=0", "optimizer.warmup_steps=0",
+         "optimizer.learning_rate=3e-3", "grpo.num_generations=4",
          "grpo.max_completion_length=4", "task.train_size=64", "task.eval_size=8",
          "logging.eval_samples=0", "schedule.max_tokens=32"],
     ),
     "dpo": (
         "configs/dpo_tiny.yaml",
-        [SMALL_MODEL, "max_steps=3", "sft_warmup_steps=0", "task.train_size=64",
-         "task.eval_size=8", "dpo.learning_rate=1e-3",
+        [SMALL_MODEL, "max_steps=3", "warm_start.steps=0", "task.train_size=64",
+         "task.eval_size=8", "optimizer.learning_rate=1e-3",
          "optimizer.warmup_steps=0"],
     ),
 }  # fmt: skip
@@ -117,11 +118,15 @@ def test_parameters_and_moments_are_sharded_over_fsdp(tmp_path):
 def test_a_data8_checkpoint_resumes_on_another_mesh(tmp_path, resume_on):
     config, sets = JOBS["sft"]
     sets = [*sets, "max_steps=4", "checkpoint.every=2", "checkpoint.keep=2"]
-    full = _run(tmp_path / "full", config, *sets, "mesh.data=8")
+    per_rank = GLOBAL_BATCH["sft"][0]  # 32 documents a step on every mesh
+    full = _run(tmp_path / "full", config, *sets, "mesh.data=8", f"{per_rank}=4")
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "checkpoints" / "4")  # as if the run had stopped after step 2
-    mesh = {"d2f4": ["mesh.data=2", "mesh.fsdp=4"], "one_device": ["mesh.data=1"]}[resume_on]
+    mesh = {
+        "d2f4": ["mesh.data=2", "mesh.fsdp=4", f"{per_rank}=4"],
+        "one_device": ["mesh.data=1", f"{per_rank}=32"],
+    }[resume_on]
     resumed = _run(part, config, *sets, *mesh)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in STEP_KEYS:

@@ -295,7 +295,7 @@ def _sft_trainer(tmp_path, *sets):
     cfg = load_run_config(
         "configs/sft_tiny.yaml",
         [f"output_dir={tmp_path}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-         "sft.batch_size=32", "optimizer.warmup_steps=0", "task.train_size=256",
+         "sft.per_device_train_batch_size=8", "optimizer.warmup_steps=0", "task.train_size=256",
          "model.init={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, "
          "num_key_value_heads: 2, intermediate_size: 64}", *sets],
     )  # fmt: skip

@@ -32,7 +32,10 @@ def _steps(rows):
 @pytest.mark.slow
 def test_dp1_large_rows_equals_dp8_small_rows(tmp_path):
     one = _train(tmp_path, "dp1", "max_steps=3", "mesh.data=1", "schedule.max_tokens=512")
-    eight = _train(tmp_path, "dp8", "max_steps=3", "mesh.data=8", "schedule.max_tokens=16")
+    eight = _train(  # the same 128 documents a step: 16 per rank (the batch is per rank)
+        tmp_path, "dp8", "max_steps=3", "mesh.data=8", "sft.per_device_train_batch_size=16",
+        "schedule.max_tokens=16",
+    )  # fmt: skip
     one, eight = _steps(one), _steps(eight)
     assert len(one) == len(eight) == 3
     for a, b in zip(one, eight, strict=True):
@@ -120,7 +123,12 @@ def test_running_out_of_data_raises_before_a_partial_step(tmp_path):
 def test_rows_are_as_long_as_their_content_not_the_budget(tmp_path):
     """A 4096-token budget packs a step into one row whose length T is the smallest bucket
     holding it (not 4096), and the numbers equal the 256-token layout's."""
-    sets = ["max_steps=2", "mesh.data=1", "sft.batch_size=64", "optimizer.warmup_steps=0"]
+    sets = [
+        "max_steps=2",
+        "mesh.data=1",
+        "sft.per_device_train_batch_size=64",
+        "optimizer.warmup_steps=0",
+    ]
     small = _steps(_train(tmp_path, "b256", *sets, "schedule.max_tokens=256"))
     big = _steps(_train(tmp_path, "b4096", *sets, "schedule.max_tokens=4096"))
     assert all(r["num_micro_batches"] == 1 for r in big)  # one row holds the whole step

@@ -13,7 +13,6 @@ from test_grpo_e2e import CONFIG, TINY
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.data.batching.shared_prompt import PARENT_FIELD
 from jaxrl.trainers.grpo import GRPOTrainer
-from jaxrl.trainers.ppo import check_ppo_settings
 
 SAME = (
     "loss", "grad_norm", "entropy", "reward", "sampler/logprob_mismatch", "clip_ratio/low_mean",
@@ -77,7 +76,7 @@ def test_shared_equals_unshared_on_one_rank_with_micro_batches_and_both_scorers(
     sequence ratio. The old and reference log-probs are scored on shared rows too."""
     options = (
         "mesh.data=1", "grpo.beta=0.1", "grpo.num_iterations=2", "grpo.loss_type=grpo",
-        "grpo.importance_sampling_level=sequence", "grpo.learning_rate=3.0e-3",
+        "grpo.importance_sampling_level=sequence", "optimizer.learning_rate=3.0e-3",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *options, shared_tokens=16, plain_tokens=64)
     assert shared.computes_old_logprobs
@@ -95,16 +94,16 @@ def test_shared_equals_unshared_on_eight_ranks_with_the_entropy_prepass(tmp_path
     completions; the entropy pre-pass scores the shared rows; dr_grpo."""
     options = (
         "mesh.data=8", "grpo.per_device_train_batch_size=2", "grpo.top_entropy_quantile=0.5",
-        "grpo.loss_type=dr_grpo", "grpo.learning_rate=3.0e-3",
+        "grpo.loss_type=dr_grpo", "optimizer.learning_rate=3.0e-3",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *options, shared_tokens=32, plain_tokens=32)
     _check(plain, shared, 1, rtol=1e-5)
 
 
 def test_ppo_refuses_shared_prompts():
-    cfg = load_run_config("configs/ppo_tiny.yaml", ["grpo.shared_prompt_packing=true"])
-    with pytest.raises(ConfigError, match="grpo.shared_prompt_packing=true is invalid with"):
-        check_ppo_settings(cfg)
+    """PPO's config refuses it (the critic reads one document per completion)."""
+    with pytest.raises(ConfigError, match=r"^ppo.actor.shared_prompt_packing=True is invalid"):
+        load_run_config("configs/ppo_tiny.yaml", ["ppo.actor.shared_prompt_packing=true"])
 
 
 @pytest.mark.slow
@@ -116,7 +115,7 @@ def test_shared_equals_unshared_for_moe_router_replay(tmp_path):
         "model.init={model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 1, "
         "num_attention_heads: 2, num_key_value_heads: 1, intermediate_size: 64, "
         "num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 16}",
-        "grpo.router_replay=rollout", "mesh.data=1", "grpo.learning_rate=3.0e-3",
+        "grpo.router_replay=rollout", "mesh.data=1", "optimizer.learning_rate=3.0e-3",
         "grpo.num_iterations=2",
     )  # fmt: skip
     plain, shared = _pair(tmp_path, *moe, shared_tokens=64, plain_tokens=64)

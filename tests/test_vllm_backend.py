@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from vllm_stub import StubVLLM
 
 from jaxrl.config import ConfigError, load_run_config
-from jaxrl.config.vllm import VLLMConfig
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.generate.sampling import SamplingParams
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer

@@ -27,7 +27,7 @@ from test_grpo_e2e import CONFIG
 from test_vllm_backend import _gone
 
 from jaxrl.config import load_run_config
-from jaxrl.config.vllm import VLLMConfig
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.vllm import LocalServer, ServerClient, VLLMBackend, export_weights
 from jaxrl.rollout.vllm.server import default_command, free_port
@@ -47,14 +47,14 @@ MODEL = (
 )
 SETS = [
     "logging.progress=false",
-    "sft_warmup_steps=0",
+    "warm_start.steps=0",
     MODEL,
     "task.train_size=64",
     "task.eval_size=8",
     "schedule.max_tokens=64",
     "optimizer.warmup_steps=0",
-    "grpo.warmup_steps=0",
-    "grpo.learning_rate=3.0e-2",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=3.0e-2",
     "grpo.max_completion_length=4",
     "grpo.num_generations=4",
     "grpo.per_device_train_batch_size=8",

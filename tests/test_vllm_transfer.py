@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from vllm_stub import StubVLLM
 
 from jaxrl.config import ConfigError
-from jaxrl.config.vllm import VLLMConfig
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.models.model_config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rollout.vllm import VLLMBackend, export_weights

@@ -33,16 +33,17 @@ ONE_STEP = ["max_steps=1", "optimizer.warmup_steps=0", "optimizer.eps=1.0"]
 JOBS = {  # one optimizer step of each trainer, fp32 (the configs' model.dtype)
     "sft": (
         "configs/sft_tiny.yaml",
-        ["sft.batch_size=32", "optimizer.learning_rate=1.0", "task.eval_size=16"],
+        ["sft.per_device_train_batch_size={per32}", "optimizer.learning_rate=1.0",
+         "task.eval_size=16"],
     ),
     "dpo": (
         "configs/dpo_tiny.yaml",
-        ["sft_warmup_steps=0", "task.train_size=64", "task.eval_size=8",
-         "dpo.learning_rate=1.0", "dpo.per_device_train_batch_size={per16}"],
+        ["warm_start.steps=0", "task.train_size=64", "task.eval_size=8",
+         "optimizer.learning_rate=1.0", "dpo.per_device_train_batch_size={per16}"],
     ),
     "grpo": (
         "configs/grpo_tiny.yaml",
-        ["sft_warmup_steps=0", "grpo.warmup_steps=0", "grpo.learning_rate=1.0",
+        ["warm_start.steps=0", "optimizer.warmup_steps=0", "optimizer.learning_rate=1.0",
          "grpo.num_generations=4", "grpo.max_completion_length=4", "task.train_size=64",
          "task.eval_size=8", "logging.eval_samples=0", "schedule.max_tokens=32",
          "grpo.per_device_train_batch_size={per16}"],
@@ -96,7 +97,7 @@ def test_zero3_step_equals_data_parallel(tmp_path, job):
     config, sets = JOBS[job]
     runs = {}
     for name, (mesh, ranks) in MESHES.items():
-        job_sets = [s.format(per16=16 // ranks) for s in sets]
+        job_sets = [s.format(per16=16 // ranks, per32=32 // ranks) for s in sets]
         runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *job_sets, *mesh])
     _assert_same_step(runs, "data8")
 
@@ -110,7 +111,7 @@ def test_zero3_bf16_masters_step_equals_data_parallel(tmp_path, job):
     config, sets = JOBS[job]
     runs = {}
     for name, (mesh, ranks) in MESHES.items():
-        job_sets = [s.format(per16=16 // ranks) for s in sets]
+        job_sets = [s.format(per16=16 // ranks, per32=32 // ranks) for s in sets]
         runs[name] = _train(
             tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *BF16_MASTER, *job_sets, *mesh]
         )

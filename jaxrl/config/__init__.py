@@ -1,4 +1,5 @@
-"""Typed configs: run sections, algorithm configs, YAML loading and ``ConfigError``."""
+"""Typed configs: the run (``run``), its run-level sections (``sections``), the algorithm
+sections (``sft``, ``grpo``, ``dpo``, ``kto``, ``ppo``), YAML loading and ``ConfigError``."""
 
 from jaxrl.config.base import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from jaxrl.config.dpo import DPOConfig
@@ -8,6 +9,7 @@ from jaxrl.config.loading import anchor_reward_paths, load_run_config
 from jaxrl.config.ppo import PPOConfig
 from jaxrl.config.run import (
     ALGORITHMS,
+    STAGE_SECTIONS,
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
@@ -20,11 +22,14 @@ from jaxrl.config.run import (
     RunConfig,
     ScheduleConfig,
     TaskConfig,
+    WarmStartConfig,
 )
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.config.sft import SFTConfig
 
 __all__ = [
     "ALGORITHMS",
+    "STAGE_SECTIONS",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -43,6 +48,8 @@ __all__ = [
     "SFTConfig",
     "ScheduleConfig",
     "TaskConfig",
+    "VLLMConfig",
+    "WarmStartConfig",
     "anchor_reward_paths",
     "apply_overrides",
     "from_dict",

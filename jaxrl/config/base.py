@@ -29,6 +29,24 @@ T = TypeVar("T")
 WORLD_SIZE_FROM_MESH = types.MappingProxyType(
     {"world_size": "remove it: the data-parallel size comes from mesh.data"}
 )
+# The learning-rate schedule has one home, ``optimizer`` (the run's stage; the SFT warm start's
+# own is ``warm_start.learning_rate`` etc.): an algorithm section's schedule keys are refused
+_LR_HOME = "the run's learning-rate schedule is the optimizer section"
+_WARM = "the SFT warm start's own is warm_start.{key}"
+STAGE_SCHEDULE_FIXES = types.MappingProxyType(
+    {
+        "learning_rate": (
+            f"moved: {_LR_HOME}: set optimizer.learning_rate ({_WARM.format(key='learning_rate')})"
+        ),
+        "warmup_steps": (
+            f"moved: {_LR_HOME}: set optimizer.warmup_steps ({_WARM.format(key='warmup_steps')})"
+        ),
+        "lr_scheduler_type": (
+            f"moved: {_LR_HOME}: set optimizer.decay (constant, cosine or linear; "
+            f"{_WARM.format(key='decay')})"
+        ),
+    }
+)
 
 
 def config_error(field: str, value: Any, fix: str) -> ConfigError:
@@ -49,13 +67,7 @@ def require_choice(field: str, value: Any, choices: Sequence[Any]) -> None:
 
 
 def require_batch_fields(cfg: Any) -> None:
-    """The batch, length and learning-rate fields a preference section (DPO, KTO) shares."""
-    require(
-        cfg.learning_rate is None or cfg.learning_rate > 0,
-        "learning_rate",
-        cfg.learning_rate,
-        "use a positive learning rate, or leave it unset to use optimizer.learning_rate",
-    )
+    """The batch and length fields a preference section (DPO, KTO) shares."""
     names = ["per_device_train_batch_size", "gradient_accumulation_steps", "world_size"]
     if cfg.world_size is None:  # a run's section before its mesh is known
         names.remove("world_size")

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from jaxrl.config.base import (
+    STAGE_SCHEDULE_FIXES,
     WORLD_SIZE_FROM_MESH,
+    removed_fields,
     require,
     require_batch_fields,
     require_choice,
@@ -29,6 +31,7 @@ from jaxrl.losses.loss_types import (
 )
 
 
+@removed_fields(**STAGE_SCHEDULE_FIXES)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOConfig:
     """DPO / IPO / SimPO / WPO algorithm settings (TRL names where TRL has the concept)."""
@@ -47,8 +50,6 @@ class DPOConfig:
     # None until the run knows it (a mesh axis of -1)
     max_length: int = 1024  # per sequence (prompt + response), applied at tokenisation
     max_prompt_length: int | None = None  # real data: prompt tokens kept (the last); None = all
-    learning_rate: float | None = None  # the DPO stage's peak LR (an SFT warm start keeps
-    # optimizer.learning_rate); None → optimizer.learning_rate
     precompute_ref_log_probs: bool = True  # the reference cache; False (a frozen reference
     # forward every step, TRL's default) is not implemented: the DPO trainer refuses it
     reference_cache_dir: str | None = None  # None → <output_dir>/ref_cache

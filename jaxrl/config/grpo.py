@@ -1,8 +1,12 @@
 """``GRPOConfig``: TRL's GRPO fields and defaults, resolved and validated at construction.
 
 Field names, defaults and the resolution order follow huggingface/trl after PR #3388/#3725.
-``generation_batch_size`` and ``steps_per_generation`` hold their resolved values after
-construction; ``replace`` rebuilds from the values the user gave. ``world_size`` is the run's
+``generation_batch_size`` and ``steps_per_generation`` are plain fields: construction takes the
+values given, resolves B_gen and S from them (``resolve_generation_batch``, TRL's rule 3) and
+stores the resolved values in the two fields, as TRL's ``__post_init__`` does, remembering which
+were given (``given``). ``GRPOConfig.replace`` rebuilds from the values given, so a changed
+batch or world size resolves anew (``dataclasses.replace`` would pass both resolved values back,
+which rule 3 refuses). ``world_size`` is the run's
 (``RunConfig`` sets it from the mesh); in a config file it is an error. The accepted loss types,
 importance-sampling levels, reward scalings and aggregations are the lists the loss code itself
 checks (``jaxrl.losses.loss_types``, ``jaxrl.losses.advantages``), imported, not copied.
@@ -21,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from jaxrl.config.base import (
+    STAGE_SCHEDULE_FIXES,
     WORLD_SIZE_FROM_MESH,
     ConfigError,
     removed_fields,
@@ -41,7 +46,6 @@ from jaxrl.losses.loss_types import (
     TOKEN_SUMMING_LOSS_TYPES,
 )
 
-LR_SCHEDULER_TYPES = ("constant", "cosine", "linear")  # the GRPO stage's decay after warmup
 EVAL_FIX = (
     "removed: jaxrl evaluates on data.eval (or the built-in task's eval problems) every "
     "logging.eval_every steps; delete the key"
@@ -82,41 +86,6 @@ def _check_tools(c: GRPOConfig) -> None:
 def _positive_int(field: str, value: Any) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     require(ok, field, value, "use an integer ≥ 1")
-
-
-class ResolvedValue(int):
-    """A value :class:`GRPOConfig` resolved (an ``int`` in every use). Passed back into a
-    config (``dataclasses.replace`` reads every field) it counts as not given, so the new
-    config resolves it anew instead of pinning the old value."""
-
-
-class _Resolved:
-    """A field that stores the value given at construction and reads back resolved: the public
-    API reads B_gen and S as ``generation_batch_size`` / ``steps_per_generation`` (TRL's
-    attributes after ``__post_init__``), while the config itself holds only what was given
-    (:meth:`GRPOConfig.given`, which ``to_dict`` and the resolver read). A value that was given
-    reads back as given; one that was not reads back as a :class:`ResolvedValue`. A dataclass
-    field whose default is a descriptor: ``__init__`` calls ``__set__``, the default is
-    ``__get__(None)``."""
-
-    def __init__(self, part: str):
-        self.part = part  # the GenerationBatch attribute it reads back
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_given_{name}"
-
-    def __get__(self, obj: Any, owner: type | None = None) -> int | None:
-        if obj is None:
-            return None  # the field's default: not given
-        given = obj.__dict__[self.slot]
-        if given is not None:
-            return given
-        value = getattr(obj.generation, self.part)
-        return None if value is None else ResolvedValue(value)
-
-    def __set__(self, obj: Any, value: int | None) -> None:
-        # the value given, written once by __init__ (a resolved value read back is not given)
-        obj.__dict__[self.slot] = None if isinstance(value, ResolvedValue) else value
 
 
 # TRL's vLLM keys: in jaxrl vLLM is a rollout backend, configured once for every algorithm that
@@ -173,6 +142,7 @@ ROUTER_REPLAY = ("none", "rollout")  # grpo.router_replay (jaxrl/models/moe, doc
         "TRL's name; jaxrl counts assistant turns: set max_turns to TRL's value + 1"
     ),
     **TRL_VLLM_FIXES,
+    **STAGE_SCHEDULE_FIXES,
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
@@ -185,10 +155,11 @@ class GRPOConfig:
     world_size: int | None = 1  # P: data-parallel size; in a RunConfig its mesh's data × fsdp,
     # None until the run knows it (a mesh axis of -1)
     num_generations: int = 8  # G: completions per prompt, ≥ 2
-    generation_batch_size: int | None = _Resolved("size")  # B_gen: completions per generation,
-    # all ranks; reads back resolved (None until P is known)
-    steps_per_generation: int | None = _Resolved("steps")  # S: micro-steps served by one
-    # generation buffer; reads back resolved
+    generation_batch_size: int | None = None  # B_gen: completions per generation, all ranks;
+    # give it or steps_per_generation (not both); holds the resolved value after construction
+    # (None until P is known)
+    steps_per_generation: int | None = None  # S: micro-steps served by one generation buffer;
+    # None = g; holds the resolved value after construction
     num_iterations: int = 1  # μ: passes over each generation buffer
     shuffle_dataset: bool = True  # permute the prompt order each epoch
     max_completion_length: int = 512  # generation cap; also Dr.GRPO's constant
@@ -248,20 +219,20 @@ class GRPOConfig:
     shared_prompt_packing: bool = False  # train each prompt once per row: its completions
     # (same prompt, same generation) attend to one copy of it instead of G copies; the same
     # update, fewer trained tokens (docs/algorithms/grpo.md §12); GRPO only, not PPO
-    learning_rate: float | None = None  # the GRPO stage's peak LR (an SFT warm start keeps
-    # optimizer.learning_rate); None → optimizer.learning_rate
-    warmup_steps: int | None = None  # the GRPO stage's LR warmup steps; None → optimizer's
-    lr_scheduler_type: str | None = None  # the GRPO stage's decay: constant, cosine, linear;
-    # None → optimizer.decay
 
     def __post_init__(self) -> None:
-        """Validation only: a GRPOConfig holds what was given and never changes it; what the
-        fields imply (B_gen, S) is computed by ``resolve_generation_batch`` (``generation``)."""
+        """Validation, then the one resolution step: B_gen and S from the values given
+        (``resolve_generation_batch``) stored in their fields, the given ones kept (``given``)."""
         _positive_int("per_device_train_batch_size", self.per_device_train_batch_size)
         if self.world_size is not None:
             _positive_int("world_size", self.world_size)
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        self._check_groups(resolve_generation_batch(self).size)
+        given = {name: getattr(self, name) for name in RESOLVED_FIELDS}
+        generation = resolve_generation_batch(self)
+        object.__setattr__(self, "_given", given)
+        object.__setattr__(self, "generation_batch_size", generation.size)
+        object.__setattr__(self, "steps_per_generation", generation.steps)
+        self._check_groups(generation.size)
         self._check_choices()
         self._check_ranges()
         self._check_loss()
@@ -306,8 +277,6 @@ class GRPOConfig:
                 self.importance_sampling_correction,
                 CORRECTION_MODES,
             )
-        if self.lr_scheduler_type is not None:
-            require_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
         if self.advantage_estimator != "grpo":
             require(
                 resolve_scale_rewards(self.scale_rewards) == "group",
@@ -380,10 +349,6 @@ class GRPOConfig:
             value = getattr(self, name)
             if value is not None:
                 require(value >= 0, name, value, "use a value ≥ 0")
-        if self.learning_rate is not None:
-            require(self.learning_rate > 0, "learning_rate", self.learning_rate, "use a value > 0")
-        if self.warmup_steps is not None:
-            require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "use a value >= 0")
         q = self.top_entropy_quantile
         require(0 < q <= 1, "top_entropy_quantile", q, "use a value in (0, 1]; 1 disables it")
         if self.delta is not None:
@@ -448,8 +413,8 @@ class GRPOConfig:
 
     @property
     def generation(self) -> GenerationBatch:
-        """B_gen and S, resolved from the fields (``resolve_generation_batch``)."""
-        return resolve_generation_batch(self)
+        """B_gen and S as resolved at construction."""
+        return GenerationBatch(self.generation_batch_size, self.steps_per_generation)
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -476,10 +441,17 @@ class GRPOConfig:
         return size // self.num_generations
 
     def given(self, name: str) -> Any:
-        """The value field ``name`` was given (``generation_batch_size`` and
-        ``steps_per_generation`` read back resolved when unset; this is None then)."""
-        slot = f"_given_{name}"
-        return self.__dict__[slot] if slot in self.__dict__ else getattr(self, name)
+        """The value field ``name`` was given: for ``generation_batch_size`` and
+        ``steps_per_generation`` what the user set (None when resolved from the other fields),
+        for every other field its value."""
+        if name in RESOLVED_FIELDS:
+            return self.__dict__["_given"][name]
+        return getattr(self, name)
+
+    def replace(self, **changes: Any) -> GRPOConfig:
+        """A new config with ``changes`` over the values given (B_gen and S resolve anew)."""
+        given = {name: self.given(name) for name in RESOLVED_FIELDS if name not in changes}
+        return dataclasses.replace(self, **given, **changes)
 
     def for_world_size(self, world_size: int) -> GRPOConfig:
         """This config resolved for ``world_size`` data-parallel ranks (a run's mesh); itself
@@ -488,7 +460,11 @@ class GRPOConfig:
             return self
         with warnings.catch_warnings():  # the same warnings as at construction
             warnings.simplefilter("ignore", UserWarning)
-            return dataclasses.replace(self, world_size=world_size)
+            return self.replace(world_size=world_size)
+
+
+# the fields construction resolves (TRL's rule 3); ``given`` keeps what the user set
+RESOLVED_FIELDS = ("generation_batch_size", "steps_per_generation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,14 +478,16 @@ class GenerationBatch:
 
 def resolve_generation_batch(c: GRPOConfig) -> GenerationBatch:
     """B_gen and S from b, P, g and whichever of ``generation_batch_size`` /
-    ``steps_per_generation`` was given (at most one; neither: S = g). ``ConfigError`` when
+    ``steps_per_generation`` was given (at most one; neither: S = g), read during construction
+    before the two fields are resolved. ``ConfigError`` when
     both are given, or B_gen is not a multiple of the global batch b · P."""
-    b_gen, steps = c.given("generation_batch_size"), c.given("steps_per_generation")
+    b_gen, steps = c.generation_batch_size, c.steps_per_generation  # as given (construction)
     if b_gen is not None and steps is not None:
         raise ConfigError(
             f"generation_batch_size={b_gen!r} and steps_per_generation={steps!r}: "
             "'generation_batch_size' and 'steps_per_generation' can not be both configured "
-            "at the same time; set only one of them"
+            "at the same time; set only one of them (to change a built GRPOConfig use its "
+            "replace(), which keeps the values given, not dataclasses.replace)"
         )
     if b_gen is not None:
         _positive_int("generation_batch_size", b_gen)

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from jaxrl.config.base import (
+    STAGE_SCHEDULE_FIXES,
     WORLD_SIZE_FROM_MESH,
+    removed_fields,
     require,
     require_batch_fields,
     require_choice,
@@ -18,6 +20,7 @@ from jaxrl.config.base import (
 from jaxrl.losses.loss_types import KTO_LOSS_TYPES
 
 
+@removed_fields(**STAGE_SCHEDULE_FIXES)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KTOConfig:
     """KTO / unpaired APO-zero settings (TRL names)."""
@@ -33,7 +36,6 @@ class KTOConfig:
     world_size: int | None = 1  # P: data-parallel size; in a RunConfig its mesh's data × fsdp
     max_length: int = 1024  # prompt + completion tokens; longer completions are cut
     max_prompt_length: int | None = None  # longer prompts keep their last tokens; None = no cap
-    learning_rate: float | None = None  # the KTO stage's peak LR; None → optimizer's
 
     def __post_init__(self) -> None:
         require_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)

@@ -9,7 +9,8 @@ from typing import Any
 
 from jaxrl.config.base import apply_overrides, from_dict, load_yaml
 from jaxrl.config.reward_entries import reward_file_spec
-from jaxrl.config.run import DistributedConfig, MeshConfig, RunConfig
+from jaxrl.config.run import RunConfig
+from jaxrl.config.sections.mesh import DistributedConfig, MeshConfig
 
 __all__ = ["anchor_reward_paths", "load_run_config"]
 
@@ -45,12 +46,18 @@ def _section(cls: type, data: dict[str, Any], key: str) -> Any:
 
 def anchor_reward_paths(data: dict[str, Any], base_dir: str | Path) -> dict[str, Any]:
     """Make the relative ``file.py:function`` entries of a YAML dict's ``grpo.reward_funcs``
-    (and ``grpo.tools``, ``grpo.environment``, ``grpo.tool_parser``) relative to ``base_dir``
-    (the YAML file's directory), in place; returns ``data``. Entries
-    given later (``--set``) stay relative to the current directory."""
-    section = data.get("grpo")
-    if not isinstance(section, dict):
-        return data
+    (and ``grpo.tools``, ``grpo.environment``, ``grpo.tool_parser``; the same keys of PPO's
+    ``ppo.actor``) relative to ``base_dir`` (the YAML file's directory), in place; returns
+    ``data``. Entries given later (``--set``) stay relative to the current directory."""
+    ppo = data.get("ppo")
+    for section in (data.get("grpo"), ppo.get("actor") if isinstance(ppo, dict) else None):
+        if isinstance(section, dict):
+            _anchor_section(section, base_dir)
+    return data
+
+
+def _anchor_section(section: dict[str, Any], base_dir: str | Path) -> None:
+    """``anchor_reward_paths`` of one GRPO section, in place."""
 
     def anchored(spec: Any) -> Any:
         parts = reward_file_spec(spec) if isinstance(spec, str) else None
@@ -64,4 +71,3 @@ def anchor_reward_paths(data: dict[str, Any], base_dir: str | Path) -> dict[str,
     for key in ("environment", "tool_parser"):
         if key in section:
             section[key] = anchored(section[key])
-    return data

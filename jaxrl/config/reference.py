@@ -1,6 +1,7 @@
 """The config reference (docs/config_reference.md), generated from the config dataclasses.
 
-Every section of ``RunConfig`` becomes a table of its fields: key, type, default and the field's
+Every section of ``RunConfig`` (``jaxrl.config.sections`` and the algorithm sections) becomes a
+table of its fields: key, type, default and the field's
 own one-line comment in the source (``name: type = default  # comment``, continuation comment
 lines included), and the keys a section no longer has (``removed_fields``). The ``grpo`` and
 ``dpo`` sections are ``GRPOConfig`` and ``DPOConfig`` (less their ``RUN_FIELDS``, which the run
@@ -37,6 +38,64 @@ that name the field, the value and the fix.
 
 This page is generated from the config dataclasses (`python -m jaxrl.config.reference --write`);
 a test fails when it is stale, so it always matches the code.
+
+## How a run is composed
+
+A run has the run-level sections below (`mesh`, `schedule`, `optimizer`, `model`, `task` or
+`data`, `checkpoint`, `logging`, `export`, `rollout`, `warm_start`) and the section of its own
+`algorithm:`, and no other algorithm's: `sft`, `grpo`, `dpo`, `kto` or `ppo`. A section of
+another algorithm (say `dpo:` with `algorithm: grpo`) is an error naming it. PPO's rollouts and
+clipped actor objective are `ppo.actor`, a `grpo` section (the same keys); `ppo`'s own keys are
+the critic's and GAE's. The `sft` section is SFT's, and the SFT warm start's of a GRPO, PPO, DPO
+or KTO run that has a `warm_start` section.
+
+One place per concept:
+
+- **Learning rate.** `optimizer.learning_rate`, `optimizer.warmup_steps` and `optimizer.decay`
+  are the schedule of the run's own stage (SFT, GRPO, PPO's actor, DPO, KTO). The SFT warm start
+  has its own peak, warmup and decay in `warm_start.learning_rate`, `warm_start.warmup_steps`
+  and `warm_start.decay` (each unset: `optimizer`'s); PPO's critic its own peak in
+  `ppo.critic_learning_rate`. AdamW's other settings are `optimizer`'s for every stage.
+- **Batch size.** Every section's batch counts per data-parallel rank, as TRL's
+  `per_device_train_batch_size`: an optimizer step holds `per_device_train_batch_size ×
+  gradient_accumulation_steps × ranks` examples, where ranks = `mesh.data × mesh.fsdp` (TRL's
+  `per_device_train_batch_size × gradient_accumulation_steps × world size`). The examples are
+  documents (SFT), completions (GRPO, PPO), pairs (DPO) or labelled examples (KTO).
+  Unlike TRL, `gradient_accumulation_steps` does not cut the step into micro-batches:
+  `schedule.max_tokens` does, and the update does not depend on how (README, "Why: exactness").
+  With `schedule.docs_per_step > 0` the step holds that many documents instead.
+
+| concept | jaxrl (every section) | TRL |
+|---|---|---|
+| examples per rank per micro-step (b) | `per_device_train_batch_size` | the same |
+| micro-steps per optimizer step (g) | `gradient_accumulation_steps` | the same |
+| ranks (P) | `mesh.data × mesh.fsdp` | world size |
+| examples per step | b × g × P | b × g × world size |
+| peak learning rate | `optimizer.learning_rate` | `learning_rate` |
+| warm start's peak | `warm_start.learning_rate` | (a separate SFT run) |
+| warmup, decay | `optimizer.warmup_steps`, `.decay` | `warmup_steps`, `lr_scheduler_type` |
+
+The SFT warm start of `configs/grpo_tiny.yaml`:
+
+```yaml
+warm_start:
+  steps: 500             # at most 500 SFT steps (the sft section) into output_dir/sft ...
+  target: 0.5            # ... stopping at the first held-out check with greedy accuracy >= 0.5
+  learning_rate: 1.5e-3  # its own peak and warmup; the decay is optimizer.decay
+  warmup_steps: 50
+optimizer:
+  learning_rate: 3.0e-4  # the GRPO stage's
+  warmup_steps: 10
+  decay: cosine
+```
+
+Keys that moved are errors that name their new home (listed under each section below as
+"Removed keys"): `sft_warmup_steps`, `sft_warmup_target`, `sft_warmup_eval_every` (now
+`warm_start.steps`, `.target`, `.eval_every`); `grpo.learning_rate`, `grpo.warmup_steps`,
+`grpo.lr_scheduler_type`, `dpo.learning_rate`, `kto.learning_rate` (now `optimizer.*`, or
+`warm_start.*` for the warm start); `sft.batch_size` (global; now
+`sft.per_device_train_batch_size` = batch_size / ranks); PPO's actor under `grpo.` (now
+`ppo.actor.`).
 """
 
 
@@ -117,9 +176,18 @@ def _table(
     return rows
 
 
+def _section_type(tp: Any) -> type | None:
+    """The dataclass a field holds (``X`` or ``X | None``), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0] if len(args) == 1 else None
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
 def sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """``(key prefix, dataclass, fields left out)`` for every section of the reference."""
-    from jaxrl.config.run import MODEL_SECTION_KEYS, RunConfig
+    from jaxrl.config.run import RunConfig
+    from jaxrl.config.sections.model import MODEL_SECTION_KEYS
     from jaxrl.models.model_config import ModelConfig
 
     out: list[tuple[str, type, tuple[str, ...]]] = []
@@ -128,14 +196,15 @@ def sections() -> list[tuple[str, type, tuple[str, ...]]]:
     for f in dataclasses.fields(RunConfig):
         if not f.init:
             continue
-        tp = hints[f.name]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        tp = _section_type(hints[f.name])
+        if tp is not None:
             out.append((f"{f.name}.", tp, tuple(getattr(tp, "RUN_FIELDS", ()))))
             sub_hints = typing.get_type_hints(tp)  # a section's own sections (model.lora)
             for g in dataclasses.fields(tp):
-                sub = sub_hints[g.name]
-                if isinstance(sub, type) and dataclasses.is_dataclass(sub):
-                    out.append((f"{f.name}.{g.name}.", sub, ()))
+                sub = _section_type(sub_hints[g.name])
+                if sub is not None:
+                    skip = tuple(getattr(sub, "RUN_FIELDS", ()))
+                    out.append((f"{f.name}.{g.name}.", sub, skip))
         else:
             top.append(f.name)
     skip_top = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in top)

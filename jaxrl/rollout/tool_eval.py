@@ -44,7 +44,11 @@ class EpisodeEvaluator(HeldoutEvaluator):
         self.runner = runner
         self._calls: dict[bool, list[int]] = {}  # greedy? → tool calls per episode
 
-    def _correct(self, prompt_ids: list[np.ndarray], repeat: int, s: SamplingParams) -> np.ndarray:
+    def _score(
+        self, prompt_ids: list[np.ndarray], repeat: int, s: SamplingParams
+    ) -> tuple[np.ndarray, None]:
+        """(correct per episode, no reward-function scores: episodes are scored by the final
+        answer alone)."""
         prompts = [p for p in self.prompts for _ in range(repeat)]
         answers = [a for a in self.answers for _ in range(repeat)]
         rows = [{"answer": a} for a in answers]
@@ -52,7 +56,7 @@ class EpisodeEvaluator(HeldoutEvaluator):
         self._calls[s is GREEDY] = [e.tool_calls for e in eps]
         completions = [e.messages for e in eps]
         scores = self.reward(prompts=prompts, completions=completions, answer=answers)
-        return (np.asarray(scores, np.float64) == 1.0).astype(np.float64)
+        return (np.asarray(scores, np.float64) == 1.0).astype(np.float64), None
 
     def __call__(self, params: Any) -> EpisodeHeldoutResult:
         self._calls = {}

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.config import ConfigError, RunConfig
-from jaxrl.config.run import MODEL_SECTION_KEYS, ModelSection
+from jaxrl.config.sections.model import MODEL_SECTION_KEYS, ModelSection
 from jaxrl.data.tasks import ArithmeticTask
 from jaxrl.data.tool_task import CalculatorTask
 from jaxrl.models.adapters.peft import load_adapters, read_lora_spec

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl.config.run import OptimizerConfig
+from jaxrl.config.sections.optimizer import OptimizerConfig
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, max_steps: int) -> optax.Schedule:

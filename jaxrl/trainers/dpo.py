@@ -61,7 +61,7 @@ class DPOTrainer(ReferenceAlgorithm):
     """
 
     def __init__(self, cfg: RunConfig):
-        pre = Preamble(with_device_ranks(cfg))  # dpo.learning_rate over optimizer's
+        pre = Preamble(with_device_ranks(cfg))
         self.cfg, self.dpo, self.tokenizer = pre.cfg, pre.cfg.dpo, pre.tokenizer
         cfg, dpo = self.cfg, self.dpo
         if cfg.schedule.docs_per_step:

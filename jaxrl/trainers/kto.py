@@ -38,7 +38,7 @@ class KTOTrainer(ReferenceAlgorithm):
     undesirable, for odd i); ``run()`` trains and returns a summary."""
 
     def __init__(self, cfg: RunConfig):
-        pre = Preamble(with_device_ranks(cfg))  # kto.learning_rate over optimizer's
+        pre = Preamble(with_device_ranks(cfg))
         self.cfg, self.kto, self.tokenizer = pre.cfg, pre.cfg.kto, pre.tokenizer
         if self.cfg.schedule.docs_per_step:
             raise ConfigError(

@@ -88,7 +88,7 @@ def layout_change_line(
             "step, so the resumed steps make the updates the previous layout would have made (up "
             "to floating-point rounding)."
         )
-    section = STAGE_SECTIONS.get(current.get("algorithm"))  # its batch is per rank; SFT's not
+    section = STAGE_SECTIONS.get(current.get("algorithm"))  # every section's batch is per rank
     if section is not None and any(k in ("mesh.data", "mesh.fsdp") for k in keys):
         notes.append(
             f"But {section}.per_device_train_batch_size counts per data-parallel rank: if the "

@@ -1,6 +1,6 @@
-"""What every trainer does before it trains, written once: the stage's optimizer (the RL stage's
-own learning rate over ``optimizer``'s), the tokenizer, the run's datasets, the data report and
-warnings buffered until the session's console exists, the session and its no-grad scorer.
+"""What every trainer does before it trains, written once: the tokenizer, the run's datasets,
+the data report and warnings buffered until the session's console exists, the session and its
+no-grad scorer.
 
 The datasets are the built-in task's rows or ``data.train`` / ``data.eval``, read alike: the
 task (``task`` section) becomes rows in TRL's format (``ArithmeticTask.dataset``); users' data
@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl.config import GRPOConfig, RunConfig
+from jaxrl.config import RunConfig
 from jaxrl.data.datasets import Dataset, Kind, read_dataset
+from jaxrl.data.hub import local_model_dir
 from jaxrl.data.tokenizer import TextTokenizer, load_tokenizer
 from jaxrl.runtime import storage
 from jaxrl.train.build import build_task
@@ -23,23 +24,16 @@ from jaxrl.train.objectives import Objective
 from jaxrl.train.score import Scorer
 from jaxrl.trainers.session import Session
 
-__all__ = ["Preamble", "run_datasets", "run_tokenizer", "stage_config"]
+__all__ = ["Preamble", "run_datasets", "run_tokenizer", "with_local_model"]
 
 
-def stage_config(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with the RL stage's optimizer: its section's (``cfg.stage``: grpo for GRPO and
-    PPO's actor, dpo, kto) ``learning_rate`` and, for the GRPO family, ``warmup_steps`` and
-    ``lr_scheduler_type``, over ``optimizer``'s (an SFT run, and the SFT warm start, keep
-    ``optimizer``'s)."""
-    section, stage = cfg.stage, {}
-    if section is not None:
-        stage = {"learning_rate": section.learning_rate}
-    if isinstance(section, GRPOConfig):
-        stage.update(warmup_steps=section.warmup_steps, decay=section.lr_scheduler_type)
-    stage = {k: v for k, v in stage.items() if v is not None}
-    if not stage:
+def with_local_model(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with a hub id in ``model.path`` replaced by its local snapshot (downloaded or
+    from the cache: ``jaxrl.data.hub``); unchanged for a local path or a fresh model."""
+    path = cfg.model.path
+    if path is None or (local := local_model_dir(path)) == path:
         return cfg
-    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **stage))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=local))
 
 
 def run_tokenizer(cfg: RunConfig) -> TextTokenizer:
@@ -71,12 +65,12 @@ def run_datasets(cfg: RunConfig, kind: Kind) -> dict[str, Dataset]:
 
 
 class Preamble:
-    """A trainer's start: ``cfg`` (device ranks resolved by the caller) with its stage
-    optimizer, the tokenizer, and what reading the data found (``data_report``: rows the length
+    """A trainer's start: ``cfg`` (device ranks resolved by the caller; its ``optimizer`` is the
+    stage's), the tokenizer, and what reading the data found (``data_report``: rows the length
     limits touched, logged in the first metrics row; ``warnings``: printed by :meth:`session`)."""
 
     def __init__(self, cfg: RunConfig):
-        self.cfg = stage_config(cfg)
+        self.cfg = with_local_model(cfg)
         self.tokenizer = run_tokenizer(self.cfg)
         self.data_report: dict[str, int] = {}
         self.warnings: list[str] = []

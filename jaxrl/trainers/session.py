@@ -65,14 +65,13 @@ _ANNOUNCED: list[str] = []  # the dtype model.dtype=auto resolved to, once said
 
 
 def with_device_ranks(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its grpo / dpo world size taken from the devices the run uses when a mesh
-    axis is -1 (a config touches no device: ``RunConfig.with_batch_ranks``); ``ConfigError``
+    """``cfg`` with its batch sections' world size taken from the devices the run uses when a
+    mesh axis is -1 (a config touches no device: ``RunConfig.with_batch_ranks``); ``ConfigError``
     when the mesh does not fit the devices or the sections' batches do not fit the ranks.
     Resolved once: a config whose sections know their world size (a fixed mesh, resolved when
     the config was loaded, or an earlier call) comes back as it is, devices untouched."""
     launch.join(cfg.distributed, cfg.mesh)  # the Python API starts the job as the CLI does
-    sections = (cfg.grpo, cfg.dpo, cfg.kto)
-    if all(section.world_size is not None for section in sections):
+    if cfg.batch_ranks_known:
         return cfg
     devices = len(run_devices((*cfg.mesh.sizes, cfg.mesh.expert)))
     devices -= generation_devices(cfg, devices)

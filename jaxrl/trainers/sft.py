@@ -15,6 +15,7 @@ from jaxrl.data.feed import DocumentFeed, OutOfDataError
 from jaxrl.train.objectives import sft_objective
 from jaxrl.trainers.algorithm import Algorithm
 from jaxrl.trainers.preamble import Preamble
+from jaxrl.trainers.session import with_device_ranks
 
 
 class SFTTrainer(Algorithm):
@@ -27,29 +28,28 @@ class SFTTrainer(Algorithm):
     """
 
     def __init__(self, cfg: RunConfig, *, stop_at_accuracy: float | None = None):
+        cfg = with_device_ranks(cfg)  # sft.world_size from the devices of a -1 mesh axis
         pre = Preamble(cfg)
+        cfg = pre.cfg  # model.path local (a hub id resolved)
         self.cfg, self.tokenizer = cfg, pre.tokenizer
         self.stop_at_accuracy = stop_at_accuracy
         self.data_report = pre.data_report  # rows the length limits touched
         self._documents(pre)
         self.lengths = np.asarray([len(s) for s in self.train_seqs], np.int64)
-        need = cfg.schedule.docs_per_step or cfg.sft.batch_size
+        need = cfg.schedule.docs_per_step or cfg.sft.documents_per_step
         if need > len(self.train_seqs):
-            field = "schedule.docs_per_step" if cfg.schedule.docs_per_step else "sft.batch_size"
+            field, value, what = "schedule.docs_per_step", cfg.schedule.docs_per_step, ""
+            if not cfg.schedule.docs_per_step:
+                value = cfg.sft.per_device_train_batch_size
+                field, what = "sft.per_device_train_batch_size", " (b × g × ranks)"
             raise ConfigError(
-                f"{field}={need} is invalid: the training data holds {len(self.train_seqs)} "
-                "documents, so a step would hold some twice; lower it or add data (steps wrap "
-                "into a new epoch only between documents, never within one step)"
+                f"{field}={value} is invalid: a step takes {need} documents{what} but the "
+                f"training data holds {len(self.train_seqs)} documents, so a step would hold "
+                "some twice; lower it or add data (steps wrap into a new epoch only between "
+                "documents, never within one step)"
             )
         self.feed = DocumentFeed(len(self.train_seqs), seed=cfg.seed)
         self.session = pre.session(sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk))
-        ranks = self.session.ranks
-        if cfg.schedule.docs_per_step == 0 and cfg.sft.batch_size % ranks:
-            raise ConfigError(
-                f"sft.batch_size={cfg.sft.batch_size} is invalid: it must be a multiple of the "
-                f"{ranks} data-parallel ranks (mesh.data × mesh.fsdp) so every rank gets "
-                "documents; use a multiple"
-            )
         self.scorer = pre.scorer(self.session)
         self.session.programs.add("scorer", self.scorer)
 
@@ -78,10 +78,10 @@ class SFTTrainer(Algorithm):
 
     # -- planning ---------------------------------------------------------------------------
     def next_batch(self) -> StepBatch:
-        """The next step's planned batch (``sft.batch_size`` documents, or ``docs_per_step``
+        """The next step's planned batch (``sft.documents_per_step`` documents, or ``docs_per_step``
         with the rest given back to the feed); nothing is ever dropped."""
         target = self.cfg.schedule.docs_per_step
-        want = self.cfg.sft.batch_size if target == 0 else 2 * target
+        want = self.cfg.sft.documents_per_step if target == 0 else 2 * target
         ids = self.feed.take(want)
         if target and len(ids) < target or not ids:
             raise OutOfDataError(

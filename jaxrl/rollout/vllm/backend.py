@@ -53,7 +53,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl.config.vllm import VLLMConfig
+from jaxrl.config.sections.vllm import VLLMConfig
 from jaxrl.generate.backend import RolloutBackend
 from jaxrl.generate.sampler_weights import sampler_model
 from jaxrl.generate.sampling import SampleResult, SamplingParams, stop_token_ids

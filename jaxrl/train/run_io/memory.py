@@ -79,8 +79,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxrl.config import ConfigError, RunConfig
+from jaxrl.config import STAGE_SECTIONS, ConfigError, RunConfig, SFTConfig
 from jaxrl.data.batching.step_plan import DEVICE_FIELDS
+from jaxrl.data.hub import local_model_dir
 from jaxrl.generate.decode_layout import sampler_mesh, weight_bytes
 from jaxrl.generate.sampler import Sampler
 from jaxrl.generate.sampler_weights import reads_trainer_arrays
@@ -107,6 +108,9 @@ def plan_run(cfg: RunConfig, mesh: Any = None) -> RunParts:
     ``model.path``'s config.json, else ``model.init.vocab_size``
     when given, else the built-in task's character tokenizer, as the trainers size it. A bad
     ``model`` section is a ``ConfigError`` naming it. ``mesh``: build on it (``build_run``)."""
+    if cfg.model.path is not None:  # a hub id: its snapshot's config.json
+        path = local_model_dir(cfg.model.path)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
     m = cfg.model
     if m.dtype == AUTO:  # a plan is for the accelerator the run targets, where auto is bf16
         m = dataclasses.replace(m, dtype=auto_compute_dtype(AUTO, "gpu"))
@@ -114,7 +118,8 @@ def plan_run(cfg: RunConfig, mesh: Any = None) -> RunParts:
     vocab_size = None
     if m.path is None and "vocab_size" not in m.init:
         vocab_size = build_task(cfg).tokenizer().vocab_size
-    objective = sft_objective(cfg.sft, chunk_size=cfg.model.logprob_chunk)
+    sft = cfg.sft if cfg.sft is not None else SFTConfig()  # the plan's stand-in objective
+    objective = sft_objective(sft, chunk_size=cfg.model.logprob_chunk)
     try:
         return build_run(cfg, vocab_size, objective, abstract=True, mesh=mesh)
     except ConfigError:
@@ -183,7 +188,7 @@ def plan_memory(cfg: RunConfig) -> dict[str, Any]:
         if not in_place:
             sampler_copy = decode["device_weight_bytes"]
         # LoRA: the reference is the frozen base itself (adapters disabled)
-        if cfg.grpo.beta != 0.0 and run.frozen is None:
+        if cfg.stage.beta != 0.0 and run.frozen is None:
             reference_copy = bytes_per_device(compute_shapes, dense_shardings)
         copies = int(sampler_copy > 0) + int(reference_copy > 0)
     compute_copy_bytes = sampler_copy + reference_copy
@@ -321,7 +326,7 @@ def _decode_plan(cfg: RunConfig, config: ModelConfig, mesh: Any) -> tuple[Any, A
     ``(None, None)`` for other algorithms."""
     if not cfg.samples_rollouts:  # PPO samples with GRPO's sampler
         return None, None
-    r, g = cfg.rollout, cfg.grpo
+    r, g = cfg.rollout, cfg.stage.for_world_size(batch_ranks(mesh))
     dense = dense_config(config)
     dmesh = sampler_mesh(mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(  # abstract: nothing is allocated or compiled
@@ -382,7 +387,7 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
                 f"mesh.{axis}=-1 took the devices this process sees; `jaxrl memory --devices N` "
                 "plans it for a target of N devices"
             )
-    if cfg.stage is not None:  # every algorithm but SFT
+    if not isinstance(cfg.stage, SFTConfig):  # every algorithm but SFT
         notes.append(
             f"{cfg.algorithm} is planned with the SFT loss: the same forward, backward and "
             "optimizer step; its extra per-token / per-document fp32 fields are not counted"
@@ -396,7 +401,8 @@ def _notes(cfg: RunConfig, platform: str) -> list[str]:
     if cfg.samples_rollouts:
         notes.append(
             f"{cfg.algorithm}: kv_cache_bytes sizes the prompts at the bucket of "
-            "grpo.max_prompt_length; rollout.max_slots shrinks the decode cache"
+            f"{STAGE_SECTIONS[cfg.algorithm]}.max_prompt_length; rollout.max_slots shrinks the "
+            "decode cache"
         )
     if cfg.model.dtype == AUTO:
         notes.append(

@@ -204,7 +204,7 @@ def _scorer(cfg: RunConfig, run: Any, params: Any, target: Target) -> dict[str, 
 
 def _sampler_programs(cfg: RunConfig, run: Any, target: Target) -> tuple[list, int, int]:
     """``(programs, sampler_weight_bytes, kv_cache_bytes)`` of GRPO / PPO's sampler."""
-    r, g = cfg.rollout, cfg.grpo.for_world_size(batch_ranks(run.mesh))
+    r, g = cfg.rollout, cfg.stage.for_world_size(batch_ranks(run.mesh))
     dense = dense_config(run.model_config)
     dmesh = sampler_mesh(run.mesh, dense, r.tensor_parallel, r.weight_budget_gb)
     sampler = Sampler(

@@ -152,11 +152,11 @@ def layout_overrides(cfg: RunConfig, devices: int) -> tuple[list[str], list[str]
     m = cfg.mesh
     data, fsdp, tensor = resolve_shape(m.data, m.fsdp, m.tensor, devices)
     common = [
-        "sft_warmup_steps=0",
         "optimizer.warmup_steps=0",
-        "grpo.warmup_steps=0",
         f"optimizer.eps={max(cfg.optimizer.eps, MIN_ADAM_EPS)}",
     ]
+    if cfg.warm_start is not None:
+        common.insert(0, "warm_start.steps=0")
     tokens = cfg.schedule.max_tokens
     a = [*common, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]
     b = [

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxrl.config import RunConfig
+from jaxrl.config import ConfigError, RunConfig
 from jaxrl.data.tokenizer import TextTokenizer
 from jaxrl.rollout.buffer import PromptSampler
 from jaxrl.rollout.episodes import EpisodeRunner
@@ -57,7 +57,7 @@ def build_rollout_parts(
 ) -> RolloutParts:
     """The generator (on ``generation``'s devices when given, else the session's), the scorer
     and the held-out evaluator of a GRPO run whose trainer is ``session``."""
-    config, chunk = cfg.grpo, cfg.model.logprob_chunk
+    config, chunk = cfg.stage, cfg.model.logprob_chunk
     mesh = make_mesh(devices=generation) if generation else session.mesh
     ref_params = None
     if config.beta != 0.0:
@@ -125,6 +125,27 @@ def _evaluator(
     """Held-out accuracy over ``data``'s eval rows (None without them)."""
     if not data.eval_rows:
         return None
+    with_rewards = cfg.logging.eval_rewards
+    if with_rewards and episodes is not None:
+        raise ConfigError(
+            "logging.eval_rewards=true is invalid with grpo.tools / grpo.environment: held-out "
+            "episodes are scored by their final answer (eval/accuracy, eval/tool_call_rate); "
+            "set logging.eval_rewards=false"
+        )
+    answers = (
+        [r["answer"] for r in data.eval_rows]
+        if all("answer" in r for r in data.eval_rows)
+        else None
+    )
+    extra = {}
+    if with_rewards:  # the run's reward functions on the same completions (docs/rewards.md)
+        rows = data.eval_rows
+        extra = dict(
+            reward_funcs=generator.reward_funcs,
+            reward_weights=cfg.stage.reward_weights,
+            columns={k: [r.get(k) for r in rows] for k in data.columns},
+            reward_timeout=cfg.stage.reward_timeout,
+        )
     make = (
         HeldoutEvaluator
         if episodes is None
@@ -134,9 +155,9 @@ def _evaluator(
         generator.sampler.config,  # what a sampler runs (LoRA: the merged model)
         tokenizer,
         [r["prompt"] for r in data.eval_rows],
-        [r["answer"] for r in data.eval_rows],
+        answers,
         prompt_ids=data.eval_prompts,
-        max_new_tokens=cfg.grpo.max_completion_length,
+        max_new_tokens=cfg.stage.max_completion_length,
         sampling=generator.sampler.sampling,
         samples_per_prompt=cfg.logging.eval_samples,
         seed=cfg.seed,
@@ -150,6 +171,7 @@ def _evaluator(
             (f for f in generator.reward_funcs if isinstance(f, ExactAnswer)),
             exact_answer_reward,
         ),
+        **extra,
     )
 
 

@@ -19,7 +19,7 @@ def check_rollout_settings(cfg: RunConfig) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} is single-process for now "
             f"and this run has {jax.process_count()} processes: use rollout.max_staleness=0"
         )
-    if cfg.rollout.max_staleness and cfg.grpo.uses_tools:
+    if cfg.rollout.max_staleness and cfg.stage.uses_tools:
         raise ConfigError(
             f"rollout.max_staleness={cfg.rollout.max_staleness} does not run tool episodes "
             "yet (grpo.tools / grpo.environment): use rollout.max_staleness=0"

@@ -33,7 +33,7 @@ class Producer:
     def __init__(
         self, cfg: RunConfig, data: GRPOData, generator: RolloutGenerator, prompts: PromptSampler
     ):
-        self.config, self.seed, self.max_steps = cfg.grpo, cfg.seed, cfg.max_steps
+        self.config, self.seed, self.max_steps = cfg.stage, cfg.seed, cfg.max_steps
         self.data, self.generator, self.prompt_sampler = data, generator, prompts
 
     def __call__(self, params: Any, step: int) -> tuple[RolloutBatch, dict[str, int]]:

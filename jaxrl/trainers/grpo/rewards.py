@@ -15,13 +15,19 @@ DEFAULT_REWARD_FUNCS = ("exact_answer", "format")
 
 
 def load_reward_funcs(
-    config: GRPOConfig, given: Sequence[str | RewardFunc] | None = None
+    config: GRPOConfig,
+    given: Sequence[str | RewardFunc] | None = None,
+    *,
+    section: str = "grpo",
 ) -> list[RewardFunc]:
     """The run's reward functions, loaded and checked (``jaxrl.rollout.rewards.specs``; user
-    modules run here): ``given`` (``GRPOTrainer``'s argument), else ``grpo.reward_funcs``, else
-    the built-in task's ``DEFAULT_REWARD_FUNCS``."""
+    modules run here): ``given`` (``GRPOTrainer``'s argument), else ``<section>.reward_funcs``
+    (``section``: the config key of ``config``, ``ppo.actor`` for PPO), else the built-in task's
+    ``DEFAULT_REWARD_FUNCS``."""
     length = config.max_completion_length
     if given:
         return resolve_reward_funcs(given, max_completion_length=length)
     specs = config.reward_funcs or DEFAULT_REWARD_FUNCS
-    return resolve_reward_funcs(specs, field="grpo.reward_funcs", max_completion_length=length)
+    return resolve_reward_funcs(
+        specs, field=f"{section}.reward_funcs", max_completion_length=length
+    )

@@ -25,7 +25,7 @@ class Stage:
 
     def objective(self, cfg: RunConfig) -> Objective:
         """What the policy's step minimises: the GRPO family's clipped objective."""
-        return grpo_objective(cfg.grpo, chunk_size=cfg.model.logprob_chunk)
+        return grpo_objective(cfg.stage, chunk_size=cfg.model.logprob_chunk)
 
     def old_logprobs(self, cfg: RunConfig) -> bool:
         """Whether a generation scores its policy's log-probs (``needs_old_logprobs``)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.config import RunConfig
+from jaxrl.config import STAGE_SECTIONS, RunConfig
 from jaxrl.data.batching.step_plan import StepBatch
 from jaxrl.rollout.buffer import MicroStepRule, PromptSampler
 from jaxrl.rollout.pipeline import RolloutPipeline
@@ -73,15 +73,15 @@ class RolloutTrainer(RLStage):
     def for_run(cls, cfg: RunConfig, warm_start: WarmStart) -> RolloutTrainer:
         """The reward functions loaded (user code) and checked before the warm start."""
         cfg = with_device_ranks(cfg)
-        funcs = load_reward_funcs(cfg.grpo)
+        funcs = load_reward_funcs(cfg.stage, section=STAGE_SECTIONS[cfg.algorithm])
         return cls(warm_start(cfg), reward_funcs=funcs)
 
     def _build(
         self, cfg: RunConfig, reward_funcs: Sequence[str | RewardFunc] | None, generation: list
     ) -> None:
-        funcs = load_reward_funcs(cfg.grpo, reward_funcs)
+        funcs = load_reward_funcs(cfg.stage, reward_funcs, section=STAGE_SECTIONS[cfg.algorithm])
         pre = Preamble(cfg)
-        self.cfg, self.config, self.tokenizer = pre.cfg, pre.cfg.grpo, pre.tokenizer
+        self.cfg, self.config, self.tokenizer = pre.cfg, pre.cfg.stage, pre.tokenizer
         # tools / environment (docs/tools.md): loaded now, their schemas go into the prompts
         toolbox = toolbox_from_config(self.config) if self.config.uses_tools else None
         if toolbox is not None:  # an environment's get_reward() is a reward (TRL)
@@ -260,7 +260,8 @@ class RolloutTrainer(RLStage):
     # -- evaluation, state, the start and the end ---------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Held-out ``eval/accuracy`` (greedy) and ``eval/accuracy_sampled`` (k samples per prompt
-        at the training temperature, ``logging.eval_samples``), scored by the exact answer."""
+        at the training temperature, ``logging.eval_samples``), scored by the exact answer; with
+        ``logging.eval_rewards`` also ``eval/reward[_sampled]`` from the run's reward functions."""
         if self.evaluator is None:
             return {}
         return self.evaluator(self.generator.sampler_params(self.session.policy_params)).metrics()

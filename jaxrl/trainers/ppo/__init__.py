@@ -11,7 +11,6 @@ the actor's step on the token advantages, then the critic's step on the same pac
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,18 +43,6 @@ def check_ppo_settings(cfg: RunConfig) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} is invalid with algorithm: ppo: "
             "the critic's values are taken when a generation is trained on; use 0"
         )
-    if cfg.grpo.shared_prompt_packing:
-        raise ConfigError(
-            "grpo.shared_prompt_packing=true is invalid with algorithm: ppo: the critic's "
-            "forward and value loss read one document per completion; set "
-            "grpo.shared_prompt_packing=false"
-        )
-    if cfg.grpo.kl_in_reward or cfg.grpo.advantage_estimator != "grpo":
-        raise ConfigError(
-            f"grpo.advantage_estimator={cfg.grpo.advantage_estimator!r} / grpo.kl_in_reward="
-            f"{cfg.grpo.kl_in_reward} are invalid with algorithm: ppo, whose advantages are "
-            "GAE's: remove them (the KL in the reward is ppo.kl_in_reward)"
-        )
 
 
 def value_stats(
@@ -84,15 +71,15 @@ class CriticStage(Stage):
 
     def __init__(self, cfg: RunConfig):
         self.ppo = cfg.ppo
-        self.kl_in_reward = cfg.ppo.kl_in_reward and cfg.grpo.beta > 0
+        self.kl_in_reward = cfg.ppo.kl_in_reward and cfg.ppo.actor.beta > 0
         self.value_stats: dict[str, float] = {}
 
     def objective(self, cfg: RunConfig) -> Objective:
         """The GRPO family's clipped objective on the token advantages; with the KL in the
         reward the loss has no KL term."""
-        config = cfg.grpo
+        config = cfg.ppo.actor
         if cfg.ppo.kl_in_reward:
-            config = dataclasses.replace(config, beta=0.0)
+            config = config.replace(beta=0.0)
         return grpo_objective(config, chunk_size=cfg.model.logprob_chunk)
 
     def old_logprobs(self, cfg: RunConfig) -> bool:  # the KL in the reward: π_old against π_ref
@@ -102,7 +89,7 @@ class CriticStage(Stage):
         self.critic = CriticRun.build(cfg, session, cfg.schedule.max_tokens)
         session.programs.add("critic step", self.critic.step_fn)
         session.programs.add("critic values", self.critic.scorer)
-        self.generator, self.beta = generator, cfg.grpo.beta
+        self.generator, self.beta = generator, cfg.ppo.actor.beta
         self.dtype = cfg.export.dtype or cfg.model.param_dtype  # of the critic's export
 
     def on_generation(self, batch: RolloutBatch) -> None:
