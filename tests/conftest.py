@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items):
 
 # JAXRL_TEST_COMPILE_LOG=<dir>: each worker writes, per test, the seconds XLA spent compiling
 # (backend compiles only: a persistent-cache hit costs none) and how many programs it compiled,
-# to <dir>/<worker>.jsonl. Where a cold suite's time goes: benchmarks/README.md ("test suite").
+# to <dir>/<worker>.jsonl. Where a cold suite's time goes: docs/results.md ("The test suite").
 _COMPILE_LOG = os.environ.get("JAXRL_TEST_COMPILE_LOG")
 if _COMPILE_LOG:
     import json
@@ -79,6 +79,12 @@ if _COMPILE_LOG:
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
     @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(item, call):
+        report = yield
+        setattr(item, f"_report_{report.when}", report)
+        return report
+
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _current[0] = item.nodeid
         start = time.perf_counter()
@@ -86,7 +92,9 @@ if _COMPILE_LOG:
             return (yield)
         finally:
             times = _compiles.pop(item.nodeid, [])
-            record = {"test": item.nodeid, "wall": time.perf_counter() - start}
+            reports = [getattr(item, f"_report_{when}", None) for when in ("setup", "call")]
+            failed = any(r is not None and r.failed for r in reports)
+            record = {"test": item.nodeid, "wall": time.perf_counter() - start, "failed": failed}
             record |= {"compile_s": sum(times), "programs": len(times)}
             worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
             os.makedirs(_COMPILE_LOG, exist_ok=True)

@@ -63,7 +63,21 @@ BF16_MASTER = ["model.param_dtype=bfloat16", "optimizer.master_rounding=nearest"
 BF16_RTOL = 1e-2
 
 
+def _batch_ranks(sets) -> int:
+    """data × fsdp of the mesh the overrides give (mesh.data defaults to all 8 devices)."""
+    sizes = {"data": 8, "fsdp": 1}
+    for s in sets:
+        key, _, value = s.partition("=")
+        if key in ("mesh.data", "mesh.fsdp"):
+            sizes[key.split(".")[1]] = int(value)
+    return sizes["data"] * sizes["fsdp"]
+
+
 def _train(out, config, sets):
+    """One run; a job's ``{per16}`` / ``{per32}`` batch is per rank of the run's mesh, so every
+    layout trains the same 16 / 32 documents."""
+    ranks = _batch_ranks(sets)
+    sets = [s.format(per16=16 // ranks, per32=32 // ranks) if "{per" in s else s for s in sets]
     args = ["train", config, "--set", f"output_dir={out}", "--set", "logging.progress=false"]
     for s in sets:
         args += ["--set", s]
@@ -96,9 +110,8 @@ def test_zero3_step_equals_data_parallel(tmp_path, job):
     parameters to 1e-6 relative after one step, scanned with block remat, fp32."""
     config, sets = JOBS[job]
     runs = {}
-    for name, (mesh, ranks) in MESHES.items():
-        job_sets = [s.format(per16=16 // ranks, per32=32 // ranks) for s in sets]
-        runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *job_sets, *mesh])
+    for name, (mesh, _) in MESHES.items():
+        runs[name] = _train(tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *sets, *mesh])
     _assert_same_step(runs, "data8")
 
 
@@ -110,10 +123,9 @@ def test_zero3_bf16_masters_step_equals_data_parallel(tmp_path, job):
     bf16 reduce-scatter once aborted XLA:CPU's compiler: fsdp.embed sums in fp32.)"""
     config, sets = JOBS[job]
     runs = {}
-    for name, (mesh, ranks) in MESHES.items():
-        job_sets = [s.format(per16=16 // ranks, per32=32 // ranks) for s in sets]
+    for name, (mesh, _) in MESHES.items():
         runs[name] = _train(
-            tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *BF16_MASTER, *job_sets, *mesh]
+            tmp_path / name, config, [WIDTH, *SCANNED, *ONE_STEP, *BF16_MASTER, *sets, *mesh]
         )
     assert {w.dtype.name for w in runs["fsdp8"][1].values()} == {"bfloat16"}
     _assert_same_step(runs, "data8", BF16_RTOL)
