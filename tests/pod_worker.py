@@ -20,6 +20,42 @@ import sys
 CONFIG = "configs/grpo_tiny.yaml"
 
 
+def run_workers(mode: str, out: object, count: int = 2, timeout: float = 300) -> None:
+    """Run ``count`` processes of this script in ``mode`` as one job (a free coordinator port,
+    the repository on PYTHONPATH, each process sizing its own host devices) and wait for all of
+    them; every process is killed when one fails or the wait times out. Asserts each exits 0."""
+    import subprocess
+    from pathlib import Path
+
+    from gcs_emulator import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    port = free_port()
+    args = [str(count), str(port), str(out)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "tests/pod_worker.py", mode, str(i), *args],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(count)
+    ]
+    try:
+        for p in procs:
+            log = p.communicate(timeout=timeout)[0]
+            assert p.returncode == 0, log[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def rewards(pid: str, count: str, port: str, out: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     os.environ["JAX_PLATFORMS"] = "cpu"

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from gcs_emulator import free_port
+from pod_worker import run_workers
 
 from jaxrl.config import ConfigError, load_run_config
 from jaxrl.runtime import launch
@@ -73,24 +70,8 @@ def test_a_distributed_section_after_jax_started_is_refused_in_one_line():
 
 @pytest.mark.slow
 def test_cli_and_python_api_join_the_same_job_and_mesh(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     for mode in ("cli", "api"):
-        port = free_port()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "tests/pod_worker.py", mode, str(i), "2", str(port), tmp_path],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
-        for p in procs:
-            log = p.communicate(timeout=300)[0]
-            assert p.returncode == 0, log[-3000:]
+        run_workers(mode, tmp_path)
     got = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*.json")}
     assert sorted(got) == ["api_0", "api_1", "cli_0", "cli_1"]
     want = got["cli_0"]

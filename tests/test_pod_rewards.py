@@ -6,36 +6,17 @@ advantages differ; a function that raises on process 0 stops every process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from gcs_emulator import free_port
+from pod_worker import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_host_dependent_rewards_give_every_process_the_same_advantages(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "tests/pod_worker.py", "rewards", str(i), "2", str(port), tmp_path],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    for p in procs:
-        log = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, log[-3000:]
+    run_workers("rewards", tmp_path)
     first, second = (json.loads((tmp_path / f"rewards_{i}.json").read_text()) for i in range(2))
     assert first["calls"] == [8] and second["calls"] == []  # scored once, by process 0
     assert [row[0] for row in first["rewards"]] == pytest.approx([0.1 * i for i in range(8)])
